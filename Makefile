@@ -1,0 +1,38 @@
+# ProtoFleet developer entry points. The virtual environment is made once and reused;
+# it is rebuilt only when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on this machine's disk; override for other platforms,
+# e.g. `make TORCH_SPEC='torch>=2.1,<3' test`.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= agent,coordinator,export,fleet,dev
+STAMP := $(VENV)/.protofleet-installed
+
+.PHONY: demo test lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned to the local wheel, so nothing later pulls a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/edge-fleet demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info bench/results.json

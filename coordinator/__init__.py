@@ -1,0 +1,1 @@
+"""The aggregation service. Imports numpy and the protocol only (no torch)."""

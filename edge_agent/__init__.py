@@ -1,0 +1,1 @@
+"""The on-device agent: features, head training, prototypes, privacy and the MQTT loop."""

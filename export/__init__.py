@@ -1,0 +1,1 @@
+"""Backbones to ONNX bundles, and the ONNX Runtime wrapper the agent uses."""

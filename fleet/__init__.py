@@ -1,0 +1,1 @@
+"""Simulated fleets on one machine: broker, data, runs, reports."""

@@ -1,0 +1,92 @@
+"""Topic builders and the single parser for every protocol topic.
+
+Layout (``<fleet>`` and ``<client>`` are safe ids, see :mod:`protocol.ids`)::
+
+    protofleet/v1/<fleet>/round              retained announcement of the open round
+    protofleet/v1/<fleet>/update/<client>    one client's prototype update
+    protofleet/v1/<fleet>/status/<client>    retained online/offline status
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from protocol.errors import InvalidId, TopicError
+from protocol.ids import validate_id
+from protocol.limits import TOPIC_ROOT, TOPIC_VERSION
+
+_PREFIX = f"{TOPIC_ROOT}/{TOPIC_VERSION}"
+
+
+class TopicKind(str, Enum):
+    ROUND = "round"
+    UPDATE = "update"
+    STATUS = "status"
+
+
+@dataclass(frozen=True)
+class Topic:
+    """A parsed protocol topic; ``client`` is ``None`` only for the round topic."""
+
+    kind: TopicKind
+    fleet: str
+    client: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_id(self.fleet, field="fleet")
+        if self.kind is TopicKind.ROUND:
+            if self.client is not None:
+                raise TopicError("the round topic has no client level", field="topic")
+        else:
+            validate_id(self.client, field="client")
+
+    def __str__(self) -> str:
+        if self.kind is TopicKind.ROUND:
+            return f"{_PREFIX}/{self.fleet}/round"
+        return f"{_PREFIX}/{self.fleet}/{self.kind.value}/{self.client}"
+
+
+def round_topic(fleet: str) -> str:
+    return str(Topic(TopicKind.ROUND, fleet))
+
+
+def update_topic(fleet: str, client: str) -> str:
+    return str(Topic(TopicKind.UPDATE, fleet, client))
+
+
+def status_topic(fleet: str, client: str) -> str:
+    return str(Topic(TopicKind.STATUS, fleet, client))
+
+
+def update_filter(fleet: str) -> str:
+    """Subscription filter matching every client's update topic in ``fleet``."""
+    return f"{_PREFIX}/{validate_id(fleet, field='fleet')}/update/+"
+
+
+def status_filter(fleet: str) -> str:
+    """Subscription filter matching every client's status topic in ``fleet``."""
+    return f"{_PREFIX}/{validate_id(fleet, field='fleet')}/status/+"
+
+
+def parse_topic(topic: str) -> Topic:
+    """Parse a concrete topic (no wildcards) into a :class:`Topic`.
+
+    Raises :class:`TopicError` for anything that is not exactly one of the three layouts.
+    """
+    if not isinstance(topic, str):
+        raise TopicError("topic must be a string", field="topic")
+    parts = topic.split("/")
+    if len(parts) < 4 or parts[0] != TOPIC_ROOT:
+        raise TopicError(f"not a {TOPIC_ROOT} topic: {topic!r}", field="topic")
+    if parts[1] != TOPIC_VERSION:
+        raise TopicError(f"unsupported topic version {parts[1]!r}", field="topic")
+    fleet, kind = parts[2], parts[3]
+    try:
+        if kind == TopicKind.ROUND.value and len(parts) == 4:
+            return Topic(TopicKind.ROUND, fleet)
+        if kind in (TopicKind.UPDATE.value, TopicKind.STATUS.value) and len(parts) == 5:
+            return Topic(TopicKind(kind), fleet, parts[4])
+    except InvalidId as exc:
+        raise TopicError(f"bad id in topic {topic!r}: {exc}", field="topic") from exc
+    raise TopicError(f"unknown topic layout: {topic!r}", field="topic")

@@ -1,0 +1,60 @@
+"""Protocol messages through a real Mosquitto: retained rounds, QoS 1 updates."""
+
+import pytest
+
+from fleet.broker import BrokerError, MosquittoBroker, find_mosquitto
+from protocol import (
+    PrototypeUpdate,
+    RoundAnnouncement,
+    parse_topic,
+    round_topic,
+    update_filter,
+    update_topic,
+)
+from tests import factories
+from tests.mqtt_helpers import connected
+
+pytestmark = pytest.mark.broker
+
+
+def test_mosquitto_is_installed():
+    # CI installs it; without it every broker test would be meaningless.
+    assert find_mosquitto() is not None
+
+
+def test_config_raises_the_queue_limit():
+    text = MosquittoBroker(port=1).config_text()
+    assert "max_queued_messages 100000" in text
+
+
+def test_retained_round_reaches_a_late_subscriber(mosquitto):
+    announcement = factories.announcement()
+    with connected(mosquitto.address, "coordinator") as (pub, _):
+        info = pub.publish(round_topic("lab"), announcement.to_wire(), qos=1, retain=True)
+        info.wait_for_publish(10)
+    with connected(mosquitto.address, "late-agent", subscribe=(round_topic("lab"),)) as (_, inbox):
+        (message,) = inbox.wait(1)
+    assert message.retain
+    assert RoundAnnouncement.from_wire(message.payload) == announcement
+
+
+def test_updates_arrive_on_the_fleet_filter(mosquitto):
+    with connected(mosquitto.address, "coordinator", subscribe=(update_filter("lab"),)) as (
+        _,
+        inbox,
+    ):
+        with connected(mosquitto.address, "agent") as (pub, _):
+            for client in ("d1", "d2"):
+                update = factories.update(client=client)
+                pub.publish(update_topic("lab", client), update.to_wire(), qos=1).wait_for_publish(
+                    10
+                )
+        messages = inbox.wait(2)
+    got = {parse_topic(m.topic).client: PrototypeUpdate.from_wire(m.payload) for m in messages}
+    assert got == {"d1": factories.update(client="d1"), "d2": factories.update(client="d2")}
+
+
+def test_a_broken_config_is_reported_with_the_broker_log():
+    broker = MosquittoBroker(extra_config="no_such_option 1\n", startup_timeout=5)
+    with pytest.raises(BrokerError, match=r"no_such_option|exited"):
+        broker.start()
