@@ -61,7 +61,7 @@ def _mutate_structure(rng: random.Random, obj: Any) -> Any:
         return {**obj, key: _mutate_structure(rng, obj[key])}
     if isinstance(obj, list) and obj:
         i = rng.randrange(len(obj))
-        return [*obj[:i], rng.choice(_ODD_VALUES), *obj[i + 1:]]
+        return [*obj[:i], rng.choice(_ODD_VALUES), *obj[i + 1 :]]
     return rng.choice(_ODD_VALUES)
 
 

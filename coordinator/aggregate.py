@@ -1,0 +1,180 @@
+"""The aggregation math as pure functions on plain numpy arrays.
+
+Everything here works on a dense layout: ``protos`` of shape (U, C, d) holds update u's
+prototype of class c (zeros where absent) and ``counts`` of shape (U, C) its sample count
+(0 where absent). A class a client does not report simply has count 0, so every rule
+below is a masked reduction over the client axis.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+# Plain ndarray aliases: numpy's precise generics add noise here without catching bugs.
+F64 = np.ndarray
+Mask = np.ndarray
+Weighting = Literal["count", "paper"]
+Rule = Literal["mean", "median", "trimmed_mean"]
+
+
+def present_mask(counts: F64) -> Mask:
+    """(U, C) True where update u reports class c with a positive count."""
+    return counts > 0
+
+
+def weighted_sums(protos: F64, counts: F64) -> tuple[F64, F64]:
+    """Per class, ``sum_i n_ic * C_ic`` (C, d) and ``sum_i n_ic`` (C,).
+
+    These pairs are all a hierarchical aggregator needs to forward: they add up across
+    gateways or shards, so pre-summing never changes the result.
+    """
+    return np.einsum("uc,ucd->cd", counts, protos), counts.sum(axis=0)
+
+
+def count_weighted_mean(
+    protos: F64, counts: F64, *, weighting: Weighting = "count"
+) -> tuple[F64, Mask]:
+    """Global prototypes (FedPCL Eq. 6) and the (C,) mask of classes that have one.
+
+    ``count``: ``sum_i n_ij C_ij / N_j`` — a convex combination, so a global prototype has
+    the same scale as the unit-norm features it is compared with.
+    ``paper``: the same times ``1 / |N_j|`` exactly as printed in the paper, which shrinks a
+    class's prototype by the number of clients holding it.
+    """
+    sums, totals = weighted_sums(protos, counts)
+    has = totals > 0
+    out = np.zeros_like(sums)
+    out[has] = sums[has] / totals[has, None]
+    if weighting == "paper":
+        holders = present_mask(counts).sum(axis=0)
+        out[has] /= holders[has, None]
+    elif weighting != "count":
+        raise ValueError(f"unknown weighting {weighting!r}; use 'count' or 'paper'")
+    return out, has
+
+
+def combine(
+    protos: F64, counts: F64, *, rule: Rule = "mean", trim: float = 0.1
+) -> tuple[F64, Mask]:
+    """Per-class combination across the clients holding each class, unweighted.
+
+    ``mean`` is FedProto's and FedDBP's client-wise average; ``median`` is the
+    coordinate-wise median; ``trimmed_mean`` drops ``floor(trim * n)`` values at each end of
+    every coordinate before averaging. Median and trimmed mean bound the influence of a
+    minority of arbitrary updates.
+    """
+    mask = present_mask(counts)
+    has = mask.any(axis=0)
+    out = np.zeros(protos.shape[1:], dtype=np.float64)
+    if rule == "mean":
+        n = mask.sum(axis=0)
+        sums = np.einsum("uc,ucd->cd", mask.astype(np.float64), protos)
+        out[has] = sums[has] / n[has, None]
+        return out, has
+    if rule not in ("median", "trimmed_mean"):
+        raise ValueError(f"unknown rule {rule!r}; use mean, median or trimmed_mean")
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    for c in np.flatnonzero(has):
+        rows = protos[mask[:, c], c]  # (n_c, d)
+        if rule == "median":
+            out[c] = np.median(rows, axis=0)
+        else:
+            k = int(np.floor(trim * rows.shape[0]))
+            ordered = np.sort(rows, axis=0)
+            out[c] = ordered[k : rows.shape[0] - k].mean(axis=0)
+    return out, has
+
+
+def pad_local_sets(protos: F64, counts: F64, global_protos: F64, has_global: Mask) -> F64:
+    """FedPCL Eq. 7: each client's local set over the global classes, a missing class
+    filled with its global prototype. Returns (U, G, d) for the G classes in ``has_global``."""
+    mask = present_mask(counts)[:, has_global]  # (U, G)
+    local = protos[:, has_global]  # (U, G, d)
+    return np.where(mask[..., None], local, global_protos[has_global][None])
+
+
+def cap_counts(counts: F64, cap: float) -> F64:
+    """Limit the count any client may claim per class (a lying client gains at most ``cap``)."""
+    if cap <= 0:
+        raise ValueError(f"count cap must be positive, got {cap}")
+    return np.minimum(counts, cap)
+
+
+def clip_norms(protos: F64, bound: float) -> F64:
+    """Scale every prototype whose L2 norm exceeds ``bound`` back onto the ball."""
+    if bound <= 0:
+        raise ValueError(f"norm bound must be positive, got {bound}")
+    norms = np.linalg.norm(protos, axis=-1, keepdims=True)
+    scale = np.minimum(1.0, bound / np.maximum(norms, 1e-12))
+    return protos * scale
+
+
+def finch_first_partition(points: F64) -> np.ndarray:
+    """FINCH's first partition (FPL Eq. 4): link every point to its first neighbour by
+    cosine similarity; clusters are the connected components. Labels are 0..K-1 in order
+    of first appearance."""
+    n = points.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    if n == 1:
+        return np.zeros(1, dtype=np.int64)
+    unit = points / np.maximum(np.linalg.norm(points, axis=1, keepdims=True), 1e-12)
+    sim = unit @ unit.T
+    np.fill_diagonal(sim, -np.inf)
+    neighbour = sim.argmax(axis=1)
+    # A(m, n) = 1 if n = v_m, m = v_n or v_m = v_n: the last case is implied by
+    # connectivity through the shared neighbour, so linking each point to its
+    # neighbour and taking components gives exactly the same partition.
+    parent = np.arange(n)
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    for i, j in enumerate(neighbour):
+        ri, rj = find(i), find(int(j))
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    roots = np.array([find(i) for i in range(n)])
+    _, labels = np.unique(roots, return_inverse=True)
+    # Renumber by first appearance so labels are stable and easy to test.
+    order: dict[int, int] = {}
+    for lab in labels:
+        order.setdefault(int(lab), len(order))
+    return np.array([order[int(lab)] for lab in labels], dtype=np.int64)
+
+
+def cluster_means(points: F64, labels: np.ndarray) -> F64:
+    """Mean of each cluster (FPL Eq. 5), rows in label order."""
+    k = int(labels.max()) + 1 if labels.size else 0
+    out = np.zeros((k, points.shape[1]), dtype=np.float64)
+    np.add.at(out, labels, points)
+    return out / np.bincount(labels, minlength=k)[:, None]
+
+
+def topk_fusion(local: F64, global_: F64, scores: F64, *, k: int, eta: float) -> F64:
+    """FedDBP Eq. 9-10 for one client: in each class's Top-K channels by Fisher score, mix
+    ``eta * local + (1 - eta) * global``; elsewhere keep the global prototype.
+
+    ``local``, ``global_`` and ``scores`` are (C, d); a class the client lacks should be
+    passed with its global row as ``local``.
+    """
+    if k < 0:
+        raise ValueError(f"k must be non-negative, got {k}")
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"eta must be in [0, 1], got {eta}")
+    d = global_.shape[1]
+    k = min(k, d)
+    out = global_.copy()
+    if k == 0:
+        return out
+    # argpartition picks the K largest scores per row without a full sort.
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # (C, k)
+    rows = np.arange(global_.shape[0])[:, None]
+    out[rows, top] = eta * local[rows, top] + (1.0 - eta) * global_[rows, top]
+    return out

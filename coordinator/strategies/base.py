@@ -1,0 +1,144 @@
+"""The strategy interface, its registry, and the dense layout strategies work on."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator import aggregate as agg
+from protocol import PrototypeUpdate
+
+
+@dataclass(frozen=True)
+class RobustOptions:
+    """Defences usable with any strategy; all off by default.
+
+    ``count_cap`` limits the count one client may claim per class, ``norm_bound`` clips
+    prototype norms, ``rule`` replaces the per-class mean by a coordinate-wise median or
+    trimmed mean (``trim`` at each end).
+    """
+
+    count_cap: float | None = None
+    norm_bound: float | None = None
+    rule: agg.Rule = "mean"
+    trim: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.count_cap is not None and self.count_cap <= 0:
+            raise ValueError(f"count_cap must be positive, got {self.count_cap}")
+        if self.norm_bound is not None and self.norm_bound <= 0:
+            raise ValueError(f"norm_bound must be positive, got {self.norm_bound}")
+        if self.rule not in ("mean", "median", "trimmed_mean"):
+            raise ValueError(f"rule must be mean, median or trimmed_mean, got {self.rule!r}")
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {self.trim}")
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Updates of one round in the dense layout of :mod:`coordinator.aggregate`."""
+
+    clients: tuple[str, ...]
+    protos: agg.F64  # (U, C, d)
+    counts: agg.F64  # (U, C)
+    extras: tuple[Mapping[str, np.ndarray], ...]
+
+    @classmethod
+    def from_updates(
+        cls,
+        updates: Sequence[PrototypeUpdate],
+        *,
+        num_classes: int,
+        dim: int,
+        robust: RobustOptions,
+    ) -> Dense:
+        protos = np.zeros((len(updates), num_classes, dim), dtype=np.float64)
+        counts = np.zeros((len(updates), num_classes), dtype=np.float64)
+        for u, update in enumerate(updates):
+            idx = list(update.classes)
+            protos[u, idx] = update.prototypes
+            counts[u, idx] = update.counts
+        if robust.count_cap is not None:
+            counts = agg.cap_counts(counts, robust.count_cap)
+        if robust.norm_bound is not None:
+            protos = agg.clip_norms(protos, robust.norm_bound)
+        return cls(
+            clients=tuple(u.client for u in updates),
+            protos=protos,
+            counts=counts,
+            extras=tuple(u.extras for u in updates),
+        )
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """What a round's aggregation contributes to the next announcement."""
+
+    global_classes: tuple[int, ...] = ()
+    global_prototypes: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float64))
+    local_sets: Mapping[str, np.ndarray] = field(default_factory=dict)
+    client_globals: Mapping[str, np.ndarray] = field(default_factory=dict)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+def globals_of(values: agg.F64, has: np.ndarray) -> tuple[tuple[int, ...], agg.F64]:
+    """The (class indices, rows) of the classes in ``has``."""
+    return tuple(int(c) for c in np.flatnonzero(has)), values[has]
+
+
+class Strategy(ABC):
+    """One federated method's server side: turn a round's updates into an aggregate.
+
+    Dropouts are input, not exceptions: ``aggregate`` receives whatever arrived.
+    """
+
+    name: str = ""
+
+    def __init__(self, *, robust: RobustOptions | None = None) -> None:
+        self.robust = robust or RobustOptions()
+
+    def dense(self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int) -> Dense:
+        return Dense.from_updates(updates, num_classes=num_classes, dim=dim, robust=self.robust)
+
+    @abstractmethod
+    def aggregate(
+        self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
+    ) -> Aggregate:
+        """Aggregate one round's accepted updates (possibly none)."""
+
+
+StrategyFactory = Callable[..., Strategy]
+_REGISTRY: dict[str, StrategyFactory] = {}
+
+
+def register(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    def wrap(cls: type[Strategy]) -> type[Strategy]:
+        if name in _REGISTRY:
+            raise ValueError(f"strategy {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def available() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def make_strategy(name: str, *, robust: RobustOptions | None = None, **params: Any) -> Strategy:
+    """Instantiate a registered strategy; an unknown name or parameter raises ValueError."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown strategy {name!r}; available: {', '.join(available())}"
+        ) from None
+    try:
+        return factory(robust=robust, **params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for strategy {name!r}: {exc}") from exc
