@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= agent,coordinator,export,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint fmt bench venv clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -66,8 +66,8 @@ def combine(
     minority of arbitrary updates.
     """
     mask = present_mask(counts)
-    has = mask.any(axis=0)
-    out = np.zeros(protos.shape[1:], dtype=np.float64)
+    has = np.asarray(mask.any(axis=0))
+    out = np.zeros((protos.shape[1], protos.shape[2]), dtype=np.float64)
     if rule == "mean":
         n = mask.sum(axis=0)
         sums = np.einsum("uc,ucd->cd", mask.astype(np.float64), protos)

@@ -38,7 +38,7 @@ class FPL(Strategy):
                 unbiased[c] = centres.mean(axis=0)
             clusters.append(centres)
             owners.append(np.full(centres.shape[0], c, dtype=np.float32))
-        classes, rows = globals_of(unbiased, mask.any(axis=0))
+        classes, rows = globals_of(unbiased, np.asarray(mask.any(axis=0)))
         extras = {}
         if clusters:
             extras = {
