@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
 
-from protocol.cliutil import make_parser, run
+from coordinator import config as config_mod
+from coordinator.store import StateError, Store
+from protocol.cliutil import UsageError, make_parser, run
+from protocol.settings import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "coordinator.toml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,10 +23,75 @@ def build_parser() -> argparse.ArgumentParser:
         "edge-coordinator",
         "Run federated rounds: announce global prototypes, collect device updates over\n"
         "MQTT, aggregate them with the fleet's strategy and keep durable state in SQLite.",
+        epilog="Configuration: a TOML file; see docs/coordinator.toml for every key.",
     )
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_run = sub.add_parser("run", help="serve rounds until stopped (or until max_rounds)")
+    p_run.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
+    p_status = sub.add_parser(
+        "status", help="print the coordinator's state as JSON (read from its database)"
+    )
+    p_status.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
     return parser
 
 
+def _load(path: Path) -> config_mod.CoordinatorConfig:
+    try:
+        return config_mod.load(path)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # Imported here so `status` and `--help` work without paho or prometheus installed.
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.service import CoordinatorService
+
+    cfg = _load(args.config)
+    try:
+        store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+        metrics = Metrics()
+        manager = RoundManager(config=cfg, store=store, metrics=metrics)
+    except (StateError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    if cfg.metrics.port:
+        try:
+            metrics.serve(host=cfg.metrics.host, port=cfg.metrics.port)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"
+            ) from exc
+    service = CoordinatorService(manager=manager)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        service.run()
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    if not cfg.database.exists():
+        raise UsageError(f"no coordinator state at {cfg.database} (has the coordinator run yet?)")
+    try:
+        store = Store(cfg.database)
+    except StateError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        summary = store.summary()
+    finally:
+        store.close()
+    json.dump({"fleet": cfg.fleet, "database": str(cfg.database), **summary}, sys.stdout, indent=2)
+    print()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser(), argv, handlers={})
+    return run(build_parser(), argv, handlers={"run": cmd_run, "status": cmd_status})

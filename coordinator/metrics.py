@@ -1,0 +1,51 @@
+"""Prometheus metrics of one coordinator, on a private registry (so tests and several
+coordinators in one process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rounds_completed = Counter(
+            "protofleet_rounds_completed", "Rounds aggregated and closed", registry=self.registry
+        )
+        self.updates_accepted = Counter(
+            "protofleet_updates_accepted", "Prototype updates accepted", registry=self.registry
+        )
+        self.updates_rejected = Counter(
+            "protofleet_updates_rejected",
+            "Prototype updates rejected",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.clients_online = Gauge(
+            "protofleet_clients_online",
+            "Clients whose last status is online",
+            registry=self.registry,
+        )
+        self.round_duration = Histogram(
+            "protofleet_round_duration_seconds",
+            "Seconds from opening to closing a round",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 3600),
+            registry=self.registry,
+        )
+        self.aggregation_seconds = Histogram(
+            "protofleet_aggregation_seconds",
+            "Seconds spent aggregating one round",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=self.registry,
+        )
+        self.current_round = Gauge(
+            "protofleet_current_round", "The open round", registry=self.registry
+        )
+
+    def serve(self, *, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample, for status output and tests."""
+        found = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if found is None else float(found)

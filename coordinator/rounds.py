@@ -1,0 +1,303 @@
+"""The round state machine: accept or reject updates, decide when a round closes,
+aggregate, and produce the next announcement. Transport-free, so it is driven the same
+way by the MQTT service, an in-memory fleet and the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics
+from coordinator.store import Store
+from coordinator.strategies import Aggregate, Strategy, make_strategy
+from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
+
+log = logging.getLogger(__name__)
+
+ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of offering one payload: ``reason`` is ``accepted`` or why not."""
+
+    reason: str
+    round: int | None = None
+    client: str | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason == ACCEPTED
+
+
+class RoundManager:
+    """Owns the open round. Thread-safe: updates arrive on the transport's thread while the
+    service's loop calls :meth:`poll`."""
+
+    def __init__(
+        self,
+        *,
+        config: CoordinatorConfig,
+        store: Store,
+        metrics: Metrics | None = None,
+        strategy: Strategy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics or Metrics()
+        self.strategy = strategy or make_strategy(
+            config.model.method, robust=config.robust, **dict(config.model.strategy)
+        )
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._dtype: type[np.floating[Any]] = (
+            np.float16 if config.model.announce_dtype == "f2" else np.float32
+        )
+        store.bind_identity(
+            {"fleet": config.fleet, "method": config.model.method, "bundle": config.model.bundle}
+        )
+        latest = store.latest_round()
+        now = clock()
+        if latest is None:
+            first = self._announce(0, Aggregate(), deadline=now + config.rounds.timeout_s)
+            store.open_first_round(first.to_wire(), opened_at=now, deadline=first.deadline)
+            latest = store.latest_round()
+            assert latest is not None
+            log.info("fleet %s: opened round 0", config.fleet)
+        else:
+            log.info(
+                "fleet %s: resuming at round %d with %d update(s) stored",
+                config.fleet,
+                latest.round,
+                len(store.updates(latest.round)),
+            )
+        self._round = latest.round
+        self._opened_at = latest.opened_at
+        self._deadline = latest.deadline
+        self._announcement = RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
+        self._done = latest.closed_at is not None  # the final round is stored closed
+        self._clients = {c for c, _ in store.updates(latest.round)}
+        self.metrics.current_round.set(self._round)
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def round(self) -> int:
+        return self._round
+
+    @property
+    def announcement(self) -> RoundAnnouncement:
+        """The announcement of the open round (retained on the broker)."""
+        return self._announcement
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    # -- updates -----------------------------------------------------------------------
+
+    def offer(self, payload: bytes | bytearray, *, topic_client: str | None = None) -> Decision:
+        """Validate and store one update payload, counting the outcome."""
+        decision = self._judge(payload, topic_client)
+        if decision.accepted:
+            self.metrics.updates_accepted.inc()
+        else:
+            self.metrics.updates_rejected.labels(reason=decision.reason).inc()
+            self.store.count_rejection(decision.reason)
+            log.info(
+                "rejected update from %s for round %s: %s",
+                decision.client or topic_client,
+                decision.round,
+                decision.reason,
+            )
+        return decision
+
+    def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
+        try:
+            update = PrototypeUpdate.from_wire(
+                payload, max_bytes=self.config.mqtt.max_payload_bytes
+            )
+        except ProtocolError as exc:
+            return Decision(exc.reason)
+        reject = self._mismatch(update, topic_client)
+        if reject:
+            return Decision(reject, update.round, update.client)
+        with self._lock:
+            if self._done or update.round != self._round:
+                return Decision("wrong_round", update.round, update.client)
+            if not self.store.add_update(
+                self._round, update.client, bytes(payload), received_at=self._clock()
+            ):
+                return Decision("duplicate", update.round, update.client)
+            self._clients.add(update.client)
+        return Decision(ACCEPTED, update.round, update.client)
+
+    def _mismatch(self, update: PrototypeUpdate, topic_client: str | None) -> str | None:
+        model = self.config.model
+        if topic_client is not None and update.client != topic_client:
+            return "client_mismatch"
+        if update.fleet != self.config.fleet:
+            return "wrong_fleet"
+        if update.bundle != model.bundle:
+            return "wrong_bundle"
+        if update.method != model.method:
+            return "wrong_method"
+        allow = self.config.rounds.allow_list
+        if allow and update.client not in allow:
+            return "not_allowed"
+        if any(c >= len(model.classes) for c in update.classes):
+            return "unknown_class"
+        if update.prototypes.shape[1] != model.dim:
+            return "wrong_dim"
+        return None
+
+    def record_status(
+        self, payload: bytes | bytearray, *, topic_client: str | None = None
+    ) -> Status | None:
+        try:
+            status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
+        except ProtocolError as exc:
+            self.store.count_rejection(f"status_{exc.reason}")
+            return None
+        if status.fleet != self.config.fleet or (
+            topic_client is not None and status.client != topic_client
+        ):
+            self.store.count_rejection("status_mismatch")
+            return None
+        self.store.record_status(
+            status.client,
+            state=status.state.value,
+            version=status.version,
+            last_round=status.last_round,
+            reason=status.reason,
+            at=self._clock(),
+        )
+        self.metrics.clients_online.set(self.store.online_count())
+        log.info("client %s is %s (%s)", status.client, status.state.value, status.reason or "-")
+        return status
+
+    # -- closing -----------------------------------------------------------------------
+
+    def close_time(self) -> float | None:
+        """When the open round may close, or None while it cannot (too few updates)."""
+        with self._lock:
+            if self._done:
+                return None
+            rounds = self.config.rounds
+            arrivals = self.store.arrival_times(self._round)
+            if len(arrivals) < rounds.min_clients:
+                return None
+            allow = rounds.allow_list
+            if allow and set(allow) <= self._clients:
+                return arrivals[-1]  # everyone expected has answered
+            return min(
+                arrivals[rounds.min_clients - 1] + rounds.wait_after_quorum_s, self._deadline
+            )
+
+    def seconds_until_due(self) -> float:
+        """How long the driver may sleep before calling :meth:`poll` again."""
+        now = self._clock()
+        due = self.close_time()
+        target = self._deadline if due is None else due
+        return max(0.0, target - now)
+
+    def poll(self) -> RoundAnnouncement | None:
+        """Close the round if it is due; return the new announcement to publish, if any."""
+        with self._lock:
+            if self._done:
+                return None
+            now = self._clock()
+            due = self.close_time()
+            if due is None:
+                if now >= self._deadline:
+                    self._extend(now)
+                    return self._announcement
+                return None
+            if now < due:
+                return None
+            return self._close(now)
+
+    def _extend(self, now: float) -> None:
+        have = len(self.store.arrival_times(self._round))
+        self._deadline = now + self.config.rounds.timeout_s
+        log.warning(
+            "round %d: deadline passed with %d of %d required updates; extended by %.0f s",
+            self._round,
+            have,
+            self.config.rounds.min_clients,
+            self.config.rounds.timeout_s,
+        )
+        self._announcement = self._rebuild(self._announcement, deadline=self._deadline)
+        self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
+
+    def _close(self, now: float) -> RoundAnnouncement:
+        started = time.perf_counter()
+        updates = [
+            PrototypeUpdate.from_wire(p, max_bytes=1 << 62)
+            for _, p in self.store.updates(self._round)
+        ]
+        model = self.config.model
+        result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
+        self.metrics.aggregation_seconds.observe(time.perf_counter() - started)
+        finished = self._round + 1
+        final = self.config.rounds.max_rounds > 0 and finished >= self.config.rounds.max_rounds
+        deadline = now if final else now + self.config.rounds.timeout_s
+        nxt = self._announce(finished, result, deadline=deadline, final=final)
+        self.store.advance(
+            self._round, closed_at=now, announcement=nxt.to_wire(), deadline=deadline
+        )
+        if final:
+            self.store.close_round(finished, closed_at=now)
+        self.metrics.rounds_completed.inc()
+        self.metrics.round_duration.observe(now - self._opened_at)
+        log.info(
+            "round %d closed with %d update(s) from %s; opened round %d%s",
+            self._round,
+            len(updates),
+            ",".join(u.client for u in updates),
+            finished,
+            " (final)" if final else "",
+        )
+        self._round, self._opened_at, self._deadline = finished, now, deadline
+        self._announcement, self._done, self._clients = nxt, final, set()
+        self.metrics.current_round.set(finished)
+        return nxt
+
+    # -- announcements -----------------------------------------------------------------
+
+    def _announce(
+        self, round_: int, result: Aggregate, *, deadline: float, final: bool = False
+    ) -> RoundAnnouncement:
+        model = self.config.model
+        cast = self._dtype
+        dim = model.dim if result.global_classes else 0
+        protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
+            len(result.global_classes), dim
+        )
+        return RoundAnnouncement(
+            fleet=self.config.fleet,
+            round=round_,
+            bundle=model.bundle,
+            method=model.method,
+            classes=model.classes,
+            deadline=deadline,
+            params={**model.params, "final": final},
+            global_classes=result.global_classes,
+            global_prototypes=protos,
+            local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
+            client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
+            extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
+        )
+
+    @staticmethod
+    def _rebuild(old: RoundAnnouncement, *, deadline: float) -> RoundAnnouncement:
+        return dataclasses.replace(old, deadline=deadline)

@@ -1,0 +1,131 @@
+"""The coordinator as an MQTT service: paho on one side, the round manager on the other."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from coordinator.rounds import RoundManager
+from protocol import (
+    RoundAnnouncement,
+    TopicError,
+    TopicKind,
+    parse_topic,
+    round_topic,
+    status_filter,
+    update_filter,
+)
+from protocol.transport import make_client
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorService:
+    """Subscribes to updates and statuses, publishes retained round announcements.
+
+    paho delivers messages on its network thread; the accept decision (including the
+    SQLite commit) happens there before paho acknowledges the QoS 1 PUBLISH, so an update
+    the broker considers delivered is always durable. Round closing runs on the caller's
+    thread in :meth:`run`, woken by new updates or by the round's due time.
+    """
+
+    def __init__(self, *, manager: RoundManager, exit_when_done: bool = True) -> None:
+        self.manager = manager
+        self.config = manager.config
+        self.exit_when_done = exit_when_done
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self.client = make_client(self.config.mqtt, self.config.coordinator_id)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+
+    # -- paho callbacks (network thread) -----------------------------------------------
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if reason.is_failure:
+            log.error("broker refused the connection: %s", reason)
+            return
+        fleet = self.config.fleet
+        client.subscribe([(update_filter(fleet), 1), (status_filter(fleet), 1)])
+        # Republish on every (re)connect: the broker may have lost its retained store.
+        self._publish(self.manager.announcement)
+        self._connected.set()
+        log.info(
+            "connected to %s:%d; round %d announced",
+            self.config.mqtt.host,
+            self.config.mqtt.port,
+            self.manager.round,
+        )
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        self._connected.clear()
+        if not self._stop.is_set():
+            log.warning("disconnected from broker (%s); paho will reconnect", reason)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        try:
+            topic = parse_topic(message.topic)
+        except TopicError:
+            self.manager.store.count_rejection("topic")
+            return
+        if topic.fleet != self.config.fleet:
+            return
+        if topic.kind is TopicKind.UPDATE:
+            decision = self.manager.offer(message.payload, topic_client=topic.client)
+            if decision.accepted:
+                self._wake.set()
+        elif topic.kind is TopicKind.STATUS:
+            self.manager.record_status(message.payload, topic_client=topic.client)
+
+    # -- driver ------------------------------------------------------------------------
+
+    def _publish(self, announcement: RoundAnnouncement) -> None:
+        self.client.publish(
+            round_topic(self.config.fleet), announcement.to_wire(), qos=1, retain=True
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self, *, ready: threading.Event | None = None) -> None:
+        """Serve until :meth:`stop` (or, with ``exit_when_done``, the final round)."""
+        mqtt_cfg = self.config.mqtt
+        self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
+        self.client.loop_start()
+        try:
+            if ready is not None:
+                self._connected.wait()
+                ready.set()
+            while not self._stop.is_set():
+                if self.manager.done and self.exit_when_done:
+                    break
+                self._wake.wait(timeout=min(self.manager.seconds_until_due(), 5.0) + 0.01)
+                self._wake.clear()
+                announcement = self.manager.poll()
+                if announcement is not None:
+                    self._publish(announcement)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        # Let the last retained announcement reach the broker before disconnecting.
+        if self._connected.is_set():
+            info = self.client.publish(
+                round_topic(self.config.fleet),
+                self.manager.announcement.to_wire(),
+                qos=1,
+                retain=True,
+            )
+            info.wait_for_publish(timeout=5)
+        self.client.disconnect()
+        self.client.loop_stop()

@@ -1,0 +1,246 @@
+"""Durable coordinator state in SQLite (WAL).
+
+Every accepted update is committed before the broker gets its QoS 1 acknowledgement, and
+closing round t is one transaction with opening round t+1, so after ``kill -9`` the
+database holds either the open round with the updates already accepted, or the next
+round: never a half-closed round or an update counted twice ((round, client) is the
+primary key).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (
+    round INTEGER PRIMARY KEY,
+    opened_at REAL NOT NULL,
+    deadline REAL NOT NULL,
+    closed_at REAL,
+    announcement BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS updates (
+    round INTEGER NOT NULL,
+    client TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    payload BLOB NOT NULL,
+    PRIMARY KEY (round, client)
+);
+CREATE TABLE IF NOT EXISTS clients (
+    client TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    version TEXT NOT NULL,
+    last_round INTEGER,
+    reason TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+"""
+
+
+class StateError(RuntimeError):
+    """The state directory belongs to another fleet or is unreadable."""
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    round: int
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    announcement: bytes
+
+
+class Store:
+    """A thread-safe handle on the coordinator database."""
+
+    def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
+            self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
+            self._db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"cannot open coordinator database {path}: {exc}") from exc
+        self._lock = threading.Lock()
+        self.path = path
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _one(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
+        row = self._db.execute(sql, args).fetchone()
+        return None if row is None else row[0]
+
+    def bind_identity(self, identity: dict[str, str]) -> None:
+        """Record which fleet this database belongs to, or check it matches."""
+        with self._lock:
+            stored = self._one("SELECT value FROM meta WHERE key = 'identity'")
+            if stored is None:
+                self._db.execute(
+                    "INSERT INTO meta VALUES ('identity', ?)",
+                    (json.dumps(identity, sort_keys=True),),
+                )
+                return
+            old = json.loads(stored)
+            if old != identity:
+                changed = sorted(
+                    k for k in set(old) | set(identity) if old.get(k) != identity.get(k)
+                )
+                raise StateError(
+                    f"{self.path} holds state for {old}; the configuration now says {identity} "
+                    f"(changed: {', '.join(changed)}). Use a new state_dir for a new fleet, "
+                    "method or bundle."
+                )
+
+    def latest_round(self) -> RoundRow | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT round, opened_at, deadline, closed_at, announcement FROM rounds ORDER BY round DESC LIMIT 1"
+            ).fetchone()
+        return None if row is None else RoundRow(row[0], row[1], row[2], row[3], bytes(row[4]))
+
+    def open_first_round(self, announcement: bytes, *, opened_at: float, deadline: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (0, ?, ?, ?)",
+                (opened_at, deadline, announcement),
+            )
+
+    def extend_deadline(self, round_: int, deadline: float, announcement: bytes) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE rounds SET deadline = ?, announcement = ? WHERE round = ?",
+                (deadline, announcement, round_),
+            )
+
+    def add_update(self, round_: int, client: str, payload: bytes, *, received_at: float) -> bool:
+        """Store an accepted update; False if (round, client) already has one."""
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
+                (round_, client, received_at, payload),
+            )
+            return cursor.rowcount == 1
+
+    def updates(self, round_: int) -> list[tuple[str, bytes]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT client, payload FROM updates WHERE round = ? ORDER BY received_at, client",
+                (round_,),
+            ).fetchall()
+        return [(client, bytes(payload)) for client, payload in rows]
+
+    def arrival_times(self, round_: int) -> list[float]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT received_at FROM updates WHERE round = ? ORDER BY received_at", (round_,)
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def advance(
+        self, closed: int, *, closed_at: float, announcement: bytes, deadline: float
+    ) -> None:
+        """Close round ``closed`` and open ``closed + 1`` atomically."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed)
+                )
+                self._db.execute(
+                    "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
+                    (closed + 1, closed_at, deadline, announcement),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def close_round(self, round_: int, *, closed_at: float) -> None:
+        with self._lock:
+            self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, round_))
+
+    def record_status(
+        self,
+        client: str,
+        *,
+        state: str,
+        version: str,
+        last_round: int | None,
+        reason: str,
+        at: float,
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO clients VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (client) DO UPDATE SET "
+                "state = excluded.state, version = excluded.version, last_round = excluded.last_round, "
+                "reason = excluded.reason, updated_at = excluded.updated_at",
+                (client, state, version, last_round, reason, at),
+            )
+
+    def online_count(self) -> int:
+        with self._lock:
+            return int(self._one("SELECT COUNT(*) FROM clients WHERE state = 'online'"))
+
+    def count_rejection(self, reason: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO rejections VALUES (?, 1) ON CONFLICT (reason) DO UPDATE SET count = count + 1",
+                (reason,),
+            )
+
+    def summary(self) -> dict[str, Any]:
+        """Everything ``edge-coordinator status`` prints, read in one snapshot."""
+        with self._lock:
+            db = self._db
+            latest = db.execute(
+                "SELECT round, opened_at, deadline, closed_at FROM rounds ORDER BY round DESC LIMIT 1"
+            ).fetchone()
+            completed = self._one("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL")
+            clients = db.execute(
+                "SELECT client, state, version, last_round, reason, updated_at FROM clients ORDER BY client"
+            ).fetchall()
+            rejections = dict(
+                db.execute("SELECT reason, count FROM rejections ORDER BY reason").fetchall()
+            )
+            in_round = (
+                self._one("SELECT COUNT(*) FROM updates WHERE round = ?", (latest[0],))
+                if latest
+                else 0
+            )
+            identity = self._one("SELECT value FROM meta WHERE key = 'identity'")
+        return {
+            "identity": json.loads(identity) if identity else None,
+            "round": None
+            if latest is None
+            else {
+                "number": latest[0],
+                "opened_at": latest[1],
+                "deadline": latest[2],
+                "closed_at": latest[3],
+                "updates": in_round,
+            },
+            "rounds_completed": completed,
+            "clients": [
+                dict(
+                    zip(
+                        ("client", "state", "version", "last_round", "reason", "updated_at"),
+                        row,
+                        strict=True,
+                    )
+                )
+                for row in clients
+            ],
+            "clients_online": sum(1 for row in clients if row[1] == "online"),
+            "rejections": rejections,
+        }

@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from coordinator.cli import EXAMPLE
+from coordinator.config import load
+from protocol.settings import ConfigError
+
+
+def test_documented_example_loads():
+    cfg = load(EXAMPLE)
+    assert cfg.fleet == "lab" and cfg.model.method == "fedpcl" and cfg.model.dim == 256
+    assert cfg.mqtt.max_payload_bytes == 1 << 20
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('fleet = "lab"\nstate_dir = "/tmp/x"\n[rounds]\nmin_clinets = 2\n', "rounds"),
+        (
+            'fleet = "lab"\nstate_dir = "/tmp/x"\n[rounds]\nmin_clients = "2"\n',
+            "rounds.min_clients",
+        ),
+        ('state_dir = "/tmp/x"\n', "fleet"),
+        ('fleet = "a/b"\nstate_dir = "/tmp/x"\n', ""),
+        ('fleet = "lab"\nstate_dir = "/tmp/x"\n[model]\nmethod = "fedsgd"\n', "model"),
+        ('fleet = "lab"\nstate_dir = "/tmp/x"\n[robust]\nrule = "mode"\n', "robust.rule"),
+    ],
+)
+def test_bad_configs_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, text))
+    assert info.value.key == key
+    assert str(tmp_path) in str(info.value)
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(write(tmp_path, "fleet = = 1"))
+    with pytest.raises(ConfigError, match="file not found"):
+        load(tmp_path / "nope.toml")

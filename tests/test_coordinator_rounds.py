@@ -1,0 +1,162 @@
+import numpy as np
+import pytest
+
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.store import StateError, Store
+from protocol import AgentState, Status
+from tests.coordinator_helpers import config, hand_globals, stand_in_update
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def manager(tmp_path, clock, **rounds):
+    cfg = config(tmp_path, **rounds)
+    return RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=clock)
+
+
+def test_first_round_has_no_globals(tmp_path):
+    m = manager(tmp_path, Clock())
+    assert m.round == 0
+    assert m.announcement.global_classes == ()
+    assert m.announcement.params["final"] is False
+
+
+def test_round_closes_after_quorum_and_grace_with_hand_computed_globals(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=2, wait_after_quorum_s=5.0, timeout_s=100.0)
+    ups = [stand_in_update(i, 0) for i in range(2)]
+    for u in ups:
+        assert m.offer(u.to_wire(), topic_client=u.client).accepted
+    clock.now += 4.9
+    assert m.poll() is None
+    clock.now += 0.1
+    nxt = m.poll()
+    assert nxt is not None and nxt.round == 1 and m.round == 1
+    expected = hand_globals(ups)
+    assert nxt.global_classes == tuple(sorted(expected))
+    for row, c in zip(nxt.global_prototypes, nxt.global_classes, strict=True):
+        np.testing.assert_allclose(row, expected[c], rtol=1e-6)
+    assert set(nxt.local_sets) == {"dev-0", "dev-1"}
+    assert m.metrics.value("protofleet_rounds_completed_total") == 1
+
+
+def test_everyone_on_the_allow_list_closes_at_once(tmp_path):
+    clock = Clock()
+    m = manager(
+        tmp_path, clock, min_clients=1, wait_after_quorum_s=60.0, allow_list=("dev-0", "dev-1")
+    )
+    m.offer(stand_in_update(0, 0).to_wire())
+    assert m.poll() is None
+    m.offer(stand_in_update(1, 0).to_wire())
+    assert m.poll() is not None
+
+
+def test_deadline_without_quorum_extends(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=2, timeout_s=10.0)
+    m.offer(stand_in_update(0, 0).to_wire())
+    old = m.announcement.deadline
+    clock.now += 10.0
+    extended = m.poll()
+    assert extended is not None and extended.round == 0
+    assert extended.deadline == old + 10.0
+    # at the deadline with the quorum the round closes
+    m.offer(stand_in_update(1, 0).to_wire())
+    clock.now += 10.0
+    assert m.poll().round == 1
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(fleet="other"), "wrong_fleet"),
+        (dict(bundle="0" * 64), "wrong_bundle"),
+        (dict(method="fedproto"), "wrong_method"),
+        (dict(round=5), "wrong_round"),
+        (dict(classes=(0, 7)), "unknown_class"),
+        (dict(prototypes=np.zeros((2, 3), np.float16)), "wrong_dim"),
+    ],
+)
+def test_mismatched_updates_are_rejected_and_counted(tmp_path, change, reason):
+    import dataclasses
+
+    m = manager(tmp_path, Clock())
+    bad = dataclasses.replace(stand_in_update(0, 0), **change)
+    assert m.offer(bad.to_wire()).reason == reason
+    assert m.store.summary()["rejections"] == {reason: 1}
+    assert m.metrics.value("protofleet_updates_rejected_total", reason=reason) == 1
+
+
+def test_duplicates_malformed_and_foreign_clients(tmp_path):
+    m = manager(tmp_path, Clock(), allow_list=("dev-0",))
+    u = stand_in_update(0, 0)
+    assert m.offer(u.to_wire(), topic_client="dev-0").accepted
+    assert m.offer(u.to_wire(), topic_client="dev-0").reason == "duplicate"
+    assert m.offer(u.to_wire(), topic_client="dev-9").reason == "client_mismatch"
+    assert m.offer(stand_in_update(1, 0).to_wire()).reason == "not_allowed"
+    assert m.offer(b"\xc1garbage").reason == "malformed"
+    assert m.offer(b"x" * (2 << 20)).reason == "too_large"
+    assert m.store.summary()["rejections"] == {
+        "duplicate": 1,
+        "client_mismatch": 1,
+        "not_allowed": 1,
+        "malformed": 1,
+        "too_large": 1,
+    }
+
+
+def test_restart_resumes_the_open_round_without_double_counting(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, wait_after_quorum_s=0.0)
+    ups = [stand_in_update(i, 0) for i in range(3)]
+    m.offer(ups[0].to_wire())
+    m.offer(ups[1].to_wire())
+    m.store.close()
+    again = manager(tmp_path, clock, min_clients=3, wait_after_quorum_s=0.0)
+    assert again.round == 0
+    assert again.offer(ups[1].to_wire()).reason == "duplicate"  # QoS 1 redelivery after the crash
+    assert again.offer(ups[2].to_wire()).accepted
+    nxt = again.poll()
+    expected = hand_globals(ups)
+    for row, c in zip(nxt.global_prototypes, nxt.global_classes, strict=True):
+        np.testing.assert_allclose(row, expected[c], rtol=1e-6)
+
+
+def test_max_rounds_publishes_a_final_announcement(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0, max_rounds=2)
+    for r in range(2):
+        m.offer(stand_in_update(0, r).to_wire())
+        nxt = m.poll()
+    assert nxt.round == 2 and nxt.params["final"] is True and m.done
+    assert m.offer(stand_in_update(0, 2).to_wire()).reason == "wrong_round"
+    again = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0, max_rounds=2)
+    assert again.done and again.round == 2
+
+
+def test_state_of_another_fleet_is_refused(tmp_path):
+    manager(tmp_path, Clock()).store.close()
+    cfg = config(tmp_path, method="fedproto")
+    with pytest.raises(StateError, match="method"):
+        RoundManager(config=cfg, store=Store(cfg.database))
+
+
+def test_status_messages_update_the_client_table(tmp_path):
+    m = manager(tmp_path, Clock())
+    online = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
+    m.record_status(online.to_wire(), topic_client="dev-0")
+    assert m.metrics.value("protofleet_clients_online") == 1
+    offline = Status(
+        fleet="lab", client="dev-0", state=AgentState.OFFLINE, version="0.1.0", reason="lost"
+    )
+    m.record_status(offline.to_wire(), topic_client="dev-0")
+    summary = m.store.summary()
+    assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0
+    assert m.record_status(b"junk") is None
