@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ["protocol.bench"]
+BENCHMARKS = ["bench.protocol_bench", "bench.coordinator_bench"]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 

@@ -86,6 +86,9 @@ class RoundManager:
         self._announcement = RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
         self._done = latest.closed_at is not None  # the final round is stored closed
         self._clients = {c for c, _ in store.updates(latest.round)}
+        # Kept in memory (and rebuilt from the store on restart) so deciding whether a
+        # round is due costs O(1) per update instead of a query over the whole round.
+        self._arrivals = store.arrival_times(latest.round)
         self.metrics.current_round.set(self._round)
 
     # -- state -------------------------------------------------------------------------
@@ -134,11 +137,13 @@ class RoundManager:
         with self._lock:
             if self._done or update.round != self._round:
                 return Decision("wrong_round", update.round, update.client)
+            now = self._clock()
             if not self.store.add_update(
-                self._round, update.client, bytes(payload), received_at=self._clock()
+                self._round, update.client, bytes(payload), received_at=now
             ):
                 return Decision("duplicate", update.round, update.client)
             self._clients.add(update.client)
+            self._arrivals.append(now)
         return Decision(ACCEPTED, update.round, update.client)
 
     def _mismatch(self, update: PrototypeUpdate, topic_client: str | None) -> str | None:
@@ -193,7 +198,7 @@ class RoundManager:
             if self._done:
                 return None
             rounds = self.config.rounds
-            arrivals = self.store.arrival_times(self._round)
+            arrivals = self._arrivals
             if len(arrivals) < rounds.min_clients:
                 return None
             allow = rounds.allow_list
@@ -227,7 +232,7 @@ class RoundManager:
             return self._close(now)
 
     def _extend(self, now: float) -> None:
-        have = len(self.store.arrival_times(self._round))
+        have = len(self._arrivals)
         self._deadline = now + self.config.rounds.timeout_s
         log.warning(
             "round %d: deadline passed with %d of %d required updates; extended by %.0f s",
@@ -268,7 +273,7 @@ class RoundManager:
             " (final)" if final else "",
         )
         self._round, self._opened_at, self._deadline = finished, now, deadline
-        self._announcement, self._done, self._clients = nxt, final, set()
+        self._announcement, self._done, self._clients, self._arrivals = nxt, final, set(), []
         self.metrics.current_round.set(finished)
         return nxt
 

@@ -1,0 +1,222 @@
+"""The coordinator as a real process against a real Mosquitto, with stand-in clients."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
+from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
+from tests.fuzz_corpus import payloads
+from tests.mqtt_helpers import connected
+
+pytestmark = pytest.mark.broker
+
+BIN = Path(sys.executable).parent
+CLIENTS = 5
+
+
+def write_config(tmp_path: Path, port: int, *, rounds: int) -> Path:
+    path = tmp_path / "coordinator.toml"
+    allow = ", ".join(f'"dev-{i}"' for i in range(CLIENTS))
+    path.write_text(
+        f"""
+fleet = "lab"
+state_dir = "{tmp_path / "state"}"
+[model]
+method = "fedpcl"
+bundle = "{BUNDLE}"
+classes = ["a", "b", "c"]
+dim = 4
+[rounds]
+min_clients = {CLIENTS}
+wait_after_quorum_s = 0.0
+timeout_s = 600.0
+max_rounds = {rounds}
+allow_list = [{allow}]
+[mqtt]
+port = {port}
+"""
+    )
+    return path
+
+
+def start(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BIN / "edge-coordinator"), "--log-level", "WARNING", "run", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(
+    predicate: Callable[[], bool], *, timeout: float = 20.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # poll interval of a bounded wait on another process's state
+
+
+def stored_updates(tmp_path: Path, round_: int) -> int:
+    db = tmp_path / "state" / "coordinator.sqlite3"
+    if not db.exists():
+        return 0
+    with sqlite3.connect(db) as conn:
+        try:
+            return int(
+                conn.execute("SELECT COUNT(*) FROM updates WHERE round = ?", (round_,)).fetchone()[
+                    0
+                ]
+            )
+        except sqlite3.OperationalError:
+            return 0
+
+
+def status(config: Path) -> dict:
+    out = subprocess.run(
+        [str(BIN / "edge-coordinator"), "status", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+class Fleet:
+    """Stand-in clients: read announcements, publish prepared updates."""
+
+    def __init__(self, broker, inbox, pub):
+        self.inbox, self.pub = inbox, pub
+
+    def announcement(self, round_: int, *, timeout: float = 20.0) -> RoundAnnouncement:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            messages = self.inbox.wait(seen + 1, timeout=max(0.1, deadline - time.monotonic()))
+            for m in messages[seen:]:
+                a = RoundAnnouncement.from_wire(m.payload)
+                if a.round == round_:
+                    return a
+            seen = len(messages)
+
+    def send(self, updates: list[PrototypeUpdate]) -> None:
+        for u in updates:
+            self.pub.publish(update_topic("lab", u.client), u.to_wire(), qos=1).wait_for_publish(10)
+
+
+def run_rounds(fleet: Fleet, rounds: int, *, seed: int = 0) -> list[RoundAnnouncement]:
+    published = []
+    for r in range(rounds):
+        fleet.announcement(r)
+        ups = [stand_in_update(i, r, seed=seed) for i in range(CLIENTS)]
+        fleet.send(ups)
+        nxt = fleet.announcement(r + 1)
+        expected = hand_globals(ups)
+        assert nxt.global_classes == tuple(sorted(expected))
+        for row, c in zip(nxt.global_prototypes, nxt.global_classes, strict=True):
+            np.testing.assert_allclose(row, expected[c], rtol=1e-5, atol=1e-6)
+        published.append(nxt)
+    return published
+
+
+def test_five_fedpcl_rounds_match_a_hand_computation(mosquitto, tmp_path):
+    config = write_config(tmp_path, mosquitto.address.port, rounds=5)
+    proc = start(config)
+    try:
+        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            final = run_rounds(Fleet(mosquitto, inbox, pub), 5)[-1]
+        assert final.round == 5 and final.params["final"] is True
+        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+    summary = status(config)
+    assert summary["rounds_completed"] == 6  # five aggregated rounds and the closed final one
+    assert summary["rejections"] == {}
+
+
+def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path):
+    # Reference: an uninterrupted run of two rounds in its own fleet state.
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    proc = start(write_config(ref_dir, mosquitto.address.port, rounds=2))
+    with connected(mosquitto.address, "stand-ins-ref", subscribe=(round_topic("lab"),)) as (
+        pub,
+        inbox,
+    ):
+        reference = run_rounds(Fleet(mosquitto, inbox, pub), 2)
+    assert proc.wait(timeout=30) == 0
+    # The broker keeps the reference run's retained final announcement; clear it.
+    with connected(mosquitto.address, "cleaner") as (pub, _):
+        pub.publish(round_topic("lab"), b"", qos=1, retain=True).wait_for_publish(10)
+
+    crash_dir = tmp_path / "crash"
+    crash_dir.mkdir()
+    config = write_config(crash_dir, mosquitto.address.port, rounds=2)
+    proc = start(config)
+    with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (pub, inbox):
+        fleet = Fleet(mosquitto, inbox, pub)
+        fleet.announcement(0)
+        ups = [stand_in_update(i, 0) for i in range(CLIENTS)]
+        fleet.send(ups[:2])
+        wait_until(lambda: stored_updates(crash_dir, 0) == 2, what="two stored updates")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        proc = start(config)
+        # QoS 1 redelivery: the first two arrive again after the restart.
+        fleet.send(ups)
+        first = fleet.announcement(1)
+        fleet.send([stand_in_update(i, 1) for i in range(CLIENTS)])
+        second = fleet.announcement(2)
+    assert proc.wait(timeout=30) == 0
+    for got, want in zip((first, second), reference, strict=True):
+        assert got.global_classes == want.global_classes
+        np.testing.assert_array_equal(got.global_prototypes, want.global_prototypes)
+        assert got.local_sets.keys() == want.local_sets.keys()
+    assert status(config)["rejections"] == {"duplicate": 2}
+
+
+def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_path):
+    valid = [stand_in_update(0, 0).to_wire()]
+    malformed = []
+    for payload in payloads(valid, count=10_000, seed=21):
+        try:
+            PrototypeUpdate.from_wire(payload)
+        except ValueError:
+            malformed.append(payload)
+    assert len(malformed) > 5_000
+    config = write_config(tmp_path, mosquitto.address.port, rounds=1)
+    proc = start(config)
+    try:
+        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            fleet = Fleet(mosquitto, inbox, pub)
+            fleet.announcement(0)
+            infos = [pub.publish(update_topic("lab", "dev-0"), p, qos=1) for p in malformed]
+            for info in infos:
+                info.wait_for_publish(30)
+            fleet.send([stand_in_update(i, 0) for i in range(CLIENTS)])
+            final = fleet.announcement(1, timeout=60)
+        assert final.global_classes == (0, 1, 2)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    rejections = status(config)["rejections"]
+    assert sum(rejections.values()) == len(malformed)
+    assert set(rejections) <= {"malformed", "field", "array", "id", "version", "too_large"}
