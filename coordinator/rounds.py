@@ -72,13 +72,18 @@ class RoundManager:
             store.open_first_round(first.to_wire(), opened_at=now, deadline=first.deadline)
             latest = store.latest_round()
             assert latest is not None
-            log.info("fleet %s: opened round 0", config.fleet)
+            log.info(
+                "fleet %s: opened round 0",
+                config.fleet,
+                extra={"event": "round_opened", "round": 0},
+            )
         else:
             log.info(
                 "fleet %s: resuming at round %d with %d update(s) stored",
                 config.fleet,
                 latest.round,
-                len(store.updates(latest.round)),
+                len(store.arrival_times(latest.round)),
+                extra={"event": "resumed", "round": latest.round},
             )
         self._round = latest.round
         self._opened_at = latest.opened_at
@@ -121,6 +126,12 @@ class RoundManager:
                 decision.client or topic_client,
                 decision.round,
                 decision.reason,
+                extra={
+                    "event": "update_rejected",
+                    "round": decision.round,
+                    "client": decision.client or topic_client,
+                    "reason": decision.reason,
+                },
             )
         return decision
 
@@ -240,6 +251,7 @@ class RoundManager:
             have,
             self.config.rounds.min_clients,
             self.config.rounds.timeout_s,
+            extra={"event": "deadline_extended", "round": self._round, "updates": have},
         )
         self._announcement = self._rebuild(self._announcement, deadline=self._deadline)
         self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
@@ -271,6 +283,12 @@ class RoundManager:
             ",".join(u.client for u in updates),
             finished,
             " (final)" if final else "",
+            extra={
+                "event": "round_closed",
+                "round": self._round,
+                "updates": len(updates),
+                "final": final,
+            },
         )
         self._round, self._opened_at, self._deadline = finished, now, deadline
         self._announcement, self._done, self._clients, self._arrivals = nxt, final, set(), []
