@@ -1,0 +1,171 @@
+"""Build a bundle from backbone sources, and verify one."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from export import bundle as bundle_mod
+from export import quantize
+from export.bundle import Bundle, Member
+from export.errors import BundleError, ExportError
+from export.onnx_io import INPUT_NAME, OPSET, compare, export_onnx, onnx_info, torch_features
+from export.runtime import preprocess
+from export.sources import Loaded
+from protocol.version import package_version
+
+#: fp32 must match torch to this absolute error; converted precisions to these cosines.
+FP32_MAX_ABS = 1e-4
+MIN_COSINE = {"fp16": 0.999, "int8": 0.95}
+
+
+def _ort_features(path: Path, inputs: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    outs = [session.run(None, {INPUT_NAME: inputs[i : i + 64]})[0] for i in range(0, len(inputs), 64)]
+    return np.concatenate(outs).astype(np.float32)
+
+
+def build(
+    loaded: list[Loaded],
+    out: Path,
+    *,
+    images: np.ndarray,
+    labels: np.ndarray | None = None,
+    precision: quantize.Precision = "fp32",
+    seed: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> tuple[Bundle, dict[str, Any]]:
+    """Export every backbone into ``out`` at ``precision`` and write the manifest.
+
+    ``images`` (N, 3, H, W) in [0, 1] are real sample inputs: part of the parity check,
+    the int8 calibration set and the data the quality report is measured on.
+    """
+    if precision not in ("fp32", "fp16", "int8"):
+        raise ExportError(f"precision must be fp32, fp16 or int8, got {precision!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    members: list[Member] = []
+    report: dict[str, Any] = {"precision": precision, "backbones": {}}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        for item in loaded:
+            src = item.source
+            stub = Member(name=src.name, file="", sha256="", input_shape=item.input_shape, output_dim=0, mean=src.mean, std=src.std)
+            real = preprocess(images, stub)
+            random_inputs = rng.normal(size=(8, *item.input_shape)).astype(np.float32)
+            fp32_path = tmp / f"{src.name}.fp32.onnx"
+            entry: dict[str, Any] = {}
+            if item.module is not None:
+                export_onnx(item.module, fp32_path, input_shape=item.input_shape)
+                parity_inputs = np.concatenate([random_inputs, real[:8]])
+                expected = torch_features(item.module, parity_inputs)
+                parity = compare(expected, _ort_features(fp32_path, parity_inputs))
+                entry["fp32_vs_torch"] = parity.to_json()
+                if parity.max_abs_error > FP32_MAX_ABS:
+                    raise ExportError(
+                        f"backbone {src.name!r}: ONNX differs from torch by {parity.max_abs_error:.2e} "
+                        f"(limit {FP32_MAX_ABS:.0e})"
+                    )
+            else:
+                assert item.onnx is not None
+                try:
+                    onnx.checker.check_model(str(item.onnx), full_check=True)
+                except onnx.checker.ValidationError as exc:
+                    raise ExportError(f"backbone {src.name!r}: {item.onnx} fails onnx.checker: {exc}") from exc
+                shutil.copyfile(item.onnx, fp32_path)
+                parity_inputs = np.concatenate([random_inputs, real[:8]])
+                expected = _ort_features(fp32_path, parity_inputs)  # adopted as is: self-consistency
+            final = out / f"{src.name}.{precision}.onnx"
+            if precision == "fp32":
+                shutil.copyfile(fp32_path, final)
+            else:
+                if precision == "fp16":
+                    quantize.to_fp16(fp32_path, final)
+                else:
+                    quantize.to_int8(fp32_path, final, calibration=real)
+                reference = _ort_features(fp32_path, real)
+                candidate = _ort_features(final, real)
+                cos = compare(reference, candidate)
+                entry[f"{precision}_vs_fp32"] = {
+                    "mean_cosine": _mean_cosine(reference, candidate),
+                    "min_cosine": cos.min_cosine,
+                    "prototype_agreement": quantize.prototype_agreement(reference, candidate, labels=labels),
+                }
+            shape, dim, opset = onnx_info(final)
+            parity_file = f"{src.name}.parity.npz"
+            parity_sha = bundle_mod.save_parity(out / parity_file, parity_inputs, expected)
+            members.append(
+                Member(
+                    name=src.name,
+                    file=final.name,
+                    sha256=bundle_mod.sha256_file(final),
+                    input_shape=shape,  # type: ignore[arg-type]
+                    output_dim=dim,
+                    precision=precision,
+                    opset=max(opset, OPSET) if precision == "fp32" else opset,
+                    mean=src.mean,
+                    std=src.std,
+                    parity_file=parity_file,
+                    parity_sha256=parity_sha,
+                    provenance=item.provenance,
+                )
+            )
+            report["backbones"][src.name] = entry
+    meta = {"created_by": f"protofleet {package_version()}", **(extra or {})}
+    bundle = bundle_mod.write_manifest(out, members, extra=meta)
+    report["bundle_id"] = bundle.id
+    report["feature_dim"] = bundle.feature_dim
+    return bundle, report
+
+
+def _mean_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    num = np.sum(a * b, axis=1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return float(np.mean(num / np.maximum(den, 1e-30)))
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Re-check hashes, onnx.checker and parity of every member. The report's ``ok`` is
+    False (and ``problems`` says why, naming files) on any failure."""
+    report: dict[str, Any] = {"bundle": str(path), "ok": False, "problems": [], "backbones": {}}
+    try:
+        bundle = bundle_mod.load(path, check_hashes=False)
+    except BundleError as exc:
+        report["problems"].append(str(exc))
+        return report
+    report["bundle_id"] = bundle.id
+    report["problems"] += [msg for _, msg in bundle_mod.hash_problems(bundle)]
+    broken = {name for name, _ in bundle_mod.hash_problems(bundle)}
+    for m in bundle.members:
+        entry: dict[str, Any] = {"file": m.file, "precision": m.precision}
+        report["backbones"][m.name] = entry
+        if m.file in broken or (m.parity_file in broken):
+            entry["checked"] = False
+            continue
+        try:
+            onnx.checker.check_model(str(bundle.file(m)), full_check=True)
+            entry["onnx_checker"] = "ok"
+        except onnx.checker.ValidationError as exc:
+            report["problems"].append(f"{m.file}: fails onnx.checker: {exc}")
+            continue
+        if m.parity_file is None:
+            entry["parity"] = "no parity data recorded"
+            continue
+        inputs, expected = bundle_mod.load_parity(path / m.parity_file)
+        parity = compare(expected, _ort_features(bundle.file(m), inputs))
+        entry["parity"] = parity.to_json()
+        if m.precision == "fp32" and parity.max_abs_error > FP32_MAX_ABS:
+            report["problems"].append(f"{m.file}: max abs error {parity.max_abs_error:.2e} > {FP32_MAX_ABS:.0e}")
+        elif m.precision != "fp32" and parity.min_cosine < MIN_COSINE.get(m.precision, 0.99):
+            report["problems"].append(f"{m.file}: min cosine {parity.min_cosine:.4f} < {MIN_COSINE[m.precision]}")
+    report["ok"] = not report["problems"]
+    return report

@@ -1,0 +1,92 @@
+"""fp16 conversion and int8 static QDQ quantization of an fp32 backbone, with the quality
+report the bundle records: feature cosine similarity against fp32 and the agreement of
+nearest-prototype predictions."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import onnx
+
+from export.onnx_io import INPUT_NAME
+
+Precision = Literal["fp32", "fp16", "int8"]
+
+
+def to_fp16(src: Path, dst: Path) -> None:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(src))
+    # keep_io_types: callers keep feeding float32 and reading float32 features.
+    converted = convert_float_to_float16(model, keep_io_types=True)
+    onnx.save(converted, str(dst))
+
+
+class _Calibration:
+    """Feeds calibration batches to the quantizer (onnxruntime's CalibrationDataReader)."""
+
+    def __init__(self, samples: np.ndarray, *, batch: int = 32) -> None:
+        self._batches = iter([samples[i : i + batch] for i in range(0, len(samples), batch)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        batch = next(self._batches, None)
+        return None if batch is None else {INPUT_NAME: batch.astype(np.float32)}
+
+    def rewind(self) -> None:  # pragma: no cover - part of the reader protocol
+        pass
+
+
+def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
+    """Static int8 quantization in QDQ format, per-channel weights, calibrated on
+    ``calibration`` (already preprocessed inputs, (N, C, H, W))."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(_Calibration, CalibrationDataReader):  # type: ignore[misc]
+        pass
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = Path(tmp) / "prepared.onnx"
+        # Folding and shape inference first make the quantizer see fused Conv+BN nodes.
+        quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        quantize_static(
+            str(prepared),
+            str(dst),
+            Reader(calibration),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+        )
+
+
+def prototype_agreement(
+    reference: np.ndarray,
+    candidate: np.ndarray,
+    *,
+    labels: np.ndarray | None = None,
+    classes: int = 10,
+    seed: int = 0,
+) -> float:
+    """Fraction of samples whose nearest prototype (by dot product) is the same under the
+    reference and candidate features. Prototypes are the per-class means of the reference
+    features when ``labels`` are known; otherwise ``classes`` reference rows picked at
+    random stand in for them. Both feature sets are scored against the same (reference)
+    prototypes, as a device would be after switching precision."""
+    if labels is not None:
+        protos = np.stack([reference[labels == c].mean(axis=0) for c in np.unique(labels)])
+    else:
+        rng = np.random.default_rng(seed)
+        k = min(classes, len(reference))
+        protos = reference[rng.choice(len(reference), size=k, replace=False)]
+    ref = np.argmax(reference @ protos.T, axis=1)
+    cand = np.argmax(candidate @ protos.T, axis=1)
+    return float(np.mean(ref == cand))
