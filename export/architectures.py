@@ -56,13 +56,11 @@ class ResNet(Backbone):
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
-        inplanes = 64
-        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers, strict=True)):
-            stride = 1 if i == 0 else 2
-            stage = [BasicBlock(inplanes, planes, stride)]
-            stage += [BasicBlock(planes, planes) for _ in range(blocks - 1)]
-            setattr(self, f"layer{i + 1}", nn.Sequential(*stage))
-            inplanes = planes
+        self.inplanes = 64
+        self.layer1 = self._stage(64, layers[0], 1)
+        self.layer2 = self._stage(128, layers[1], 2)
+        self.layer3 = self._stage(256, layers[2], 2)
+        self.layer4 = self._stage(512, layers[3], 2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.feature_dim = 512
         self.input_shape = (3, input_size, input_size)
@@ -70,9 +68,16 @@ class ResNet(Backbone):
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
+    def _stage(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        stage = [BasicBlock(self.inplanes, planes, stride)]
+        stage += [BasicBlock(planes, planes) for _ in range(blocks - 1)]
+        self.inplanes = planes
+        return nn.Sequential(*stage)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            x = stage(x)
         return torch.flatten(self.avgpool(x), 1)  # (B, 512)
 
 
@@ -97,7 +102,9 @@ class SqueezeExcite(nn.Module):
         return x * s
 
 
-def _conv_bn_act(cin: int, cout: int, k: int, stride: int, groups: int, act: type[nn.Module] | None) -> nn.Sequential:
+def _conv_bn_act(
+    cin: int, cout: int, k: int, stride: int, groups: int, act: type[nn.Module] | None
+) -> nn.Sequential:
     layers: list[nn.Module] = [
         nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
         nn.BatchNorm2d(cout),
@@ -108,7 +115,9 @@ def _conv_bn_act(cin: int, cout: int, k: int, stride: int, groups: int, act: typ
 
 
 class InvertedResidual(nn.Module):
-    def __init__(self, cin: int, k: int, exp: int, cout: int, se: bool, act: type[nn.Module], stride: int) -> None:
+    def __init__(
+        self, cin: int, k: int, exp: int, cout: int, se: bool, act: type[nn.Module], stride: int
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         if exp != cin:
@@ -142,16 +151,14 @@ _MNV3_SMALL = [
 
 
 class MobileNetV3Small(Backbone):
-    """``small_input=True`` drops the first two stride-2 steps so 32x32 images keep enough
-    resolution (the ImageNet layout would shrink them to 1x1)."""
+    """``small_input=True`` drops the stem's stride so a 32x32 image ends at 2x2 rather
+    than 1x1 (the ImageNet layout would leave nothing spatial to pool)."""
 
     def __init__(self, *, input_size: int = 224, small_input: bool = False) -> None:
         super().__init__()
         layers: list[nn.Module] = [_conv_bn_act(3, 16, 3, 1 if small_input else 2, 1, nn.Hardswish)]
         cin = 16
-        for i, (k, exp, cout, se, act, stride) in enumerate(_MNV3_SMALL):
-            if small_input and i == 0:
-                stride = 1
+        for k, exp, cout, se, act, stride in _MNV3_SMALL:
             layers.append(InvertedResidual(cin, k, exp, cout, se, act, stride))
             cin = cout
         layers.append(_conv_bn_act(cin, 576, 1, 1, 1, nn.Hardswish))
@@ -190,7 +197,9 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -199,7 +208,14 @@ class EncoderBlock(nn.Module):
 
 class SmallViT(Backbone):
     def __init__(
-        self, *, input_size: int = 32, patch: int = 4, dim: int = 128, depth: int = 4, heads: int = 4, mlp_ratio: int = 2
+        self,
+        *,
+        input_size: int = 32,
+        patch: int = 4,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 2,
     ) -> None:
         super().__init__()
         if input_size % patch:
@@ -229,7 +245,10 @@ class SmallCNN(Backbone):
         cin = 3
         for i in range(4):
             cout = width * 2**i
-            layers += [_conv_bn_act(cin, cout, 3, 1, 1, nn.ReLU), _conv_bn_act(cout, cout, 3, 1, 1, nn.ReLU)]
+            layers += [
+                _conv_bn_act(cin, cout, 3, 1, 1, nn.ReLU),
+                _conv_bn_act(cout, cout, 3, 1, 1, nn.ReLU),
+            ]
             if i < 3:
                 layers.append(nn.MaxPool2d(2))
             cin = cout
@@ -252,8 +271,12 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "resnet18": Architecture(lambda **kw: ResNet((2, 2, 2, 2), **kw), "ResNet-18, torchvision key layout, 512-d"),
-    "resnet34": Architecture(lambda **kw: ResNet((3, 4, 6, 3), **kw), "ResNet-34, torchvision key layout, 512-d"),
+    "resnet18": Architecture(
+        lambda **kw: ResNet((2, 2, 2, 2), **kw), "ResNet-18, torchvision key layout, 512-d"
+    ),
+    "resnet34": Architecture(
+        lambda **kw: ResNet((3, 4, 6, 3), **kw), "ResNet-34, torchvision key layout, 512-d"
+    ),
     "mobilenetv3_small": Architecture(MobileNetV3Small, "MobileNetV3-Small, 576-d"),
     "vit_small": Architecture(SmallViT, "small ViT (patch 4, 4 blocks, 128-d) for 32x32"),
     "cnn32": Architecture(SmallCNN, "4-stage CNN for 32x32, 256-d"),
@@ -265,7 +288,9 @@ def build(name: str, **kwargs: Any) -> Backbone:
     try:
         arch = ARCHITECTURES[name]
     except KeyError:
-        raise ValueError(f"unknown architecture {name!r}; available: {', '.join(sorted(ARCHITECTURES))}") from None
+        raise ValueError(
+            f"unknown architecture {name!r}; available: {', '.join(sorted(ARCHITECTURES))}"
+        ) from None
     return arch.factory(**kwargs)
 
 
@@ -287,7 +312,9 @@ def load_state_dict_by_key(model: nn.Module, state: Mapping[str, torch.Tensor]) 
     clean = {k: v for k, v in clean.items() if k not in ignored}
     missing = sorted(set(wanted) - set(clean))
     unexpected = sorted(set(clean) - set(wanted))
-    shapes = sorted(k for k in set(wanted) & set(clean) if tuple(wanted[k].shape) != tuple(clean[k].shape))
+    shapes = sorted(
+        k for k in set(wanted) & set(clean) if tuple(wanted[k].shape) != tuple(clean[k].shape)
+    )
     if missing or unexpected or shapes:
         parts = []
         if missing:

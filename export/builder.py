@@ -29,8 +29,12 @@ def _ort_features(path: Path, inputs: np.ndarray) -> np.ndarray:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
-    outs = [session.run(None, {INPUT_NAME: inputs[i : i + 64]})[0] for i in range(0, len(inputs), 64)]
+    session = ort.InferenceSession(
+        str(path), sess_options=options, providers=["CPUExecutionProvider"]
+    )
+    outs = [
+        session.run(None, {INPUT_NAME: inputs[i : i + 64]})[0] for i in range(0, len(inputs), 64)
+    ]
     return np.concatenate(outs).astype(np.float32)
 
 
@@ -59,7 +63,15 @@ def build(
         tmp = Path(tmp_dir)
         for item in loaded:
             src = item.source
-            stub = Member(name=src.name, file="", sha256="", input_shape=item.input_shape, output_dim=0, mean=src.mean, std=src.std)
+            stub = Member(
+                name=src.name,
+                file="",
+                sha256="",
+                input_shape=item.input_shape,
+                output_dim=0,
+                mean=src.mean,
+                std=src.std,
+            )
             real = preprocess(images, stub)
             random_inputs = rng.normal(size=(8, *item.input_shape)).astype(np.float32)
             fp32_path = tmp / f"{src.name}.fp32.onnx"
@@ -80,10 +92,14 @@ def build(
                 try:
                     onnx.checker.check_model(str(item.onnx), full_check=True)
                 except onnx.checker.ValidationError as exc:
-                    raise ExportError(f"backbone {src.name!r}: {item.onnx} fails onnx.checker: {exc}") from exc
+                    raise ExportError(
+                        f"backbone {src.name!r}: {item.onnx} fails onnx.checker: {exc}"
+                    ) from exc
                 shutil.copyfile(item.onnx, fp32_path)
                 parity_inputs = np.concatenate([random_inputs, real[:8]])
-                expected = _ort_features(fp32_path, parity_inputs)  # adopted as is: self-consistency
+                expected = _ort_features(
+                    fp32_path, parity_inputs
+                )  # adopted as is: self-consistency
             final = out / f"{src.name}.{precision}.onnx"
             if precision == "fp32":
                 shutil.copyfile(fp32_path, final)
@@ -98,7 +114,9 @@ def build(
                 entry[f"{precision}_vs_fp32"] = {
                     "mean_cosine": _mean_cosine(reference, candidate),
                     "min_cosine": cos.min_cosine,
-                    "prototype_agreement": quantize.prototype_agreement(reference, candidate, labels=labels),
+                    "prototype_agreement": quantize.prototype_agreement(
+                        reference, candidate, labels=labels
+                    ),
                 }
             shape, dim, opset = onnx_info(final)
             parity_file = f"{src.name}.parity.npz"
@@ -164,8 +182,12 @@ def verify(path: Path) -> dict[str, Any]:
         parity = compare(expected, _ort_features(bundle.file(m), inputs))
         entry["parity"] = parity.to_json()
         if m.precision == "fp32" and parity.max_abs_error > FP32_MAX_ABS:
-            report["problems"].append(f"{m.file}: max abs error {parity.max_abs_error:.2e} > {FP32_MAX_ABS:.0e}")
+            report["problems"].append(
+                f"{m.file}: max abs error {parity.max_abs_error:.2e} > {FP32_MAX_ABS:.0e}"
+            )
         elif m.precision != "fp32" and parity.min_cosine < MIN_COSINE.get(m.precision, 0.99):
-            report["problems"].append(f"{m.file}: min cosine {parity.min_cosine:.4f} < {MIN_COSINE[m.precision]}")
+            report["problems"].append(
+                f"{m.file}: min cosine {parity.min_cosine:.4f} < {MIN_COSINE[m.precision]}"
+            )
     report["ok"] = not report["problems"]
     return report

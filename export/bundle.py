@@ -74,7 +74,9 @@ class Member:
                 }
             )
         except (KeyError, TypeError) as exc:
-            raise BundleError(f"bad backbone entry {data.get('name', '?')!r} in {MANIFEST}: {exc}") from exc
+            raise BundleError(
+                f"bad backbone entry {data.get('name', '?')!r} in {MANIFEST}: {exc}"
+            ) from exc
 
 
 def bundle_id(members: list[Member]) -> str:
@@ -101,7 +103,9 @@ class Bundle:
         return self.path / member.file
 
 
-def write_manifest(path: Path, members: list[Member], *, extra: dict[str, Any] | None = None) -> Bundle:
+def write_manifest(
+    path: Path, members: list[Member], *, extra: dict[str, Any] | None = None
+) -> Bundle:
     """Write ``bundle.json`` for ONNX files already in ``path``; returns the bundle."""
     names = [m.name for m in members]
     if len(set(names)) != len(names):
@@ -130,22 +134,32 @@ def load(path: Path, *, check_hashes: bool = True) -> Bundle:
     try:
         data = json.loads(manifest.read_text())
     except FileNotFoundError:
-        raise BundleError(f"{path} has no {MANIFEST} (build one with `edge-export zoo` or `edge-export bundle`)") from None
+        raise BundleError(
+            f"{path} has no {MANIFEST} (build one with `edge-export zoo` or `edge-export bundle`)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise BundleError(f"{manifest} is not valid JSON: {exc}", file=MANIFEST) from exc
     if data.get("format") != FORMAT:
-        raise BundleError(f"{manifest}: unsupported bundle format {data.get('format')!r}", file=MANIFEST)
+        raise BundleError(
+            f"{manifest}: unsupported bundle format {data.get('format')!r}", file=MANIFEST
+        )
     members = [Member.from_json(m) for m in data.get("backbones", [])]
     if not members:
         raise BundleError(f"{manifest} lists no backbones", file=MANIFEST)
     ident = bundle_id(members)
     if ident != data.get("bundle_id"):
-        raise BundleError(f"{manifest}: bundle_id does not match its members (edited by hand?)", file=MANIFEST)
+        raise BundleError(
+            f"{manifest}: bundle_id does not match its members (edited by hand?)", file=MANIFEST
+        )
     bundle = Bundle(
         path=path,
         id=ident,
         members=tuple(members),
-        extra={k: v for k, v in data.items() if k not in ("format", "bundle_id", "feature_dim", "backbones")},
+        extra={
+            k: v
+            for k, v in data.items()
+            if k not in ("format", "bundle_id", "feature_dim", "backbones")
+        },
     )
     if check_hashes:
         for problem in hash_problems(bundle):
@@ -164,7 +178,12 @@ def hash_problems(bundle: Bundle) -> list[tuple[str, str]]:
             if not file.is_file():
                 problems.append((name, f"{name}: file is missing from bundle {bundle.path}"))
             elif sha256_file(file) != expected:
-                problems.append((name, f"{name}: sha256 does not match bundle.json (file corrupted or replaced)"))
+                problems.append(
+                    (
+                        name,
+                        f"{name}: sha256 does not match bundle.json (file corrupted or replaced)",
+                    )
+                )
     return problems
 
 

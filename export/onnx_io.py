@@ -18,12 +18,16 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "features"
 
 
-def export_onnx(model: nn.Module, path: Path, *, input_shape: tuple[int, int, int], opset: int = OPSET) -> None:
+def export_onnx(
+    model: nn.Module, path: Path, *, input_shape: tuple[int, int, int], opset: int = OPSET
+) -> None:
     """Export ``model`` (eval mode) with a dynamic batch axis and constant folding."""
     if opset < 17:
         raise ExportError(f"opset must be at least 17, got {opset}")
     model = model.eval()
     example = torch.zeros(2, *input_shape)
+    with torch.inference_mode():
+        feature_dim = int(model(example).shape[1])
     with warnings.catch_warnings():
         # The TorchScript-based exporter is deprecated upstream but is the one that
         # handles dynamic_axes, TorchScript inputs and every op used here without onnxscript.
@@ -39,6 +43,14 @@ def export_onnx(model: nn.Module, path: Path, *, input_shape: tuple[int, int, in
             do_constant_folding=True,
             dynamo=False,
         )
+    # Reshapes computed from x.shape (as in attention) leave the feature axis symbolic;
+    # the runtime and the manifest need it fixed.
+    proto = onnx.load(str(path))
+    dim = proto.graph.output[0].type.tensor_type.shape.dim[1]
+    if not dim.HasField("dim_value"):
+        dim.ClearField("dim_param")
+        dim.dim_value = feature_dim
+        onnx.save(proto, str(path))
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as exc:
@@ -52,11 +64,16 @@ def onnx_info(path: Path) -> tuple[tuple[int, ...], int, int]:
         raise ExportError(f"{path.name}: a backbone needs exactly one input and one output")
 
     def dims(value: onnx.ValueInfoProto) -> list[int | str]:
-        return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value.type.tensor_type.shape.dim]
+        return [
+            d.dim_value if d.HasField("dim_value") else d.dim_param
+            for d in value.type.tensor_type.shape.dim
+        ]
 
     inp, out = dims(model.graph.input[0]), dims(model.graph.output[0])
     if len(inp) != 4 or not all(isinstance(d, int) and d > 0 for d in inp[1:]):
-        raise ExportError(f"{path.name}: input must be (batch, C, H, W) with fixed C, H, W; got {inp}")
+        raise ExportError(
+            f"{path.name}: input must be (batch, C, H, W) with fixed C, H, W; got {inp}"
+        )
     if len(out) != 2 or not isinstance(out[1], int) or out[1] <= 0:
         raise ExportError(f"{path.name}: output must be (batch, features); got {out}")
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)

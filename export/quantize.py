@@ -50,7 +50,7 @@ def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    class Reader(_Calibration, CalibrationDataReader):  # type: ignore[misc]
+    class Reader(_Calibration, CalibrationDataReader):
         pass
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -17,7 +18,18 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 LETTERS = tuple(string.ascii_uppercase)
 DIGITS = tuple(string.digits)
-SHAPES = ("circle", "ring", "square", "triangle", "diamond", "pentagon", "hexagon", "star", "cross", "bar")
+SHAPES = (
+    "circle",
+    "ring",
+    "square",
+    "triangle",
+    "diamond",
+    "pentagon",
+    "hexagon",
+    "star",
+    "cross",
+    "bar",
+)
 
 
 @cache
@@ -27,7 +39,9 @@ def font_files() -> tuple[Path, ...]:
 
     folder = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
     wanted = ("DejaVu", "STIXGeneral", "cmr10", "cmss10", "cmtt10", "cmb10")
-    found = tuple(p for p in sorted(folder.glob("*.ttf")) if p.name.startswith(wanted) and _has_glyphs(p))
+    found = tuple(
+        p for p in sorted(folder.glob("*.ttf")) if p.name.startswith(wanted) and _has_glyphs(p)
+    )
     if not found:
         raise RuntimeError(f"no bundled fonts found in {folder}")
     return tuple(found)
@@ -63,18 +77,28 @@ def render_glyph(char: str, rng: np.random.Generator, *, size: int = 32) -> np.n
     fg, bg = _colours(rng)
     img = Image.new("RGB", (canvas, canvas), bg)
     fonts = font_files()
-    font = ImageFont.truetype(str(fonts[int(rng.integers(len(fonts)))]), int(rng.uniform(0.55, 0.85) * canvas))
+    font = ImageFont.truetype(
+        str(fonts[int(rng.integers(len(fonts)))]), int(rng.uniform(0.55, 0.85) * canvas)
+    )
     draw = ImageDraw.Draw(img)
     left, top, right, bottom = draw.textbbox((0, 0), char, font=font)
     x = (canvas - (right - left)) / 2 - left + rng.uniform(-0.12, 0.12) * canvas
     y = (canvas - (bottom - top)) / 2 - top + rng.uniform(-0.12, 0.12) * canvas
-    draw.text((x, y), char, fill=fg, font=font, stroke_width=int(rng.integers(0, 3)), stroke_fill=fg)
+    draw.text(
+        (x, y), char, fill=fg, font=font, stroke_width=int(rng.integers(0, 3)), stroke_fill=fg
+    )
     img = img.rotate(float(rng.uniform(-15, 15)), resample=Image.Resampling.BILINEAR, fillcolor=bg)
     return _finish(img, rng, size)
 
 
 def _polygon(cx: float, cy: float, r: float, sides: int, phase: float) -> list[tuple[float, float]]:
-    return [(cx + r * math.cos(phase + 2 * math.pi * i / sides), cy + r * math.sin(phase + 2 * math.pi * i / sides)) for i in range(sides)]
+    return [
+        (
+            cx + r * math.cos(phase + 2 * math.pi * i / sides),
+            cy + r * math.sin(phase + 2 * math.pi * i / sides),
+        )
+        for i in range(sides)
+    ]
 
 
 def render_shape(shape: str, rng: np.random.Generator, *, size: int = 32) -> np.ndarray:
@@ -95,14 +119,21 @@ def render_shape(shape: str, rng: np.random.Generator, *, size: int = 32) -> np.
         draw.ellipse(box, outline=fg, width=max(6, int(r * 0.35)))
     elif shape == "bar":
         pts = _polygon(cx, cy, r, 4, phase)
-        half = [(cx + (px - cx) * (0.25 if i % 2 else 1.0), cy + (py - cy) * (0.25 if i % 2 else 1.0)) for i, (px, py) in enumerate(pts)]
+        half = [
+            (cx + (px - cx) * (0.25 if i % 2 else 1.0), cy + (py - cy) * (0.25 if i % 2 else 1.0))
+            for i, (px, py) in enumerate(pts)
+        ]
         draw.polygon(half, fill=fg)
     elif shape == "cross":
         t = r * 0.3
         for angle in (phase, phase + math.pi / 2):
             dx, dy = math.cos(angle), math.sin(angle)
-            arm = [(cx - dx * r - dy * t, cy - dy * r + dx * t), (cx + dx * r - dy * t, cy + dy * r + dx * t),
-                   (cx + dx * r + dy * t, cy + dy * r - dx * t), (cx - dx * r + dy * t, cy - dy * r - dx * t)]
+            arm = [
+                (cx - dx * r - dy * t, cy - dy * r + dx * t),
+                (cx + dx * r - dy * t, cy + dy * r + dx * t),
+                (cx + dx * r + dy * t, cy + dy * r - dx * t),
+                (cx - dx * r + dy * t, cy - dy * r - dx * t),
+            ]
             draw.polygon(arm, fill=fg)
     elif shape == "star":
         outer = _polygon(cx, cy, r, 5, phase)
@@ -116,17 +147,25 @@ def render_shape(shape: str, rng: np.random.Generator, *, size: int = 32) -> np.
         elif shape == "diamond":
             phase = rng.uniform(-0.2, 0.2)
             pts = _polygon(cx, cy, r, 4, phase)
-            pts = [(cx + (px - cx) * (0.6 if i % 2 else 1.0), cy + (py - cy) * (0.6 if i % 2 else 1.0)) for i, (px, py) in enumerate(pts)]
+            pts = [
+                (cx + (px - cx) * (0.6 if i % 2 else 1.0), cy + (py - cy) * (0.6 if i % 2 else 1.0))
+                for i, (px, py) in enumerate(pts)
+            ]
             draw.polygon(pts, fill=fg if filled else None, outline=fg, width=width)
             return _finish(img, rng, size)
-        draw.polygon(_polygon(cx, cy, r, sides, phase), fill=fg if filled else None, outline=fg, width=width)
+        draw.polygon(
+            _polygon(cx, cy, r, sides, phase), fill=fg if filled else None, outline=fg, width=width
+        )
     return _finish(img, rng, size)
 
 
-def render_task(task: str, count: int, *, seed: int, size: int = 32) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+def render_task(
+    task: str, count: int, *, seed: int, size: int = 32
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """``count`` images (N, 3, size, size) in [0, 1], labels (N,), and the class names of
     source task ``task`` (``letters``, ``shapes`` or ``digits``), balanced over classes."""
     rng = np.random.default_rng(seed)
+    draw_one: Callable[..., np.ndarray]
     if task == "letters":
         classes, draw_one = LETTERS, render_glyph
     elif task == "digits":

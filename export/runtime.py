@@ -41,9 +41,12 @@ def choose_providers(
     """
     order = list(requested) if requested else list(PREFERENCE)
     for name in order:
-        if name not in available:
-            if requested:
-                log.warning("execution provider %s is not available here (have: %s)", name, ", ".join(available))
+        if requested and name not in available:
+            log.warning(
+                "execution provider %s is not available here (have: %s)",
+                name,
+                ", ".join(available),
+            )
     chosen: list[ProviderSpec] = []
     for name in order:
         if name not in available or any(name == c[0] for c in chosen):
@@ -87,7 +90,10 @@ def preprocess(images: np.ndarray, member: Member) -> np.ndarray:
         import torch  # only needed when the data's size differs from the backbone's
 
         x = torch.nn.functional.interpolate(
-            torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), size=(h, w), mode="bilinear", antialias=True
+            torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)),
+            size=(h, w),
+            mode="bilinear",
+            antialias=True,
         ).numpy()
     mean = np.asarray(member.mean, dtype=np.float32)[None, :, None, None]
     std = np.asarray(member.std, dtype=np.float32)[None, :, None, None]
@@ -138,7 +144,9 @@ class BackboneRuntime:
         for member, session in zip(self.bundle.members, self.sessions, strict=True):
             session.run(None, {INPUT_NAME: np.zeros((1, *member.input_shape), dtype=np.float32)})
             self.active_providers[member.name] = list(session.get_providers())
-            log.info("backbone %s runs on %s", member.name, ", ".join(self.active_providers[member.name]))
+            log.info(
+                "backbone %s runs on %s", member.name, ", ".join(self.active_providers[member.name])
+            )
 
     @property
     def feature_dim(self) -> int:

@@ -41,11 +41,17 @@ class Source:
 
     def __post_init__(self) -> None:
         validate_id(self.name, field="backbone name")
-        given = [k for k in ("arch", "torchscript", "factory", "onnx") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ExportError(f"backbone {self.name!r}: give exactly one of arch, torchscript, factory, onnx (got {given or 'none'})")
         if self.weights is not None and self.arch is None:
-            raise ExportError(f"backbone {self.name!r}: weights= needs arch= (a state dict for a built-in architecture)")
+            raise ExportError(
+                f"backbone {self.name!r}: weights= needs arch= (a state dict for a built-in architecture)"
+            )
+        given = [
+            k for k in ("arch", "torchscript", "factory", "onnx") if getattr(self, k) is not None
+        ]
+        if len(given) != 1:
+            raise ExportError(
+                f"backbone {self.name!r}: give exactly one of arch, torchscript, factory, onnx (got {given or 'none'})"
+            )
         if any(s <= 0 for s in self.std):
             raise ExportError(f"backbone {self.name!r}: std must be positive")
 
@@ -67,7 +73,9 @@ class Source:
             elif key in ("mean", "std"):
                 parts = value.split("/")
                 if len(parts) != 3:
-                    raise ExportError(f"backbone spec {text!r}: {key} needs three values like 0.5/0.5/0.5")
+                    raise ExportError(
+                        f"backbone spec {text!r}: {key} needs three values like 0.5/0.5/0.5"
+                    )
                 fields[key] = tuple(_number(p, key, float) for p in parts)
             else:
                 raise ExportError(f"backbone spec {text!r}: unknown key {key!r}")
@@ -113,7 +121,9 @@ def load(source: Source) -> Loaded:
     elif declared is not None:
         shape = tuple(declared)
     else:
-        raise ExportError(f"backbone {source.name!r}: give input=SIZE (the model does not declare its input shape)")
+        raise ExportError(
+            f"backbone {source.name!r}: give input=SIZE (the model does not declare its input shape)"
+        )
     return Loaded(source, module, None, shape, prov)  # type: ignore[arg-type]
 
 
@@ -137,24 +147,34 @@ def _module(source: Source, prov: dict[str, Any]) -> nn.Module:
         return model
     if source.torchscript is not None:
         if not source.torchscript.is_file():
-            raise ExportError(f"backbone {source.name!r}: no such TorchScript file {source.torchscript}")
+            raise ExportError(
+                f"backbone {source.name!r}: no such TorchScript file {source.torchscript}"
+            )
         try:
             model = torch.jit.load(str(source.torchscript), map_location="cpu")
         except RuntimeError as exc:
-            raise ExportError(f"backbone {source.name!r}: {source.torchscript} is not TorchScript: {exc}") from exc
+            raise ExportError(
+                f"backbone {source.name!r}: {source.torchscript} is not TorchScript: {exc}"
+            ) from exc
         prov.setdefault("source", f"torchscript:{source.torchscript.name}")
         return model
     assert source.factory is not None
     module_name, _, attr = source.factory.partition(":")
     if not module_name or not attr:
-        raise ExportError(f"backbone {source.name!r}: factory must look like package.module:function")
+        raise ExportError(
+            f"backbone {source.name!r}: factory must look like package.module:function"
+        )
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ExportError(f"backbone {source.name!r}: cannot import {source.factory}: {exc}") from exc
+        raise ExportError(
+            f"backbone {source.name!r}: cannot import {source.factory}: {exc}"
+        ) from exc
     model = factory()
     if not isinstance(model, nn.Module):
-        raise ExportError(f"backbone {source.name!r}: {source.factory}() returned {type(model).__name__}, not a torch module")
+        raise ExportError(
+            f"backbone {source.name!r}: {source.factory}() returned {type(model).__name__}, not a torch module"
+        )
     prov.setdefault("source", f"factory:{source.factory}")
     return model
 
@@ -168,5 +188,7 @@ def _torch_load(path: Path, name: str) -> dict[str, torch.Tensor]:
     except Exception as exc:  # torch raises many types for a bad file
         raise ExportError(f"backbone {name!r}: cannot read {path} as a state dict: {exc}") from exc
     if not isinstance(state, dict):
-        raise ExportError(f"backbone {name!r}: {path} holds a {type(state).__name__}, not a state dict")
+        raise ExportError(
+            f"backbone {name!r}: {path} holds a {type(state).__name__}, not a state dict"
+        )
     return state

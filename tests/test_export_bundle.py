@@ -1,0 +1,94 @@
+"""The zoo bundle through the CLI: build, verify, tamper, and the runtime on it."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export import bundle as bundle_mod
+from export.errors import BundleError
+from export.runtime import BackboneRuntime, RuntimeSettings
+
+BIN = Path(sys.executable).parent
+
+
+def edge_export(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "edge-export"), *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_zoo_bundle_manifest(small_zoo):
+    data = json.loads((small_zoo / "bundle.json").read_text())
+    assert [b["name"] for b in data["backbones"]] == ["letters", "shapes", "fontdigits"]
+    assert data["feature_dim"] == sum(b["output_dim"] for b in data["backbones"])
+    for b in data["backbones"]:
+        assert b["opset"] >= 17 and b["precision"] == "fp32" and b["channel_order"] == "RGB"
+        assert 0.0 <= b["provenance"]["source_accuracy"] <= 1.0
+        assert b["provenance"]["source_task"] in ("letters", "shapes", "digits")
+    assert data["bundle_id"] == bundle_mod.load(small_zoo).id
+
+
+def test_verify_passes_on_a_fresh_zoo(small_zoo):
+    result = edge_export("verify", str(small_zoo))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and all(
+        b["parity"]["max_abs_error"] <= 1e-4 for b in report["backbones"].values()
+    )
+
+
+def test_verify_names_a_file_with_one_flipped_byte(small_zoo, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(small_zoo, copy)
+    target = copy / "shapes.fp32.onnx"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    result = edge_export("verify", str(copy))
+    assert result.returncode == 1
+    assert "shapes.fp32.onnx" in result.stderr
+    assert json.loads(result.stdout)["ok"] is False
+
+
+def test_runtime_refuses_a_tampered_bundle(small_zoo, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(small_zoo, copy)
+    (copy / "letters.fp32.onnx").write_bytes(b"not a model")
+    with pytest.raises(BundleError) as info:
+        BackboneRuntime(copy)
+    assert info.value.file == "letters.fp32.onnx"
+
+
+def test_runtime_extracts_concatenated_features_on_cpu(small_zoo):
+    runtime = BackboneRuntime(small_zoo, settings=RuntimeSettings(batch_size=7, intra_op_threads=1))
+    assert all(p == ["CPUExecutionProvider"] for p in runtime.active_providers.values())
+    images = np.random.default_rng(0).random((20, 3, 32, 32), dtype=np.float32)
+    feats = runtime.extract(images)
+    assert feats.shape == (20, runtime.feature_dim) == (20, 832)
+    assert runtime.samples_processed == 20
+    # Batching must not change the result.
+    np.testing.assert_allclose(feats[:7], runtime.extract(images[:7]), rtol=1e-5, atol=1e-5)
+    # Images of another size are resized to the backbones' input.
+    assert runtime.extract(np.zeros((2, 3, 48, 48), np.float32)).shape == (2, 832)
+
+
+def test_missing_or_bad_bundles_are_clear_errors(tmp_path):
+    with pytest.raises(BundleError, match="not a bundle directory"):
+        bundle_mod.load(tmp_path / "nope")
+    with pytest.raises(BundleError, match=r"no bundle\.json"):
+        bundle_mod.load(tmp_path)
+    (tmp_path / "bundle.json").write_text("{")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        bundle_mod.load(tmp_path)
+    result = edge_export("verify", str(tmp_path / "nope"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+
+
+def test_zoo_refuses_to_overwrite_without_force(small_zoo):
+    result = edge_export("zoo", "--out", str(small_zoo), "--size", "small")
+    assert result.returncode == 2 and "--force" in result.stderr
