@@ -14,7 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ["bench.protocol_bench", "bench.coordinator_bench"]
+BENCHMARKS = ["bench.protocol_bench", "bench.coordinator_bench", "bench.export_bench"]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 

@@ -15,15 +15,20 @@ from torch import nn
 from export import architectures, quantize, render
 from export.bundle import Bundle
 from export.onnx_io import INPUT_NAME, export_onnx
-from export.runtime import CPU, choose_providers
+from export.runtime import CPU, choose_providers, quiet_threads
 from protocol.benchutil import seconds_per_call
 
 
 @dataclass
 class Target:
+    """One backbone to time. ``onnx`` is its fp32 file when it has trained weights (a
+    bundle member): ONNX Runtime runs and quantizes that file, so the int8 cosine is
+    measured on the real weights, while torch eager runs the same architecture."""
+
     name: str
     module: nn.Module
     input_shape: tuple[int, int, int]
+    onnx: Path | None = None
 
 
 def targets_for_bundle(bundle: Bundle) -> list[Target]:
@@ -36,7 +41,8 @@ def targets_for_bundle(bundle: Bundle) -> list[Target]:
                 f"backbone {m.name} records no architecture; bench it by architecture name instead"
             )
         kwargs = dict(m.provenance.get("arch_kwargs", {}))
-        out.append(Target(m.name, architectures.build(arch, **kwargs).eval(), m.input_shape))
+        fp32 = bundle.file(m) if m.precision == "fp32" else None
+        out.append(Target(m.name, architectures.build(arch, **kwargs).eval(), m.input_shape, fp32))
     return out
 
 
@@ -67,6 +73,7 @@ def run(
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    quiet_threads(options)
     available = ort.get_available_providers()
     gpu = [p for p, _ in choose_providers(available) if p != CPU]
     results: dict[str, Any] = {"providers": available, "batches": {}}
@@ -76,8 +83,9 @@ def run(
         calib = {}
         for t in targets:
             calib[t.name] = _images(t.input_shape, 64)
-            fp32, int8 = tmp / f"{t.name}.fp32.onnx", tmp / f"{t.name}.int8.onnx"
-            export_onnx(t.module, fp32, input_shape=t.input_shape)
+            fp32, int8 = t.onnx or tmp / f"{t.name}.fp32.onnx", tmp / f"{t.name}.int8.onnx"
+            if t.onnx is None:
+                export_onnx(t.module, fp32, input_shape=t.input_shape)
             quantize.to_int8(fp32, int8, calibration=calib[t.name])
             sessions["fp32"].append(ort.InferenceSession(str(fp32), options, providers=[CPU]))
             sessions["int8"].append(ort.InferenceSession(str(int8), options, providers=[CPU]))

@@ -99,8 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _progress(desc: str, total: int) -> Any:
     from tqdm import tqdm
 
+    # disable=None: a bar on a terminal, nothing in logs and CI (no carriage-return floods).
     return tqdm(
-        total=total, desc=desc, unit="img", file=sys.stderr, leave=False, dynamic_ncols=True
+        total=total,
+        desc=desc,
+        unit="img",
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+        disable=None,
     )
 
 

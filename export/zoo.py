@@ -38,7 +38,9 @@ class ZooMember:
 MEMBERS = (
     ZooMember("letters", "cnn32", {"width": 16}, "letters"),
     ZooMember("shapes", "mobilenetv3_small", {"input_size": 32, "small_input": True}, "shapes"),
-    ZooMember("fontdigits", "vit_small", {"input_size": 32}, "digits"),
+    # A small ViT trained from scratch on 8,000 rendered digits reached only 44% here
+    # (ViTs need far more data than a CPU budget renders); a wider CNN reaches ~99%.
+    ZooMember("fontdigits", "cnn32", {"width": 24}, "digits"),
 )
 
 

@@ -69,12 +69,12 @@ def test_runtime_extracts_concatenated_features_on_cpu(small_zoo):
     assert all(p == ["CPUExecutionProvider"] for p in runtime.active_providers.values())
     images = np.random.default_rng(0).random((20, 3, 32, 32), dtype=np.float32)
     feats = runtime.extract(images)
-    assert feats.shape == (20, runtime.feature_dim) == (20, 832)
+    assert feats.shape == (20, runtime.feature_dim) == (20, 896)
     assert runtime.samples_processed == 20
     # Batching must not change the result.
     np.testing.assert_allclose(feats[:7], runtime.extract(images[:7]), rtol=1e-5, atol=1e-5)
     # Images of another size are resized to the backbones' input.
-    assert runtime.extract(np.zeros((2, 3, 48, 48), np.float32)).shape == (2, 832)
+    assert runtime.extract(np.zeros((2, 3, 48, 48), np.float32)).shape == (2, 896)
 
 
 def test_missing_or_bad_bundles_are_clear_errors(tmp_path):
@@ -92,3 +92,10 @@ def test_missing_or_bad_bundles_are_clear_errors(tmp_path):
 def test_zoo_refuses_to_overwrite_without_force(small_zoo):
     result = edge_export("zoo", "--out", str(small_zoo), "--size", "small")
     assert result.returncode == 2 and "--force" in result.stderr
+
+
+def test_the_same_seed_gives_the_same_bundle(small_zoo, tmp_path):
+    from export.zoo import build_zoo
+
+    again, _ = build_zoo(tmp_path / "again", size="small", seed=0)
+    assert again.id == bundle_mod.load(small_zoo).id

@@ -1,0 +1,21 @@
+"""Export benchmarks: torch eager vs ONNX Runtime fp32 vs int8, for ResNet-18 at
+3x224x224 and for the zoo bundle (built with `edge-export zoo` into bench/zoo if missing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export import bench
+from export import bundle as bundle_mod
+from export.zoo import build_zoo
+
+ZOO = Path(__file__).resolve().parent / "zoo"
+
+
+def run() -> dict[str, float]:
+    results = bench.headline(bench.run(bench.targets_for_arch("resnet18", 224)), "export.resnet18_")
+    if not (ZOO / "bundle.json").exists():
+        build_zoo(ZOO, size="full")
+    zoo = bundle_mod.load(ZOO)
+    results |= bench.headline(bench.run(bench.targets_for_bundle(zoo)), "export.zoo_")
+    return results
