@@ -1,0 +1,120 @@
+"""The local objectives as pure functions of embeddings, labels and prototypes.
+
+Shapes: ``z`` (B, d) unit-norm embeddings, ``y`` (B,) class indices, prototype sets
+(C, d) with a (C,) boolean ``present`` mask for classes that have a prototype.
+A sample whose own class has no prototype contributes nothing to a prototype term.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if not bool(mask.any()):
+        return values.sum() * 0.0  # keeps the graph (and the device) for an empty term
+    return values[mask].mean()
+
+
+def prototype_contrast(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    protos: torch.Tensor,
+    present: torch.Tensor,
+    *,
+    tau: float,
+    include_positive: bool = False,
+) -> torch.Tensor:
+    """One prototype-wise contrastive term (FedPCL Eq. 8 for one prototype set):
+
+    ``-log( exp(z . C_y / tau) / sum_{a in A(y)} exp(z . C_a / tau) )``
+
+    with ``A(y)`` the present classes other than ``y`` as printed in the paper, or all
+    present classes (the standard softmax) with ``include_positive``. Averaged over the
+    samples whose class is present and that have at least one negative.
+    """
+    logits = (z @ protos.T) / tau  # (B, C)
+    positive = logits.gather(1, y[:, None]).squeeze(1)  # (B,)
+    others = present[None, :].expand_as(logits).clone()
+    if not include_positive:
+        others[torch.arange(len(y)), y] = False
+    denominator = torch.logsumexp(logits.masked_fill(~others, float("-inf")), dim=1)
+    valid = present[y] & others.any(dim=1)
+    loss = torch.where(valid, denominator - positive, torch.zeros_like(positive))
+    return _masked_mean(loss, valid)
+
+
+def fedpcl_loss(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    global_protos: torch.Tensor,
+    global_present: torch.Tensor,
+    local_sets: torch.Tensor,
+    local_present: torch.Tensor,
+    tau: float = 0.07,
+    include_positive: bool = False,
+) -> torch.Tensor:
+    """FedPCL Eq. 8-10: ``L_g`` against the global set plus ``L_p``, the average of the
+    same term against each client's (padded) local set. ``local_sets`` is (m, C, d) with
+    ``local_present`` (m, C); m may be 0 (then ``L_p`` is 0)."""
+    l_g = prototype_contrast(
+        z, y, global_protos, global_present, tau=tau, include_positive=include_positive
+    )
+    if local_sets.shape[0] == 0:
+        return l_g
+    l_p = torch.stack(
+        [
+            prototype_contrast(
+                z, y, local_sets[p], local_present[p], tau=tau, include_positive=include_positive
+            )
+            for p in range(local_sets.shape[0])
+        ]
+    ).mean()
+    return l_g + l_p
+
+
+def fedproto_loss(
+    logits: torch.Tensor,
+    z: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    global_protos: torch.Tensor,
+    global_present: torch.Tensor,
+    lam: float = 1.0,
+) -> torch.Tensor:
+    """FedProto ("CE + ProtoDist"): cross-entropy of a linear classifier on ``z`` plus
+    ``lam * ||z - C_bar_y||^2`` for samples whose class has a global prototype."""
+    ce = nn.functional.cross_entropy(logits, y)
+    dist = ((z - global_protos[y]) ** 2).sum(dim=1)  # (B,)
+    return ce + lam * _masked_mean(dist, global_present[y])
+
+
+def cpcl_loss(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    clusters: torch.Tensor,
+    cluster_classes: torch.Tensor,
+    tau: float = 0.02,
+) -> torch.Tensor:
+    """FPL's CPCL (Eq. 8): ``-log( sum_{c in P_y} e^{s(z,c)} / sum_{c in P} e^{s(z,c)} )``
+    with ``s`` the cosine similarity over ``tau``. ``clusters`` (M, d) are the cluster
+    prototypes, ``cluster_classes`` (M,) their classes."""
+    s = (
+        nn.functional.normalize(z, dim=1) @ nn.functional.normalize(clusters, dim=1).T / tau
+    )  # (B, M)
+    positive = cluster_classes[None, :] == y[:, None]  # (B, M)
+    loss = torch.logsumexp(s, dim=1) - torch.logsumexp(
+        s.masked_fill(~positive, float("-inf")), dim=1
+    )
+    valid = positive.any(dim=1)
+    return _masked_mean(torch.where(valid, loss, torch.zeros_like(loss)), valid)
+
+
+def upcr_loss(
+    z: torch.Tensor, y: torch.Tensor, *, unbiased: torch.Tensor, present: torch.Tensor
+) -> torch.Tensor:
+    """FPL's UPCR (Eq. 10): ``sum_v (z_v - U_y,v)^2``, averaged over samples with a U_y."""
+    return _masked_mean(((z - unbiased[y]) ** 2).sum(dim=1), present[y])

@@ -1,0 +1,148 @@
+"""The agent's losses, prototypes and inference against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from edge_agent import losses
+from edge_agent.head import ProjectionHead, local_prototypes, predict
+
+Z = torch.tensor([[1.0, 0.0]])
+Y = torch.tensor([0])
+PROTOS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+ALL = torch.tensor([True, True, True])
+
+
+def test_contrast_excludes_the_positive_from_the_denominator_by_default():
+    # logits [1, 0, -1]: -log(e / (e^0 + e^-1)) = -1 + log(1 + e^-1)
+    got = losses.prototype_contrast(Z, Y, PROTOS, ALL, tau=1.0)
+    assert got.item() == pytest.approx(-1 + math.log(1 + math.exp(-1)), abs=1e-6)
+
+
+def test_contrast_standard_softmax_option():
+    got = losses.prototype_contrast(Z, Y, PROTOS, ALL, tau=1.0, include_positive=True)
+    assert got.item() == pytest.approx(math.log(math.e + 1 + math.exp(-1)) - 1, abs=1e-6)
+
+
+def test_contrast_temperature_and_absent_classes():
+    present = torch.tensor([True, True, False])
+    # logits [1/0.5, 0]: -2 + log(e^0)
+    got = losses.prototype_contrast(Z, Y, PROTOS, present, tau=0.5)
+    assert got.item() == pytest.approx(-2.0, abs=1e-6)
+    # a sample whose own class has no prototype contributes nothing
+    empty = losses.prototype_contrast(Z, torch.tensor([2]), PROTOS, present, tau=1.0)
+    assert empty.item() == 0.0
+
+
+def test_fedpcl_is_global_term_plus_mean_of_local_terms():
+    local_sets = torch.stack([PROTOS, torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])])
+    local_present = torch.tensor([[True, True, True], [True, True, False]])
+    got = losses.fedpcl_loss(
+        Z,
+        Y,
+        global_protos=PROTOS,
+        global_present=ALL,
+        local_sets=local_sets,
+        local_present=local_present,
+        tau=1.0,
+    )
+    l_g = -1 + math.log(1 + math.exp(-1))
+    l_p = (l_g + 1.0) / 2  # second set: logits [0, 1] -> -0 + log(e^1) = 1
+    assert got.item() == pytest.approx(l_g + l_p, abs=1e-6)
+
+
+def test_fedproto_is_cross_entropy_plus_weighted_distance():
+    logits = torch.tensor([[2.0, 0.0]])
+    global_protos = torch.tensor([[0.6, 0.8], [0.0, 1.0]])
+    got = losses.fedproto_loss(
+        logits,
+        Z,
+        Y,
+        global_protos=global_protos,
+        global_present=torch.tensor([True, True]),
+        lam=0.5,
+    )
+    assert got.item() == pytest.approx(math.log(1 + math.exp(-2)) + 0.5 * 0.8, abs=1e-6)
+
+
+def test_cpcl_and_upcr_by_hand():
+    clusters = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    owners = torch.tensor([0, 0, 1])
+    got = losses.cpcl_loss(Z, Y, clusters=clusters, cluster_classes=owners, tau=1.0)
+    assert got.item() == pytest.approx(
+        math.log(math.e + 1 + math.exp(-1)) - math.log(math.e + 1), abs=1e-6
+    )
+    unbiased = torch.tensor([[0.6, 0.8], [0.0, 1.0]])
+    assert losses.upcr_loss(
+        Z, Y, unbiased=unbiased, present=torch.tensor([True, True])
+    ).item() == pytest.approx(0.8)
+
+
+def test_local_prototypes_and_counts():
+    z = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.0]])
+    protos, counts = local_prototypes(z, torch.tensor([0, 1, 0]), 3)
+    torch.testing.assert_close(protos, torch.tensor([[0.75, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(counts, torch.tensor([2.0, 1.0, 0.0]))
+
+
+def test_prediction_ignores_absent_classes():
+    z = torch.tensor([[0.0, 1.0], [-1.0, 0.0]])
+    classes, scores = predict(z, PROTOS, torch.tensor([True, False, True]))
+    assert classes.tolist() == [0, 2]  # class 1 would win the first sample but is absent
+    assert scores.tolist() == [0.0, 1.0]
+
+
+def test_head_outputs_unit_norm_embeddings():
+    head = ProjectionHead(in_dim=12, out_dim=32).eval()
+    z = head(torch.randn(5, 12))
+    assert z.shape == (5, 32)
+    torch.testing.assert_close(z.norm(dim=1), torch.ones(5))
+    with pytest.raises(ValueError):
+        ProjectionHead(in_dim=12, out_dim=30, norm="group")
+
+
+def test_a_fedpcl_step_moves_z_towards_its_prototypes_and_away_from_others():
+    torch.manual_seed(0)
+    head = ProjectionHead(in_dim=16, out_dim=8)
+    r = torch.randn(64, 16)
+    y = torch.arange(64) % 4
+    protos = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
+    present = torch.ones(4, dtype=torch.bool)
+
+    def margins() -> tuple[float, float]:
+        head.eval()
+        with torch.no_grad():
+            sims = head(r) @ protos.T
+        own = sims.gather(1, y[:, None]).mean().item()
+        others = (
+            sims.masked_fill(torch.nn.functional.one_hot(y, 4).bool(), 0).sum(1).mean().item() / 3
+        )
+        return own, others
+
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+
+    def step() -> None:
+        head.train()
+        loss = losses.fedpcl_loss(
+            head(r),
+            y,
+            global_protos=protos,
+            global_present=present,
+            local_sets=protos[None],
+            local_present=present[None],
+            tau=0.07,
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    own0, other0 = margins()
+    step()
+    own1, other1 = margins()
+    assert own1 > own0 and other1 < other0  # one step already moves every average the right way
+    for _ in range(30):
+        step()
+    own2, other2 = margins()
+    assert own2 > own1 and other2 < other1
+    assert own2 - other2 > (own0 - other0) + 0.1
