@@ -1,0 +1,269 @@
+"""One round of local training on cached features, and the prototypes it yields.
+
+``train_round(model, features, labels, method=..., guidance=..., cfg=...)`` reads straight
+down: shuffle, embed, loss from the method's registry entry, step. Backbones never run
+here: ``features`` are the cached ``r_x`` (N, K*d_e).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from edge_agent import losses
+from edge_agent.head import Norm, ProjectionHead, local_prototypes
+from protocol import RoundAnnouncement
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Paper defaults (FedPCL 5.1): Adam, lr 1e-3, weight decay 1e-4, batch 32, E = 1."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    tau: float = 0.07
+    fpl_tau: float = 0.02
+    include_positive: bool = False
+    lam: float = 1.0
+    out_dim: int = 256
+    norm: Norm = "batch"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 2:
+            raise ValueError(
+                "epochs must be >= 1 and batch_size >= 2 (BatchNorm needs two samples)"
+            )
+        if self.lr <= 0 or self.tau <= 0 or self.fpl_tau <= 0:
+            raise ValueError("lr, tau and fpl_tau must be positive")
+
+
+class LocalModel(nn.Module):
+    """The trainable part on a device: the projection head and a linear classifier on
+    ``z`` (used by the methods with a cross-entropy term, and by FedAvg)."""
+
+    def __init__(self, *, in_dim: int, num_classes: int, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.head = ProjectionHead(in_dim=in_dim, out_dim=cfg.out_dim, norm=cfg.norm)
+        self.classifier = nn.Linear(cfg.out_dim, num_classes)
+
+    def forward(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.head(r)  # (B, out_dim), unit norm
+        return z, self.classifier(z)  # logits (B, C)
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """What the round announcement contributes to the local objective, as tensors."""
+
+    global_protos: torch.Tensor  # (C, d)
+    global_present: torch.Tensor  # (C,) bool
+    local_sets: torch.Tensor  # (m, C, d)
+    local_present: torch.Tensor  # (m, C) bool
+    clusters: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # (M, d)
+    cluster_classes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    @property
+    def has_globals(self) -> bool:
+        return bool(self.global_present.any())
+
+    @classmethod
+    def empty(cls, num_classes: int, dim: int) -> Guidance:
+        return cls(
+            global_protos=torch.zeros(num_classes, dim),
+            global_present=torch.zeros(num_classes, dtype=torch.bool),
+            local_sets=torch.zeros(0, num_classes, dim),
+            local_present=torch.zeros(0, num_classes, dtype=torch.bool),
+        )
+
+    @classmethod
+    def from_announcement(
+        cls, announcement: RoundAnnouncement, *, client: str, dim: int
+    ) -> Guidance:
+        """Scatter the announcement's rows (aligned with ``global_classes``) into dense
+        (C, d) tensors. A dimension other than ``dim`` (another head size) is ignored."""
+        num_classes = len(announcement.classes)
+        guide = cls.empty(num_classes, dim)
+        rows = announcement.global_of(client)
+        if len(announcement.global_classes) == 0 or rows.shape[1] != dim:
+            return guide
+        idx = torch.tensor(announcement.global_classes, dtype=torch.long)
+        guide.global_protos[idx] = torch.from_numpy(rows.astype(np.float32))
+        guide.global_present[idx] = True
+        sets = [s for s in announcement.local_sets.values() if s.shape == rows.shape]
+        local = torch.zeros(len(sets), num_classes, dim)
+        present = torch.zeros(len(sets), num_classes, dtype=torch.bool)
+        for p, s in enumerate(sets):
+            local[p, idx] = torch.from_numpy(s.astype(np.float32))
+            present[p, idx] = True
+        clusters = announcement.extras.get("clusters")
+        owners = announcement.extras.get("cluster_classes")
+        if (
+            clusters is not None
+            and owners is not None
+            and clusters.ndim == 2
+            and clusters.shape[1] == dim
+        ):
+            return cls(
+                guide.global_protos,
+                guide.global_present,
+                local,
+                present,
+                torch.from_numpy(clusters.astype(np.float32)),
+                torch.from_numpy(owners.astype(np.int64)),
+            )
+        return cls(guide.global_protos, guide.global_present, local, present)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Guidance, TrainConfig], torch.Tensor]
+
+
+def _fedpcl(
+    z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    if not g.has_globals:
+        # Round 0 has no prototypes yet: contrast against this batch's own class means
+        # (detached), the local-only form of the same objective.
+        protos, counts = local_prototypes(z.detach(), y, len(g.global_present))
+        return losses.prototype_contrast(
+            z, y, protos, counts > 0, tau=cfg.tau, include_positive=cfg.include_positive
+        )
+    return losses.fedpcl_loss(
+        z,
+        y,
+        global_protos=g.global_protos,
+        global_present=g.global_present,
+        local_sets=g.local_sets,
+        local_present=g.local_present,
+        tau=cfg.tau,
+        include_positive=cfg.include_positive,
+    )
+
+
+def _fedproto(
+    z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    return losses.fedproto_loss(
+        logits, z, y, global_protos=g.global_protos, global_present=g.global_present, lam=cfg.lam
+    )
+
+
+def _fpl(
+    z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    # FPL's objective: cross-entropy + CPCL (Eq. 8) + UPCR (Eq. 10, against the unbiased
+    # prototypes the coordinator announces as global prototypes).
+    loss = nn.functional.cross_entropy(logits, y)
+    if g.clusters.numel():
+        loss = loss + losses.cpcl_loss(
+            z, y, clusters=g.clusters, cluster_classes=g.cluster_classes, tau=cfg.fpl_tau
+        )
+    if g.has_globals:
+        loss = loss + losses.upcr_loss(z, y, unbiased=g.global_protos, present=g.global_present)
+    return loss
+
+
+def _cross_entropy(
+    z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, y)
+
+
+#: Local objectives by method name. Solo and FedAvg train head and classifier with
+#: cross-entropy; FedAvg's weights are then averaged by the coordinator.
+LOSSES: dict[str, LossFn] = {
+    "fedpcl": _fedpcl,
+    "fedproto": _fedproto,
+    "fpl": _fpl,
+    "solo": _cross_entropy,
+    "fedavg": _cross_entropy,
+}
+
+
+def loss_for(method: str) -> LossFn:
+    try:
+        return LOSSES[method]
+    except KeyError:
+        raise ValueError(
+            f"no local objective for method {method!r}; available: {', '.join(sorted(LOSSES))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RoundMetrics:
+    loss: float
+    samples: int
+    steps: int
+    seconds: float
+
+
+def train_round(
+    model: LocalModel,
+    optimiser: torch.optim.Optimizer,
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    method: str,
+    guidance: Guidance,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> RoundMetrics:
+    """E epochs of the method's local objective over the cached features."""
+    loss_fn = loss_for(method)
+    start = time.perf_counter()
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    n = len(y_all)
+    total, steps = 0.0, 0
+    model.train()
+    for _ in range(cfg.epochs):
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n, cfg.batch_size):
+            idx = order[i : i + cfg.batch_size]
+            if len(idx) < 2:
+                continue  # BatchNorm cannot normalise a single sample
+            r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))  # (B, K*d_e)
+            z, logits = model(r)
+            loss = loss_fn(z, logits, y_all[idx], guidance, cfg)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            total += float(loss.detach())
+            steps += 1
+    return RoundMetrics(
+        loss=total / max(steps, 1), samples=n, steps=steps, seconds=time.perf_counter() - start
+    )
+
+
+def make_optimiser(model: LocalModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+@torch.inference_mode()
+def embed(
+    model: LocalModel, features: np.ndarray, *, batch: int = 512
+) -> tuple[np.ndarray, np.ndarray]:
+    """(z, logits) of every sample in eval mode."""
+    model.eval()
+    zs, ls = [], []
+    for i in range(0, len(features), batch):
+        z, logits = model(torch.from_numpy(np.asarray(features[i : i + batch], dtype=np.float32)))
+        zs.append(z.numpy())
+        ls.append(logits.numpy())
+    return np.concatenate(zs), np.concatenate(ls)
+
+
+def prototypes_of(
+    model: LocalModel, features: np.ndarray, labels: np.ndarray, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """FedPCL Eq. 5 on the whole local set: (C, d) prototypes and (C,) counts."""
+    z, _ = embed(model, features)
+    protos, counts = local_prototypes(
+        torch.from_numpy(z), torch.from_numpy(np.asarray(labels, dtype=np.int64)), num_classes
+    )
+    return protos.numpy(), counts.numpy()
