@@ -70,8 +70,8 @@ def render(domain: str, strokes: np.ndarray, rng: np.random.Generator) -> np.nda
             patches[i] = photo[top : top + 32, left : left + 32].transpose(2, 0, 1)
         out = np.abs(patches - np.repeat(s, 3, axis=1))  # MNIST-M's blend
     elif domain == "colour":
-        thick = nn.functional.max_pool2d(torch.from_numpy(s), 3, stride=1, padding=1)
-        thick = _rotate(thick, rng.uniform(-30, 30, size=n)).numpy()
+        dilated = nn.functional.max_pool2d(torch.from_numpy(s), 3, stride=1, padding=1)
+        thick = _rotate(dilated, rng.uniform(-30, 30, size=n)).numpy()
         fg = rng.uniform(0, 1, size=(n, 3, 1, 1)).astype(np.float32)
         bg = rng.uniform(0, 1, size=(n, 3, 1, 1)).astype(np.float32)
         flip = np.abs(fg.mean(1) - bg.mean(1))[:, 0, 0] < 0.3  # keep strokes visible
