@@ -252,7 +252,9 @@ def embed(
     model.eval()
     zs, ls = [], []
     for i in range(0, len(features), batch):
-        z, logits = model(torch.from_numpy(np.asarray(features[i : i + batch], dtype=np.float32)))
+        z, logits = model(
+            torch.from_numpy(np.array(features[i : i + batch], dtype=np.float32))
+        )  # copy off the memmap
         zs.append(z.numpy())
         ls.append(logits.numpy())
     return np.concatenate(zs), np.concatenate(ls)

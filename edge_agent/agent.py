@@ -1,0 +1,220 @@
+"""The agent's round logic, free of any transport: given an announcement, decide whether
+to answer, train, compute prototypes and produce the update. The MQTT service and the
+simulated fleet drive the same class."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent import data as data_mod
+from edge_agent.config import AgentConfig
+from edge_agent.features import FeatureCache
+from edge_agent.head import predict
+from edge_agent.state import StateDir
+from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, prototypes_of, train_round
+from export import bundle as bundle_mod
+from export.runtime import BackboneRuntime
+from protocol import PrototypeUpdate, RoundAnnouncement
+from protocol.version import package_version
+
+log = logging.getLogger(__name__)
+
+#: FedAvg's weights travel as extras named after the model's parameters.
+WEIGHT_PREFIXES = ("head.", "classifier.")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the agent does with an announcement: ``update`` to publish, or why not."""
+
+    reason: str
+    update: PrototypeUpdate | None = None
+    payload: bytes | None = None
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, *, runtime: BackboneRuntime | None = None) -> None:
+        self.cfg = cfg
+        self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
+        bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
+        self.state.reset_for_bundle(bundle.id)
+        self.runtime = runtime or BackboneRuntime(
+            bundle, settings=_with_cache_dir(cfg.runtime, self.state.providers_dir)
+        )
+        self.bundle_id = self.runtime.bundle.id
+        self.train_data = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
+        self.test_data = (
+            data_mod.load(cfg.data.test, cfg.classes, size=cfg.data.image_size)
+            if cfg.data.test
+            else None
+        )
+        cache = FeatureCache(self.state.cache_dir)
+        dim = self.runtime.feature_dim
+        self.features = cache_features(cache, self.bundle_id, self.train_data, self.runtime)
+        self.test_features = (
+            cache_features(cache, self.bundle_id, self.test_data, self.runtime)
+            if self.test_data is not None
+            else None
+        )
+        cache.prune(keep_bundle=self.bundle_id)
+        self.num_classes = len(cfg.classes)
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.seed)
+            self.model = LocalModel(in_dim=dim, num_classes=self.num_classes, cfg=cfg.train)
+        self.resumed = self.state.load_model(self.model)
+        self.optimiser = make_optimiser(self.model, cfg.train)
+        self.generator = torch.Generator().manual_seed(
+            cfg.seed + (self.state.snapshot.last_round or 0)
+        )
+        log.info(
+            "agent %s: %d training samples, bundle %s, %s",
+            cfg.agent_id,
+            len(self.train_data),
+            self.bundle_id[:12],
+            "resumed head" if self.resumed else "new head",
+        )
+
+    @property
+    def last_round(self) -> int | None:
+        return self.state.snapshot.last_round
+
+    def handle(self, announcement: RoundAnnouncement) -> Decision:
+        """Answer ``announcement`` at most once per round, across restarts."""
+        cfg = self.cfg
+        if announcement.fleet != cfg.fleet:
+            return Decision("wrong_fleet")
+        if announcement.bundle != self.bundle_id:
+            log.warning(
+                "round %d uses bundle %s, this device has %s: ignored",
+                announcement.round,
+                announcement.bundle[:12],
+                self.bundle_id[:12],
+            )
+            return Decision("wrong_bundle")
+        if announcement.method != cfg.method:
+            log.warning(
+                "round %d is %s, this device runs %s: ignored",
+                announcement.round,
+                announcement.method,
+                cfg.method,
+            )
+            return Decision("wrong_method")
+        if tuple(announcement.classes) != tuple(cfg.classes):
+            log.warning("round %d announces another class list: ignored", announcement.round)
+            return Decision("wrong_classes")
+        last = self.last_round
+        if last is not None and announcement.round <= last:
+            pending = self.state.pending_update()
+            if pending is not None and pending[0] == announcement.round:
+                return Decision("republish", payload=pending[1])  # stored, never acknowledged
+            return Decision("already_answered")
+        if announcement.params.get("final") is True:
+            self.state.record(final_round=announcement.round)
+            return Decision("final")
+        return self._answer(announcement)
+
+    def _answer(self, announcement: RoundAnnouncement) -> Decision:
+        cfg = self.cfg
+        if cfg.method == "fedavg" and announcement.extras:
+            self._load_weights(announcement.extras)
+        guidance = Guidance.from_announcement(
+            announcement, client=cfg.agent_id, dim=cfg.train.out_dim
+        )
+        metrics = train_round(
+            self.model,
+            self.optimiser,
+            self.features,
+            self.train_data.labels,
+            method=cfg.method,
+            guidance=guidance,
+            cfg=cfg.train,
+            generator=self.generator,
+        )
+        protos, counts = prototypes_of(
+            self.model, self.features, self.train_data.labels, self.num_classes
+        )
+        held = np.flatnonzero(counts > 0)
+        extras = self._weights() if cfg.method == "fedavg" else {}
+        update = PrototypeUpdate(
+            fleet=cfg.fleet,
+            round=announcement.round,
+            client=cfg.agent_id,
+            bundle=self.bundle_id,
+            method=cfg.method,
+            classes=tuple(int(c) for c in held),
+            counts=tuple(int(counts[c]) for c in held),
+            prototypes=protos[held].astype(np.float16),
+            extras=extras,
+        )
+        payload = update.to_wire()
+        record: dict[str, Any] = {
+            "loss": metrics.loss,
+            "train_seconds": metrics.seconds,
+            "time": time.time(),
+        }
+        if self.test_features is not None and self.test_data is not None:
+            record["test_accuracy"] = self.accuracy(
+                self.test_features, self.test_data.labels, protos, counts
+            )
+        self.state.save_round(
+            announcement.round,
+            model=self.model,
+            prototypes=protos,
+            counts=counts,
+            update=payload,
+            metrics=record,
+        )
+        log.info(
+            "round %d answered: loss %.4f, %d classes", announcement.round, metrics.loss, len(held)
+        )
+        return Decision("answered", update=update, payload=payload)
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        return {
+            k: v.detach().numpy().astype(np.float32)
+            for k, v in self.model.state_dict().items()
+            if k.startswith(WEIGHT_PREFIXES) and v.dtype.is_floating_point
+        }
+
+    def _load_weights(self, extras: Any) -> None:
+        state = self.model.state_dict()
+        fitting = {
+            k: torch.from_numpy(np.array(a, dtype=np.float32))
+            for k, a in extras.items()
+            if k in state and tuple(state[k].shape) == a.shape
+        }
+        if fitting:
+            self.model.load_state_dict(fitting, strict=False)
+
+    def accuracy(
+        self, features: np.ndarray, labels: np.ndarray, protos: np.ndarray, counts: np.ndarray
+    ) -> float:
+        z, _ = embed(self.model, features)
+        pred, _ = predict(
+            torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0)
+        )
+        return float((pred.numpy() == labels).mean())
+
+
+def cache_features(
+    cache: FeatureCache, bundle_id: str, data: data_mod.LocalData, runtime: BackboneRuntime
+) -> np.ndarray:
+    return cache.features(
+        bundle_id, data.images, runtime.extract, dim=runtime.feature_dim, labels=data.labels
+    )
+
+
+def _with_cache_dir(settings: Any, path: Any) -> Any:
+    from dataclasses import replace
+
+    return settings if settings.cache_dir is not None else replace(settings, cache_dir=path)
+
+
+def agent_version() -> str:
+    return package_version()

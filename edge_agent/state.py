@@ -1,0 +1,180 @@
+"""The agent's state directory. Every file is written atomically (temp file, fsync,
+rename, fsync of the folder), and ``state.json`` is written last: it is the commit point
+of a round, so after a crash the directory holds either the previous round or the new one
+complete, never a mix.
+
+Layout::
+
+    state.json          agent id, bundle id, last round answered, pending update, history
+    head.npz            model weights as plain arrays (no pickle)
+    prototypes.npz      local prototypes and counts, for prediction
+    update-<round>.bin  the encoded update of the last round, until it is published
+    cache/              feature cache (edge_agent.features)
+    providers/          TensorRT engine and timing caches
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    agent_id: str
+    bundle_id: str | None = None
+    last_round: int | None = None
+    pending_round: int | None = None  # answered and stored, not yet acknowledged by the broker
+    history: tuple[dict[str, Any], ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "agent_id": self.agent_id,
+            "bundle_id": self.bundle_id,
+            "last_round": self.last_round,
+            "pending_round": self.pending_round,
+            "history": list(self.history),
+            "extra": self.extra,
+        }
+
+
+class StateDir:
+    def __init__(self, root: Path, *, agent_id: str) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.agent_id = agent_id
+        self.snapshot = self._read()
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def providers_dir(self) -> Path:
+        return self.root / "providers"
+
+    def _read(self) -> Snapshot:
+        path = self.root / "state.json"
+        if not path.exists():
+            return Snapshot(agent_id=self.agent_id)
+        data = json.loads(path.read_text())
+        if data.get("agent_id") != self.agent_id:
+            raise ValueError(
+                f"{self.root} belongs to agent {data.get('agent_id')!r}, not {self.agent_id!r}"
+            )
+        return Snapshot(
+            agent_id=data["agent_id"],
+            bundle_id=data.get("bundle_id"),
+            last_round=data.get("last_round"),
+            pending_round=data.get("pending_round"),
+            history=tuple(data.get("history", ())),
+            extra=data.get("extra", {}),
+        )
+
+    def _commit(self, snapshot: Snapshot) -> None:
+        atomic_write(self.root / "state.json", json.dumps(snapshot.to_json(), indent=1).encode())
+        self.snapshot = snapshot
+
+    def reset_for_bundle(self, bundle_id: str) -> None:
+        """A new bundle starts the head afresh: old weights embed other features."""
+        if self.snapshot.bundle_id != bundle_id:
+            for name in ("head.npz", "prototypes.npz"):
+                (self.root / name).unlink(missing_ok=True)
+            self._commit(
+                Snapshot(agent_id=self.agent_id, bundle_id=bundle_id, history=self.snapshot.history)
+            )
+
+    def save_round(
+        self,
+        round_: int,
+        *,
+        model: nn.Module,
+        prototypes: np.ndarray,
+        counts: np.ndarray,
+        update: bytes,
+        metrics: dict[str, Any],
+    ) -> None:
+        """Persist everything a round produced, then commit it with state.json."""
+        atomic_write(
+            self.root / "head.npz",
+            _npz_bytes({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
+        )
+        atomic_write(
+            self.root / "prototypes.npz", _npz_bytes({"prototypes": prototypes, "counts": counts})
+        )
+        atomic_write(self.root / f"update-{round_}.bin", update)
+        history = (*self.snapshot.history, {"round": round_, **metrics})[-200:]
+        self._commit(
+            replace(self.snapshot, last_round=round_, pending_round=round_, history=history)
+        )
+
+    def pending_update(self) -> tuple[int, bytes] | None:
+        r = self.snapshot.pending_round
+        if r is None:
+            return None
+        path = self.root / f"update-{r}.bin"
+        return (r, path.read_bytes()) if path.exists() else None
+
+    def mark_published(self, round_: int) -> None:
+        if self.snapshot.pending_round == round_:
+            self._commit(replace(self.snapshot, pending_round=None))
+        for old in self.root.glob("update-*.bin"):
+            if old.name != f"update-{self.snapshot.pending_round}.bin":
+                old.unlink(missing_ok=True)
+
+    def record(self, **extra: Any) -> None:
+        self._commit(replace(self.snapshot, extra={**self.snapshot.extra, **extra}))
+
+    def load_model(self, model: nn.Module) -> bool:
+        """Load head.npz into ``model``; False if there is none or it does not fit."""
+        path = self.root / "head.npz"
+        if not path.exists():
+            return False
+        with np.load(path, allow_pickle=False) as data:
+            state = {k: torch.from_numpy(data[k]) for k in data.files}
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError:
+            return False
+        return True
+
+    def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        path = self.root / "prototypes.npz"
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            return data["prototypes"], data["counts"]
