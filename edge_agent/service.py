@@ -1,0 +1,170 @@
+"""The agent's MQTT loop: presence, announcements in, updates out.
+
+paho runs the network on its own thread; training runs on the caller's thread so a long
+round never starves keepalives. Only the newest announcement is kept: a device that was
+offline for three rounds answers the current one, not the backlog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from edge_agent.agent import Agent
+from protocol import (
+    AgentState,
+    ProtocolError,
+    RoundAnnouncement,
+    Status,
+    round_topic,
+    status_topic,
+    update_topic,
+)
+from protocol.transport import backoff_delay, make_client
+from protocol.version import package_version
+
+log = logging.getLogger(__name__)
+
+
+class AgentService:
+    def __init__(self, *, agent: Agent, publish_timeout: float = 30.0) -> None:
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.publish_timeout = publish_timeout
+        self._cond = threading.Condition()
+        self._latest: bytes | None = None
+        self._stop = False
+        self._rng = random.Random()
+        self._attempt = 0
+        self.malformed = 0
+        self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
+        offline = self._status(AgentState.OFFLINE, "connection lost")
+        self.client = make_client(
+            self.cfg.mqtt, self.cfg.agent_id, will=(self._status_topic, offline)
+        )
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+
+    def _status(self, state: AgentState, reason: str = "") -> bytes:
+        return Status(
+            fleet=self.cfg.fleet,
+            client=self.cfg.agent_id,
+            state=state,
+            version=package_version(),
+            last_round=self.agent.last_round,
+            reason=reason,
+        ).to_wire()
+
+    # -- paho callbacks (network thread) -----------------------------------------------
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if reason.is_failure:
+            log.error("broker refused the connection: %s", reason)
+            return
+        self._attempt = 0
+        client.subscribe(round_topic(self.cfg.fleet), qos=1)
+        client.publish(self._status_topic, self._status(AgentState.ONLINE), qos=1, retain=True)
+        log.info(
+            "connected to %s:%d as %s", self.cfg.mqtt.host, self.cfg.mqtt.port, self.cfg.agent_id
+        )
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
+    ) -> None:
+        if self._stop:
+            return
+        # paho backs off exponentially but in lock-step across a fleet; a random base per
+        # attempt spreads the reconnects of many devices after a broker restart.
+        self._attempt += 1
+        mqtt_cfg = self.cfg.mqtt
+        delay = backoff_delay(
+            self._attempt,
+            low=mqtt_cfg.reconnect_min_s,
+            high=mqtt_cfg.reconnect_max_s,
+            rng=self._rng,
+        )
+        client.reconnect_delay_set(
+            min_delay=max(1, round(delay)), max_delay=max(1, int(mqtt_cfg.reconnect_max_s))
+        )
+        log.warning("disconnected (%s); reconnecting in about %.0f s", reason, delay)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        if not message.payload:
+            return  # a cleared retained message
+        with self._cond:
+            self._latest = bytes(message.payload)
+            self._cond.notify_all()
+
+    # -- driver ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def _next(self) -> bytes | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._stop or self._latest is not None)
+            payload, self._latest = self._latest, None
+            return None if self._stop else payload
+
+    def run(self) -> None:
+        mqtt_cfg = self.cfg.mqtt
+        self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
+        self.client.loop_start()
+        try:
+            while (payload := self._next()) is not None:
+                self._process(payload)
+        finally:
+            self._shutdown()
+
+    def _process(self, payload: bytes) -> None:
+        try:
+            announcement = RoundAnnouncement.from_wire(
+                payload, max_bytes=self.cfg.mqtt.max_payload_bytes
+            )
+        except ProtocolError as exc:
+            self.malformed += 1
+            log.warning("ignoring a malformed round announcement: %s", exc)
+            return
+        log.info("training round %d", announcement.round)
+        decision = self.agent.handle(announcement)
+        if decision.payload is None:
+            log.info("round %d: %s", announcement.round, decision.reason)
+            return
+        info = self.client.publish(
+            update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload, qos=1
+        )
+        try:
+            info.wait_for_publish(timeout=self.publish_timeout)
+        except (RuntimeError, ValueError) as exc:
+            log.warning(
+                "round %d: update not acknowledged yet (%s); kept for republishing",
+                announcement.round,
+                exc,
+            )
+            return
+        if info.is_published():
+            self.agent.state.mark_published(announcement.round)
+            log.info(
+                "round %d: update published (%d bytes)", announcement.round, len(decision.payload)
+            )
+
+    def _shutdown(self) -> None:
+        self._stop = True
+        if self.client.is_connected():
+            info = self.client.publish(
+                self._status_topic, self._status(AgentState.OFFLINE, "shutdown"), qos=1, retain=True
+            )
+            with contextlib.suppress(RuntimeError, ValueError):
+                info.wait_for_publish(timeout=5)
+        self.client.disconnect()
+        self.client.loop_stop()
