@@ -14,7 +14,12 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ["bench.protocol_bench", "bench.coordinator_bench", "bench.export_bench"]
+BENCHMARKS = [
+    "bench.protocol_bench",
+    "bench.coordinator_bench",
+    "bench.export_bench",
+    "bench.agent_bench",
+]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 

@@ -123,6 +123,7 @@ class Agent:
         cfg = self.cfg
         if cfg.method == "fedavg" and announcement.extras:
             self._load_weights(announcement.extras)
+        log.info("round %d: training on %d samples", announcement.round, len(self.train_data))
         guidance = Guidance.from_announcement(
             announcement, client=cfg.agent_id, dim=cfg.train.out_dim
         )

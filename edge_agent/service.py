@@ -135,7 +135,6 @@ class AgentService:
             self.malformed += 1
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
-        log.info("training round %d", announcement.round)
         decision = self.agent.handle(announcement)
         if decision.payload is None:
             log.info("round %d: %s", announcement.round, decision.reason)

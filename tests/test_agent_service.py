@@ -1,0 +1,192 @@
+"""Two agents as separate processes, a real Mosquitto and a stand-in coordinator."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol import (
+    AgentState,
+    PrototypeUpdate,
+    RoundAnnouncement,
+    Status,
+    parse_topic,
+    round_topic,
+    status_filter,
+    update_filter,
+)
+from tests.agent_helpers import digits_npz
+from tests.mqtt_helpers import connected
+
+pytestmark = pytest.mark.broker
+
+BIN = Path(sys.executable).parent
+CLASSES = tuple(str(i) for i in range(10))
+
+
+def write_config(
+    root: Path, bundle: Path, agent_id: str, domain: str, port: int, *, epochs: int
+) -> tuple[Path, np.ndarray]:
+    root.mkdir(parents=True)
+    train = digits_npz(root, domain, start=0, count=200)
+    config = root / "agent.toml"
+    config.write_text(
+        f'agent_id = "{agent_id}"\nfleet = "lab"\nstate_dir = "{root / "state"}"\nbundle = "{bundle}"\n'
+        f'[data]\ntrain = "{train}"\n[train]\nout_dim = 32\nepochs = {epochs}\n[mqtt]\nport = {port}\n'
+    )
+    with np.load(train) as data:
+        return config, data["y"]
+
+
+class AgentProcess:
+    """An `edge-agent run` process whose log lines can be waited on."""
+
+    def __init__(self, config: Path) -> None:
+        self.proc = subprocess.Popen(
+            [str(BIN / "edge-agent"), "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, *, after: int = 0, timeout: float = 60.0) -> int:
+        with self._cond:
+            found = self._cond.wait_for(
+                lambda: any(text in line for line in self.lines[after:]), timeout=timeout
+            )
+            if not found:
+                raise TimeoutError(f"no log line {text!r}; got:\n{''.join(self.lines[-20:])}")
+            return len(self.lines)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+class StandInCoordinator:
+    def __init__(self, pub, inbox, bundle_id: str) -> None:
+        self.pub, self.inbox, self.bundle_id = pub, inbox, bundle_id
+
+    def announce(self, round_: int, updates: list[PrototypeUpdate]) -> None:
+        # Globals as the plain mean of the received prototypes: enough to exercise the
+        # agents' use of an announcement.
+        rows: dict[int, list[np.ndarray]] = {}
+        for u in updates:
+            for c, p in zip(u.classes, u.prototypes, strict=True):
+                rows.setdefault(c, []).append(p.astype(np.float32))
+        classes = tuple(sorted(rows))
+        protos = (
+            np.stack([np.mean(rows[c], axis=0) for c in classes])
+            if classes
+            else np.zeros((0, 0), np.float32)
+        )
+        ann = RoundAnnouncement(
+            fleet="lab",
+            round=round_,
+            bundle=self.bundle_id,
+            method="fedpcl",
+            classes=CLASSES,
+            deadline=time.time() + 600,
+            params={"final": False},
+            global_classes=classes,
+            global_prototypes=protos.astype(np.float32),
+        )
+        self.pub.publish(round_topic("lab"), ann.to_wire(), qos=1, retain=True).wait_for_publish(10)
+
+    def updates(self) -> list[tuple[str | None, PrototypeUpdate]]:
+        out = []
+        for m in self.inbox.messages:
+            topic = parse_topic(m.topic)
+            if topic.kind.value == "update":
+                out.append((topic.client, PrototypeUpdate.from_wire(m.payload)))
+        return out
+
+    def wait_updates(
+        self, round_: int, clients: set[str], timeout: float = 90.0
+    ) -> list[PrototypeUpdate]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [u for c, u in self.updates() if u.round == round_]
+            if {u.client for u in got} >= clients:
+                return got
+            self.inbox.wait(
+                len(self.inbox.messages) + 1, timeout=max(0.1, deadline - time.monotonic())
+            )
+
+
+def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zoo, tmp_path):
+    from export import bundle as bundle_mod
+
+    bundle_id = bundle_mod.load(small_zoo).id
+    port = mosquitto.address.port
+    cfg_a, labels_a = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=40)
+    cfg_b, labels_b = write_config(tmp_path / "b", small_zoo, "dev-b", "colour", port, epochs=1)
+    expected = {"dev-a": labels_a, "dev-b": labels_b}
+    with connected(
+        mosquitto.address, "stand-in", subscribe=(update_filter("lab"), status_filter("lab"))
+    ) as (pub, inbox):
+        coord = StandInCoordinator(pub, inbox, bundle_id)
+        a, b = AgentProcess(cfg_a), AgentProcess(cfg_b)
+        try:
+            coord.announce(0, [])
+            r0 = coord.wait_updates(0, {"dev-a", "dev-b"})
+            mark = a.wait_for("round 0: update published")
+            coord.announce(1, r0)
+            a.wait_for("round 1: training", after=mark)
+            a.kill()  # mid-training: nothing of round 1 was committed
+            coord.wait_updates(1, {"dev-b"})
+            a = AgentProcess(cfg_a)
+            a.wait_for("round 1: training")  # nothing was committed: it trains round 1 again
+            r1 = coord.wait_updates(1, {"dev-a", "dev-b"})
+            coord.announce(2, r1)
+            coord.wait_updates(2, {"dev-a", "dev-b"})
+            mark = a.wait_for("round 2: update published")
+            a.kill()  # idle, after answering round 2
+            a = AgentProcess(cfg_a)
+            a.wait_for("round 2: already_answered")
+            assert a.stop() == 0 and b.stop() == 0
+        finally:
+            for proc in (a, b):
+                if proc.proc.poll() is None:
+                    proc.kill()
+        updates = coord.updates()
+        statuses = [
+            Status.from_wire(m.payload)
+            for m in inbox.messages
+            if parse_topic(m.topic).kind.value == "status"
+        ]
+    per_round = Counter((client, u.round) for client, u in updates)
+    assert per_round == {(c, r): 1 for c in ("dev-a", "dev-b") for r in range(3)}
+    for client, u in updates:
+        assert u.client == client and u.bundle == bundle_id
+        labels = expected[u.client]
+        assert u.counts == tuple(int((labels == c).sum()) for c in u.classes)
+        assert sum(u.counts) == len(labels)
+    assert any(s.state is AgentState.OFFLINE and s.reason == "shutdown" for s in statuses)
+    # Restarts hit the feature cache: no backbone ran again.
+    state = json.loads((tmp_path / "a" / "state" / "state.json").read_text())
+    assert state["extra"]["backbone_samples_at_start"] == 0
+    assert state["last_round"] == 2
