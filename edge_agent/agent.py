@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from edge_agent import data as data_mod
+from edge_agent import losses
 from edge_agent.config import AgentConfig
 from edge_agent.features import FeatureCache
 from edge_agent.head import predict
@@ -66,7 +67,9 @@ class Agent:
         self.num_classes = len(cfg.classes)
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed)
-            self.model = LocalModel(in_dim=dim, num_classes=self.num_classes, cfg=cfg.train)
+            self.model = LocalModel(
+                in_dim=dim, num_classes=self.num_classes, cfg=cfg.train, dual=cfg.method == "feddbp"
+            )
         self.resumed = self.state.load_model(self.model)
         self.optimiser = make_optimiser(self.model, cfg.train)
         self.generator = torch.Generator().manual_seed(
@@ -141,7 +144,7 @@ class Agent:
             self.model, self.features, self.train_data.labels, self.num_classes
         )
         held = np.flatnonzero(counts > 0)
-        extras = self._weights() if cfg.method == "fedavg" else {}
+        extras = self._extras(held)
         update = PrototypeUpdate(
             fleet=cfg.fleet,
             round=announcement.round,
@@ -175,6 +178,21 @@ class Agent:
             "round %d answered: loss %.4f, %d classes", announcement.round, metrics.loss, len(held)
         )
         return Decision("answered", update=update, payload=payload)
+
+    def _extras(self, held: np.ndarray) -> dict[str, np.ndarray]:
+        """Method-specific arrays: FedAvg's weights, FedDBP's Fisher channel scores."""
+        if self.cfg.method == "fedavg":
+            return self._weights()
+        if self.cfg.method == "feddbp":
+            z, _ = embed(self.model, self.features)
+            scores = losses.fisher_scores(
+                self.model.classifier,
+                torch.from_numpy(z),
+                torch.from_numpy(self.train_data.labels),
+                self.num_classes,
+            )
+            return {"fisher": scores.numpy()[held].astype(np.float32)}
+        return {}
 
     def _weights(self) -> dict[str, np.ndarray]:
         return {

@@ -87,8 +87,7 @@ def fedproto_loss(
     """FedProto ("CE + ProtoDist"): cross-entropy of a linear classifier on ``z`` plus
     ``lam * ||z - C_bar_y||^2`` for samples whose class has a global prototype."""
     ce = nn.functional.cross_entropy(logits, y)
-    dist = ((z - global_protos[y]) ** 2).sum(dim=1)  # (B,)
-    return ce + lam * _masked_mean(dist, global_present[y])
+    return ce + lam * prototype_distance(z, y, protos=global_protos, present=global_present)
 
 
 def cpcl_loss(
@@ -113,8 +112,67 @@ def cpcl_loss(
     return _masked_mean(torch.where(valid, loss, torch.zeros_like(loss)), valid)
 
 
+def prototype_distance(
+    z: torch.Tensor, y: torch.Tensor, *, protos: torch.Tensor, present: torch.Tensor
+) -> torch.Tensor:
+    """``||z - C_y||^2`` averaged over the samples whose class has a prototype: FedProto's
+    ProtoDist, FPL's UPCR (Eq. 10, against unbiased prototypes) and FedDBP's shared-branch
+    alignment (Eq. 3) are all this term."""
+    return _masked_mean(((z - protos[y]) ** 2).sum(dim=1), present[y])
+
+
 def upcr_loss(
     z: torch.Tensor, y: torch.Tensor, *, unbiased: torch.Tensor, present: torch.Tensor
 ) -> torch.Tensor:
     """FPL's UPCR (Eq. 10): ``sum_v (z_v - U_y,v)^2``, averaged over samples with a U_y."""
-    return _masked_mean(((z - unbiased[y]) ** 2).sum(dim=1), present[y])
+    return prototype_distance(z, y, protos=unbiased, present=present)
+
+
+def feddbp_decision_loss(
+    z_d: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    protos: torch.Tensor,
+    present: torch.Tensor,
+    tau: float = 0.07,
+) -> torch.Tensor:
+    """FedDBP's decision-branch term with adaptive hard negatives (Eq. 5-6), as printed:
+
+    ``L_d = -1/B sum_i exp(-d_iy/tau) / (sum_c exp(-d_ic/tau) + M_i)``,
+    ``M_i = sum_{c != y} exp(-max(0, m - d_ic)/tau)``, ``m = (d_plus + d_minus) / 2``,
+
+    with ``d`` the Euclidean distance between normalised features and normalised
+    prototypes and ``d_plus``/``d_minus`` the batch's mean positive/negative distance
+    (a batch statistic, held constant in the gradient). Eq. 4-5 carry no logarithm; this
+    follows them.
+    """
+    d = torch.cdist(
+        nn.functional.normalize(z_d, dim=1), nn.functional.normalize(protos, dim=1)
+    )  # (B, C)
+    valid = present[y]
+    negatives = present[None, :].expand_as(d).clone()
+    negatives[torch.arange(len(y)), y] = False
+    pos = d.gather(1, y[:, None]).squeeze(1)
+    if not bool(valid.any()) or not bool(negatives[valid].any()):
+        return z_d.sum() * 0.0
+    margin = ((pos[valid].mean() + d[negatives & valid[:, None]].mean()) / 2).detach()
+    hard = torch.exp(-torch.relu(margin - d) / tau).masked_fill(~negatives, 0.0).sum(dim=1)  # M_i
+    denominator = torch.exp(-d / tau).masked_fill(~present[None, :], 0.0).sum(dim=1) + hard
+    return _masked_mean(-torch.exp(-pos / tau) / denominator, valid)
+
+
+def fisher_scores(
+    classifier: nn.Module, z: torch.Tensor, y: torch.Tensor, num_classes: int
+) -> torch.Tensor:
+    """FedDBP Eq. 8: per class, the mean over its samples of the squared gradient of
+    ``log p(y | z)`` with respect to each channel of ``z``. Returns (C, d); a class without
+    samples has zeros."""
+    z = z.detach().requires_grad_(True)
+    log_p = torch.log_softmax(classifier(z), dim=1).gather(1, y[:, None]).sum()
+    # Each sample's log-probability depends on its own z only, so the gradient of the sum
+    # holds every per-sample gradient.
+    (grad,) = torch.autograd.grad(log_p, z)
+    squared = grad.detach() ** 2
+    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype).index_add_(0, y, squared)
+    counts = torch.bincount(y, minlength=num_classes).clamp(min=1).to(z.dtype)
+    return sums / counts[:, None]

@@ -34,6 +34,11 @@ class TrainConfig:
     lam: float = 1.0
     out_dim: int = 256
     norm: Norm = "batch"
+    # FedDBP's loss weights (its paper: 1.0, 10.0, 1.0) for the decision-branch CE, the
+    # shared-branch L2 alignment and the decision-branch contrast.
+    dbp_lambda1: float = 1.0
+    dbp_lambda2: float = 10.0
+    dbp_lambda3: float = 1.0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 2:
@@ -48,10 +53,16 @@ class LocalModel(nn.Module):
     """The trainable part on a device: the projection head and a linear classifier on
     ``z`` (used by the methods with a cross-entropy term, and by FedAvg)."""
 
-    def __init__(self, *, in_dim: int, num_classes: int, cfg: TrainConfig) -> None:
+    def __init__(
+        self, *, in_dim: int, num_classes: int, cfg: TrainConfig, dual: bool = False
+    ) -> None:
         super().__init__()
         self.head = ProjectionHead(in_dim=in_dim, out_dim=cfg.out_dim, norm=cfg.norm)
         self.classifier = nn.Linear(cfg.out_dim, num_classes)
+        # FedDBP's decision branch; ``head`` is then its shared branch.
+        self.decision = (
+            ProjectionHead(in_dim=in_dim, out_dim=cfg.out_dim, norm=cfg.norm) if dual else None
+        )
 
     def forward(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.head(r)  # (B, out_dim), unit norm
@@ -121,7 +132,22 @@ class Guidance:
         return cls(guide.global_protos, guide.global_present, local, present)
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Guidance, TrainConfig], torch.Tensor]
+EmbeddingLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Guidance, TrainConfig], torch.Tensor
+]
+LossFn = Callable[[LocalModel, torch.Tensor, torch.Tensor, Guidance, TrainConfig], torch.Tensor]
+
+
+def _on_embeddings(fn: EmbeddingLoss) -> LossFn:
+    """Adapt a loss of (z, logits, y, guidance, cfg) to the model-level signature."""
+
+    def loss(
+        model: LocalModel, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+    ) -> torch.Tensor:
+        z, logits = model(r)
+        return fn(z, logits, y, g, cfg)
+
+    return loss
 
 
 def _fedpcl(
@@ -175,14 +201,38 @@ def _cross_entropy(
     return nn.functional.cross_entropy(logits, y)
 
 
+def _feddbp(
+    model: LocalModel, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    # FedDBP Eq. 7: L = L_sCE + l1 L_dCE + l2 L_s + l3 L_d. The shared branch (``head``)
+    # yields the uploaded prototypes; the decision branch is trained contrastively
+    # against this client's (personalised) global prototypes.
+    if model.decision is None:
+        raise ValueError("FedDBP needs a LocalModel built with dual=True")
+    z_s, logits_s = model(r)
+    z_d = model.decision(r)
+    loss = nn.functional.cross_entropy(logits_s, y) + cfg.dbp_lambda1 * nn.functional.cross_entropy(
+        model.classifier(z_d), y
+    )
+    if g.has_globals:
+        loss = loss + cfg.dbp_lambda2 * losses.prototype_distance(  # Eq. 3
+            z_s, y, protos=g.global_protos, present=g.global_present
+        )
+        loss = loss + cfg.dbp_lambda3 * losses.feddbp_decision_loss(
+            z_d, y, protos=g.global_protos, present=g.global_present, tau=cfg.tau
+        )
+    return loss
+
+
 #: Local objectives by method name. Solo and FedAvg train head and classifier with
 #: cross-entropy; FedAvg's weights are then averaged by the coordinator.
 LOSSES: dict[str, LossFn] = {
-    "fedpcl": _fedpcl,
-    "fedproto": _fedproto,
-    "fpl": _fpl,
-    "solo": _cross_entropy,
-    "fedavg": _cross_entropy,
+    "fedpcl": _on_embeddings(_fedpcl),
+    "fedproto": _on_embeddings(_fedproto),
+    "fpl": _on_embeddings(_fpl),
+    "feddbp": _feddbp,
+    "solo": _on_embeddings(_cross_entropy),
+    "fedavg": _on_embeddings(_cross_entropy),
 }
 
 
@@ -228,8 +278,7 @@ def train_round(
             if len(idx) < 2:
                 continue  # BatchNorm cannot normalise a single sample
             r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))  # (B, K*d_e)
-            z, logits = model(r)
-            loss = loss_fn(z, logits, y_all[idx], guidance, cfg)
+            loss = loss_fn(model, r, y_all[idx], guidance, cfg)
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             optimiser.step()

@@ -54,3 +54,73 @@ def test_mismatched_announcements_are_ignored(small_zoo, tmp_path):
     assert agent.handle(dataclasses.replace(ann, method="fedproto")).reason == "wrong_method"
     assert agent.handle(dataclasses.replace(ann, params={"final": True})).reason == "final"
     assert agent.last_round is None
+
+
+def test_feddbp_agent_uploads_fisher_scores_the_coordinator_fuses(small_zoo, tmp_path):
+    from coordinator.strategies import make_strategy
+
+    agent = Agent(
+        agent_config(tmp_path / "d", small_zoo, agent_id="dev-d", domain="photo", method="feddbp")
+    )
+    decision = agent.handle(announcement(agent.bundle_id, 0, method="feddbp"))
+    assert decision.update is not None
+    fisher = decision.update.extras["fisher"]
+    assert fisher.shape == decision.update.prototypes.shape and (fisher >= 0).all() and fisher.any()
+    result = make_strategy("feddbp", top_k=4).aggregate([decision.update], num_classes=10, dim=32)
+    assert set(result.client_globals) == {"dev-d"}
+
+
+def test_documented_agent_config_loads():
+    from edge_agent.cli import EXAMPLE
+    from edge_agent.config import load
+
+    cfg = load(EXAMPLE)
+    assert cfg.agent_id == "jetson-01" and cfg.train.tau == 0.07 and cfg.train.batch_size == 32
+    assert cfg.mqtt.reconnect_max_s == 60.0
+
+
+def test_status_and_predict_commands(small_zoo, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fleet.digits5 import domain_data
+
+    root = tmp_path / "e"
+    cfg = agent_config(root, small_zoo, agent_id="dev-e", domain="clean")
+    agent = Agent(cfg)
+    agent.handle(announcement(agent.bundle_id, 0))
+    config = root / "agent.toml"
+    config.write_text(
+        f'agent_id = "dev-e"\nfleet = "lab"\nstate_dir = "{cfg.state_dir}"\nbundle = "{small_zoo}"\n'
+        f'[data]\ntrain = "{cfg.data.train}"\n[train]\nout_dim = 32\n'
+    )
+    bin_dir = Path(sys.executable).parent
+    status = subprocess.run(
+        [str(bin_dir / "edge-agent"), "status", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(status.stdout)
+    assert report["last_round"] == 0 and report["bundle_id"] == agent.bundle_id
+    assert len(report["cache_entries"]) == 2  # train and test features
+    x, y = domain_data("clean", indices=np.arange(1500, 1520))
+    np.savez(root / "query.npz", x=x)
+    out = subprocess.run(
+        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "query.npz")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 20 and all(
+        r["class"] in [str(i) for i in range(10)] and r["latency_ms"] > 0 for r in rows
+    )
+    bad = subprocess.run(
+        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "nope.npz")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "no such input" in bad.stderr and "Traceback" not in bad.stderr

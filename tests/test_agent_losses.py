@@ -146,3 +146,31 @@ def test_a_fedpcl_step_moves_z_towards_its_prototypes_and_away_from_others():
     own2, other2 = margins()
     assert own2 > own1 and other2 < other1
     assert own2 - other2 > (own0 - other0) + 0.1
+
+
+def test_feddbp_decision_loss_by_hand():
+    # d = [0, sqrt 2]; m = sqrt(2)/2; M = exp(-max(0, m - sqrt 2)) = 1
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    got = losses.feddbp_decision_loss(
+        Z, Y, protos=protos, present=torch.tensor([True, True]), tau=1.0
+    )
+    assert got.item() == pytest.approx(-1.0 / (1.0 + math.exp(-math.sqrt(2)) + 1.0), abs=1e-5)
+
+
+def test_fisher_scores_by_hand():
+    classifier = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        classifier.weight.copy_(torch.eye(2))
+    # at z = 0 the softmax is uniform: d log p_0 / dz = [1, 0] - [0.5, 0.5]
+    scores = losses.fisher_scores(classifier, torch.zeros(2, 2), torch.tensor([0, 0]), 3)
+    torch.testing.assert_close(scores, torch.tensor([[0.25, 0.25], [0.0, 0.0], [0.0, 0.0]]))
+
+
+def test_prototype_distance_is_shared_by_fedproto_upcr_and_feddbp():
+    protos = torch.tensor([[0.6, 0.8], [0.0, 1.0]])
+    got = losses.prototype_distance(Z, Y, protos=protos, present=torch.tensor([True, True]))
+    assert got.item() == pytest.approx(0.8)
+    assert (
+        losses.prototype_distance(Z, Y, protos=protos, present=torch.tensor([False, True])).item()
+        == 0.0
+    )

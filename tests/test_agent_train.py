@@ -30,7 +30,7 @@ def test_every_method_learns_separable_features(method):
     cfg = TrainConfig(out_dim=16, epochs=2)
     x, y = blobs(256, 1)
     xt, yt = blobs(256, 2)
-    model = LocalModel(in_dim=20, num_classes=4, cfg=cfg)
+    model = LocalModel(in_dim=20, num_classes=4, cfg=cfg, dual=method == "feddbp")
     opt = make_optimiser(model, cfg)
     guidance = Guidance.empty(4, 16)
     gen = torch.Generator().manual_seed(0)
