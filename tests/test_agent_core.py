@@ -106,7 +106,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     report = json.loads(status.stdout)
     assert report["last_round"] == 0 and report["bundle_id"] == agent.bundle_id
     assert len(report["cache_entries"]) == 2  # train and test features
-    x, y = domain_data("clean", indices=np.arange(1500, 1520))
+    x, _ = domain_data("clean", indices=np.arange(1500, 1520))
     np.savez(root / "query.npz", x=x)
     out = subprocess.run(
         [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "query.npz")],
