@@ -13,7 +13,6 @@ from types import FrameType
 from coordinator import config as config_mod
 from coordinator.store import StateError, Store
 from protocol.cliutil import UsageError, make_parser, run
-from protocol.settings import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "coordinator.toml"
 
@@ -35,20 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: Path) -> config_mod.CoordinatorConfig:
-    try:
-        return config_mod.load(path)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     # Imported here so `status` and `--help` work without paho or prometheus installed.
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
 
-    cfg = _load(args.config)
+    cfg = config_mod.load(args.config)
     try:
         store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
         metrics = Metrics()
@@ -77,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    cfg = _load(args.config)
+    cfg = config_mod.load(args.config)
     if not cfg.database.exists():
         raise UsageError(f"no coordinator state at {cfg.database} (has the coordinator run yet?)")
     try:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from edge_agent.config import load as load_config
 from protocol.cliutil import UsageError, make_parser, run
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "agent.toml"
@@ -39,23 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(path: Path):  # type: ignore[no-untyped-def]
-    from edge_agent import config
-    from protocol.settings import ConfigError
-
-    try:
-        return config.load(path)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from edge_agent.agent import Agent
     from edge_agent.data import DataError
     from edge_agent.service import AgentService
     from export.errors import BundleError
 
-    cfg = _config(args.config)
+    cfg = load_config(args.config)
     try:
         agent = Agent(cfg)
     except (BundleError, DataError, ValueError) as exc:
@@ -80,7 +71,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from edge_agent.features import FeatureCache
     from edge_agent.state import StateDir
 
-    cfg = _config(args.config)
+    cfg = load_config(args.config)
     try:
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
     except ValueError as exc:
@@ -147,7 +138,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from export.errors import BundleError
     from export.runtime import BackboneRuntime
 
-    cfg = _config(args.config)
+    cfg = load_config(args.config)
     if not args.input.exists():
         raise UsageError(f"no such input {args.input}")
     state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_agent.state import fsync_dir
+
 Extractor = Callable[[np.ndarray], np.ndarray]
 
 
@@ -31,14 +33,6 @@ def fingerprint(images: np.ndarray, labels: np.ndarray | None = None) -> str:
     if labels is not None:
         digest.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FeatureCache:
@@ -104,5 +98,5 @@ class FeatureCache:
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
         tmp.replace(target)  # atomic: a crash leaves either no entry or a complete one
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return np.load(target, mmap_mode="r")

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory entry itself must reach disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -41,7 +42,7 @@ def atomic_write(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from protocol.settings import ConfigError
 from protocol.version import package_version
 
 
@@ -39,7 +40,8 @@ class JsonFormatter(logging.Formatter):
 
 
 class UsageError(Exception):
-    """A mistake in what the user asked for: bad path, bad option value, missing file."""
+    """A mistake in what the user asked for: bad path, bad option value, missing file.
+    A bad configuration file (:class:`~protocol.settings.ConfigError`) is reported the same way."""
 
 
 def make_parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
@@ -86,7 +88,7 @@ def run(
         return 2
     try:
         return handlers[command](args)
-    except UsageError as exc:
+    except (UsageError, ConfigError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
