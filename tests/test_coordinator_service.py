@@ -187,7 +187,10 @@ def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path)
         assert got.global_classes == want.global_classes
         np.testing.assert_array_equal(got.global_prototypes, want.global_prototypes)
         assert got.local_sets.keys() == want.local_sets.keys()
-    assert status(config)["rejections"] == {"duplicate": 2}
+    # Two re-sent updates are duplicates; the broker may also redeliver the one whose
+    # PUBACK the killed process never sent (QoS 1): that copy is a duplicate too.
+    rejections = status(config)["rejections"]
+    assert set(rejections) == {"duplicate"} and 2 <= rejections["duplicate"] <= 4, rejections
 
 
 def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_path):
