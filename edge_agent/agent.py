@@ -16,13 +16,12 @@ from edge_agent import data as data_mod
 from edge_agent import losses
 from edge_agent.config import AgentConfig
 from edge_agent.features import FeatureCache
-from edge_agent.head import predict
+from edge_agent.head import local_prototypes, predict
 from edge_agent.state import StateDir
-from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, prototypes_of, train_round
+from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrototypeUpdate, RoundAnnouncement
-from protocol.version import package_version
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +139,14 @@ class Agent:
             cfg=cfg.train,
             generator=self.generator,
         )
-        protos, counts = prototypes_of(
-            self.model, self.features, self.train_data.labels, self.num_classes
-        )
+        # One pass over the cached features gives the prototypes (Eq. 5) and, for
+        # FedDBP, the embeddings its Fisher scores need.
+        z, _ = embed(self.model, self.features)
+        labels = torch.from_numpy(self.train_data.labels)
+        protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
+        protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
-        extras = self._extras(held)
+        extras = self._extras(held, z)
         update = PrototypeUpdate(
             fleet=cfg.fleet,
             round=announcement.round,
@@ -179,12 +181,11 @@ class Agent:
         )
         return Decision("answered", update=update, payload=payload)
 
-    def _extras(self, held: np.ndarray) -> dict[str, np.ndarray]:
+    def _extras(self, held: np.ndarray, z: np.ndarray) -> dict[str, np.ndarray]:
         """Method-specific arrays: FedAvg's weights, FedDBP's Fisher channel scores."""
         if self.cfg.method == "fedavg":
             return self._weights()
         if self.cfg.method == "feddbp":
-            z, _ = embed(self.model, self.features)
             scores = losses.fisher_scores(
                 self.model.classifier,
                 torch.from_numpy(z),
@@ -233,7 +234,3 @@ def _with_cache_dir(settings: Any, path: Any) -> Any:
     from dataclasses import replace
 
     return settings if settings.cache_dir is not None else replace(settings, cache_dir=path)
-
-
-def agent_version() -> str:
-    return package_version()

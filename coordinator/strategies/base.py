@@ -110,6 +110,10 @@ class Strategy(ABC):
     def dense(self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int) -> Dense:
         return Dense.from_updates(updates, num_classes=num_classes, dim=dim, robust=self.robust)
 
+    def combine(self, protos: agg.F64, counts: agg.F64) -> tuple[agg.F64, np.ndarray]:
+        """Per-class unweighted reduction across clients under the configured robust rule."""
+        return agg.combine(protos, counts, rule=self.robust.rule, trim=self.robust.trim)
+
     @abstractmethod
     def aggregate(
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int

@@ -34,7 +34,8 @@ class FedDBP(Strategy):
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     ) -> Aggregate:
         d = self.dense(updates, num_classes=num_classes, dim=dim)
-        values, has = agg.combine(d.protos, d.counts, rule=self.robust.rule, trim=self.robust.trim)
+        # The client-wise mean of FedDBP's Sec. 3.2 is FedProto's aggregation.
+        values, has = self.combine(d.protos, d.counts)
         classes, rows = globals_of(values, has)
         mask = agg.present_mask(d.counts)
         personal = {}

@@ -31,9 +31,7 @@ class FedPCL(Strategy):
         if self.robust.rule == "mean":
             values, has = agg.count_weighted_mean(d.protos, d.counts, weighting=self.weighting)
         else:
-            values, has = agg.combine(
-                d.protos, d.counts, rule=self.robust.rule, trim=self.robust.trim
-            )
+            values, has = self.combine(d.protos, d.counts)
         classes, rows = globals_of(values, has)
         padded = agg.pad_local_sets(d.protos, d.counts, values, has)
         return Aggregate(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator import aggregate as agg
 from coordinator.strategies.base import Aggregate, Strategy, globals_of, register
 from protocol import PrototypeUpdate
 
@@ -15,6 +14,6 @@ class FedProto(Strategy):
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     ) -> Aggregate:
         d = self.dense(updates, num_classes=num_classes, dim=dim)
-        values, has = agg.combine(d.protos, d.counts, rule=self.robust.rule, trim=self.robust.trim)
+        values, has = self.combine(d.protos, d.counts)
         classes, rows = globals_of(values, has)
         return Aggregate(global_classes=classes, global_prototypes=rows)

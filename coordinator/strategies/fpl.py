@@ -29,13 +29,8 @@ class FPL(Strategy):
         for c in np.flatnonzero(mask.any(axis=0)):
             points = d.protos[mask[:, c], c]
             centres = agg.cluster_means(points, agg.finch_first_partition(points))
-            if self.robust.rule != "mean":
-                fake_counts = np.ones((centres.shape[0], 1))
-                unbiased[c] = agg.combine(
-                    centres[:, None], fake_counts, rule=self.robust.rule, trim=self.robust.trim
-                )[0][0]
-            else:
-                unbiased[c] = centres.mean(axis=0)
+            # Eq. 6: the (robust) mean of the cluster prototypes, each cluster counted once.
+            unbiased[c] = self.combine(centres[:, None], np.ones((len(centres), 1)))[0][0]
             clusters.append(centres)
             owners.append(np.full(centres.shape[0], c, dtype=np.float32))
         classes, rows = globals_of(unbiased, np.asarray(mask.any(axis=0)))
