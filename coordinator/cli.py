@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from coordinator import config as config_mod
 from coordinator.store import StateError, Store
@@ -39,32 +37,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
+    from protocol.lifecycle import CannotServe, serve
 
-    cfg = config_mod.load(args.config)
-    try:
-        store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
-        metrics = Metrics()
-        manager = RoundManager(config=cfg, store=store, metrics=metrics)
-    except (StateError, ValueError) as exc:
-        raise UsageError(str(exc)) from exc
-    if cfg.metrics.port:
+    metrics = Metrics()
+    served: list[tuple[str, int]] = []
+
+    def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
         try:
-            metrics.serve(host=cfg.metrics.host, port=cfg.metrics.port)
-        except OSError as exc:
-            raise UsageError(
-                f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"
-            ) from exc
-    service = CoordinatorService(manager=manager)
+            store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+        except StateError as exc:
+            raise CannotServe(str(exc)) from exc
+        try:
+            manager = RoundManager(config=cfg, store=store, metrics=metrics)
+        except (StateError, ValueError) as exc:
+            store.close()
+            raise CannotServe(str(exc)) from exc
+        # The metrics endpoint outlives reloads: its registry is the process's.
+        if cfg.metrics.port and not served:
+            try:
+                metrics.serve(host=cfg.metrics.host, port=cfg.metrics.port)
+            except OSError as exc:
+                store.close()
+                raise CannotServe(
+                    f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"
+                ) from exc
+            served.append((cfg.metrics.host, cfg.metrics.port))
+        return CoordinatorService(manager=manager)
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        service.stop()
+    def close(service: object) -> None:
+        assert isinstance(service, CoordinatorService)
+        service.manager.store.close()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
-        service.run()
-    finally:
-        store.close()
+        serve(
+            name="edge-coordinator",
+            load=lambda: config_mod.load(args.config),
+            make=make,
+            close=close,
+        )
+    except CannotServe as exc:
+        raise UsageError(str(exc)) from exc
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -32,6 +33,8 @@ class CoordinatorService:
     thread in :meth:`run`, woken by new updates or by the round's due time.
     """
 
+    TICK_S = 5.0  # the main loop wakes at least this often, round due or not
+
     def __init__(self, *, manager: RoundManager, exit_when_done: bool = True) -> None:
         self.manager = manager
         self.config = manager.config
@@ -39,6 +42,7 @@ class CoordinatorService:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._connected = threading.Event()
+        self._last_tick: float | None = None
         self.client = make_client(self.config.mqtt, self.config.coordinator_id)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -93,6 +97,15 @@ class CoordinatorService:
             round_topic(self.config.fleet), announcement.to_wire(), qos=1, retain=True
         )
 
+    def healthy(self) -> bool:
+        """For the systemd watchdog: the main loop has ticked recently and paho's network
+        thread is alive (its death would mean no reconnects, ever)."""
+        if self._last_tick is None:
+            return True
+        thread = getattr(self.client, "_thread", None)
+        alive = thread is not None and thread.is_alive()
+        return alive and time.monotonic() - self._last_tick < 4 * self.TICK_S
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -102,6 +115,7 @@ class CoordinatorService:
         mqtt_cfg = self.config.mqtt
         self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
         self.client.loop_start()
+        self._last_tick = time.monotonic()
         try:
             if ready is not None:
                 self._connected.wait()
@@ -109,8 +123,9 @@ class CoordinatorService:
             while not self._stop.is_set():
                 if self.manager.done and self.exit_when_done:
                     break
-                self._wake.wait(timeout=min(self.manager.seconds_until_due(), 5.0) + 0.01)
+                self._wake.wait(timeout=min(self.manager.seconds_until_due(), self.TICK_S) + 0.01)
                 self._wake.clear()
+                self._last_tick = time.monotonic()
                 announcement = self.manager.poll()
                 if announcement is not None:
                     self._publish(announcement)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from edge_agent.config import load as load_config
 from protocol.cliutil import UsageError, make_parser, run
@@ -37,33 +35,74 @@ def build_parser() -> argparse.ArgumentParser:
     p_predict.add_argument(
         "input", type=Path, help="an image, a folder of images, or an .npz with x"
     )
+    p_doctor = sub.add_parser(
+        "doctor",
+        help="check which ONNX Runtime execution providers really run here; JSON",
+        description="Runs one inference with each execution provider this onnxruntime build\n"
+        "offers and reports which ones work (a listed provider may still fall back to CPU).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_doctor.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="exit with status 1 unless the CUDA or TensorRT provider works",
+    )
     return parser
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    import onnxruntime as ort
+
+    from export.probe import probe_providers
+    from export.runtime import CPU
+
+    probes = probe_providers(ort.get_available_providers())
+    accelerated = [p.provider for p in probes if p.works and p.provider != CPU]
+    report = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "onnxruntime": ort.__version__,
+        "available": ort.get_available_providers(),
+        "probes": [p.to_json() for p in probes],
+        "accelerated": accelerated,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    if args.require_gpu and not accelerated:
+        print(
+            "edge-agent: no GPU execution provider works here; the agent will run on the CPU",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from edge_agent.agent import Agent
+    from edge_agent.config import AgentConfig
     from edge_agent.data import DataError
     from edge_agent.service import AgentService
     from export.errors import BundleError
+    from protocol.lifecycle import CannotServe, serve
 
-    cfg = load_config(args.config)
+    def make(cfg: AgentConfig) -> AgentService:
+        try:
+            agent = Agent(cfg)
+        except (BundleError, DataError, ValueError) as exc:
+            raise CannotServe(str(exc)) from exc
+        agent.state.record(
+            active_providers=agent.runtime.active_providers,
+            backbone_samples_at_start=agent.runtime.samples_processed,
+            started_at=time.time(),
+        )
+        return AgentService(agent=agent)
+
     try:
-        agent = Agent(cfg)
-    except (BundleError, DataError, ValueError) as exc:
+        serve(name="edge-agent", load=lambda: load_config(args.config), make=make)
+    except CannotServe as exc:
         raise UsageError(str(exc)) from exc
-    agent.state.record(
-        active_providers=agent.runtime.active_providers,
-        backbone_samples_at_start=agent.runtime.samples_processed,
-        started_at=time.time(),
-    )
-    service = AgentService(agent=agent)
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        service.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    service.run()
     return 0
 
 
@@ -179,5 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(
         build_parser(),
         argv,
-        handlers={"run": cmd_run, "status": cmd_status, "predict": cmd_predict},
+        handlers={
+            "run": cmd_run,
+            "status": cmd_status,
+            "predict": cmd_predict,
+            "doctor": cmd_doctor,
+        },
     )

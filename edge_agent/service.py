@@ -41,6 +41,7 @@ class AgentService:
         self._stop = False
         self._rng = random.Random()
         self._attempt = 0
+        self._started = False
         self.malformed = 0
         self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
         offline = self._status(AgentState.OFFLINE, "connection lost")
@@ -105,6 +106,14 @@ class AgentService:
 
     # -- driver ------------------------------------------------------------------------
 
+    def healthy(self) -> bool:
+        """For the systemd watchdog: paho's network thread must be alive once started."""
+        if not self._started:
+            return True
+        # paho keeps the loop_start() thread private; its death means no reconnects ever.
+        thread = getattr(self.client, "_thread", None)
+        return thread is not None and thread.is_alive()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -120,6 +129,7 @@ class AgentService:
         mqtt_cfg = self.cfg.mqtt
         self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
         self.client.loop_start()
+        self._started = True
         try:
             while (payload := self._next()) is not None:
                 self._process(payload)

@@ -77,8 +77,9 @@ class BrokerAddress:
 class MosquittoBroker:
     """A private Mosquitto on a free loopback port, stopped on exit.
 
-    ``extra_config`` lines are appended to the generated configuration (a TLS listener,
-    an ACL file) so tests can exercise the shipped deployment settings.
+    ``extra_config`` lines are appended to the generated configuration; ``config`` replaces
+    it entirely (tests run the shipped deployment configuration this way; it must then
+    listen on ``port``).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class MosquittoBroker:
         port: int | None = None,
         extra_config: str = "",
         listener_config: str | None = None,
+        config: str | None = None,
         binary: str | None = None,
         startup_timeout: float = 10.0,
     ) -> None:
@@ -99,6 +101,7 @@ class MosquittoBroker:
         self._port = port or free_port(host)
         self._extra = extra_config
         self._listener = listener_config
+        self._config = config
         self._timeout = startup_timeout
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -113,6 +116,8 @@ class MosquittoBroker:
         return Path(self._dir.name) / "mosquitto.log"
 
     def config_text(self) -> str:
+        if self._config is not None:
+            return self._config
         listener = self._listener or f"listener {self._port} {self._host}\nallow_anonymous true\n"
         return (
             f"{listener}"

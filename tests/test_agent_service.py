@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,6 +23,7 @@ from protocol import (
 )
 from tests.agent_helpers import digits_npz
 from tests.mqtt_helpers import connected
+from tests.process_helpers import agent_process
 
 pytestmark = pytest.mark.broker
 
@@ -45,45 +43,6 @@ def write_config(
     )
     with np.load(train) as data:
         return config, data["y"]
-
-
-class AgentProcess:
-    """An `edge-agent run` process whose log lines can be waited on."""
-
-    def __init__(self, config: Path) -> None:
-        self.proc = subprocess.Popen(
-            [str(BIN / "edge-agent"), "run", "--config", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line)
-                self._cond.notify_all()
-
-    def wait_for(self, text: str, *, after: int = 0, timeout: float = 60.0) -> int:
-        with self._cond:
-            found = self._cond.wait_for(
-                lambda: any(text in line for line in self.lines[after:]), timeout=timeout
-            )
-            if not found:
-                raise TimeoutError(f"no log line {text!r}; got:\n{''.join(self.lines[-20:])}")
-            return len(self.lines)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
 
 
 class StandInCoordinator:
@@ -151,7 +110,7 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
         mosquitto.address, "stand-in", subscribe=(update_filter("lab"), status_filter("lab"))
     ) as (pub, inbox):
         coord = StandInCoordinator(pub, inbox, bundle_id)
-        a, b = AgentProcess(cfg_a), AgentProcess(cfg_b)
+        a, b = agent_process(cfg_a), agent_process(cfg_b)
         try:
             coord.announce(0, [])
             r0 = coord.wait_updates(0, {"dev-a", "dev-b"})
@@ -160,14 +119,14 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
             a.wait_for("round 1: training", after=mark)
             a.kill()  # mid-training: nothing of round 1 was committed
             coord.wait_updates(1, {"dev-b"})
-            a = AgentProcess(cfg_a)
+            a = agent_process(cfg_a)
             a.wait_for("round 1: training")  # nothing was committed: it trains round 1 again
             r1 = coord.wait_updates(1, {"dev-a", "dev-b"})
             coord.announce(2, r1)
             coord.wait_updates(2, {"dev-a", "dev-b"})
             mark = a.wait_for("round 2: update published")
             a.kill()  # idle, after answering round 2
-            a = AgentProcess(cfg_a)
+            a = agent_process(cfg_a)
             a.wait_for("round 2: already_answered")
             assert a.stop() == 0 and b.stop() == 0
         finally:

@@ -1,0 +1,71 @@
+"""A console-script process whose log lines (stderr) can be waited on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+class LoggedProcess:
+    """``BIN/<script> *args``; stderr lines are collected for :meth:`wait_for`."""
+
+    def __init__(
+        self, script: str, args: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [str(BIN / script), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, *, after: int = 0, timeout: float = 60.0) -> int:
+        """Block until a line after index ``after`` contains ``text``; the new line count."""
+        with self._cond:
+            found = self._cond.wait_for(
+                lambda: any(text in line for line in self.lines[after:]), timeout=timeout
+            )
+            if not found:
+                raise TimeoutError(f"no log line {text!r}; got:\n{''.join(self.lines[-20:])}")
+            return len(self.lines)
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def agent_process(config: Path, *, env: Mapping[str, str] | None = None) -> LoggedProcess:
+    return LoggedProcess("edge-agent", ["run", "--config", str(config)], env=env)
+
+
+def coordinator_process(config: Path, *, env: Mapping[str, str] | None = None) -> LoggedProcess:
+    return LoggedProcess("edge-coordinator", ["run", "--config", str(config)], env=env)

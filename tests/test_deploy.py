@@ -1,0 +1,400 @@
+"""Deployment: unit files, installers, the services' systemd life cycle, and a fleet over
+the shipped TLS broker configuration with certificates from make-certs.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from export.bundle import load as load_bundle
+from fleet.broker import BrokerAddress, MosquittoBroker, free_port
+from protocol import AgentState, Status, round_topic, status_topic, update_topic
+from tests.agent_helpers import digits_npz
+from tests.process_helpers import BIN, agent_process, coordinator_process
+from tests.test_sdnotify import NotifySocket
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMD = ROOT / "systemd"
+CLASSES = '["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]'
+
+
+def sh(*args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+    result = subprocess.run(
+        list(args),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})},
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"{args[0]} exited {result.returncode}:\n{result.stderr}")
+    return result.stdout + result.stderr
+
+
+# -- installers and unit files -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("certs") / "fleet"
+    sh(str(SYSTEMD / "make-certs.sh"), "--out", str(out), "--broker-name", "localhost",
+       "coordinator", "dev-a", "dev-b", "dev-revoked")  # fmt: skip
+    sh(str(SYSTEMD / "make-certs.sh"), "--out", str(out), "--revoke", "dev-revoked")
+    return out
+
+
+def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, certs: Path) -> None:
+    stage = tmp_path / "stage"
+    env = {"DESTDIR": str(stage), "PROTOFLEET_TEGRA_RELEASE": str(tmp_path / "none")}
+    out = sh(str(SYSTEMD / "install-agent.sh"), "--no-deps", env=env)
+    assert "not a Jetson" in out
+    sh(
+        str(SYSTEMD / "install-coordinator.sh"),
+        "--no-deps",
+        "--with-mosquitto",
+        "--certs",
+        str(certs),
+        env=env,
+    )
+    expected = [
+        "opt/protofleet/venv/bin/edge-agent",
+        "opt/protofleet/venv/bin/edge-coordinator",
+        "etc/systemd/system/edge-agent.service",
+        "etc/systemd/system/edge-coordinator.service",
+        "etc/protofleet/agent.toml",
+        "etc/protofleet/coordinator.toml",
+        "etc/protofleet/coordinator.crt",
+        "etc/protofleet/coordinator.key",
+        "etc/mosquitto/conf.d/protofleet.conf",
+        "etc/mosquitto/protofleet/acl",
+        "etc/mosquitto/protofleet/ca.crt",
+        "etc/mosquitto/protofleet/crl.pem",
+        "etc/mosquitto/protofleet/broker.key",
+        "opt/protofleet/share/doc/protofleet/deploy.md",
+    ]
+    assert [p for p in expected if not (stage / p).exists()] == []
+    assert (stage / "etc/mosquitto/protofleet/broker.key").stat().st_mode & 0o077 == 0
+    # The console script belongs to the staged venv (its dependencies are not installed
+    # here: --no-deps), and the package inside it is this checkout's.
+    script = (stage / "opt/protofleet/venv/bin/edge-agent").read_text()
+    assert script.startswith(f"#!{stage}/opt/protofleet/venv/bin/python")
+    site = next((stage / "opt/protofleet/venv/lib").glob("python3*/site-packages"))
+    assert (site / "edge_agent" / "cli.py").read_text() == (
+        ROOT / "edge_agent" / "cli.py"
+    ).read_text()
+
+    units = stage / "etc/systemd/system"
+    for name in ("edge-agent", "edge-coordinator"):
+        text = (units / f"{name}.service").read_text()
+        assert "@PREFIX@" not in text
+        assert f"ExecStart=/opt/protofleet/venv/bin/{name} " in text
+        assert "Type=notify" in text and "WatchdogSec=" in text
+        # systemd-analyze checks that ExecStart exists: point it at the staged tree.
+        (units / f"{name}.service").write_text(
+            text.replace("/opt/protofleet", f"{stage}/opt/protofleet")
+        )
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (CI installs Debian's systemd)")
+    result = subprocess.run(
+        [
+            analyze,
+            "verify",
+            str(units / "edge-agent.service"),
+            str(units / "edge-coordinator.service"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+    # A second run keeps an edited configuration.
+    out = sh(str(SYSTEMD / "install-agent.sh"), "--no-deps", "--dry-run", env=env)
+    assert f"kept the existing {stage}/etc/protofleet/agent.toml" in out
+
+
+@pytest.mark.parametrize(("release", "jetpack"), [("R35", "5"), ("R36", "6")])
+def test_agent_installer_on_jetson_uses_system_packages_and_the_named_ort(
+    tmp_path: Path, release: str, jetpack: str
+) -> None:
+    tegra = tmp_path / "nv_tegra_release"
+    tegra.write_text(
+        f"# {release} (release), REVISION: 4.1, GCID: 1, BOARD: generic, EABI: aarch64\n"
+    )
+    env = {"DESTDIR": str(tmp_path / "stage"), "PROTOFLEET_TEGRA_RELEASE": str(tegra)}
+    out = sh(
+        str(SYSTEMD / "install-agent.sh"),
+        "--dry-run",
+        "--ort-wheel",
+        "/wheels/ort-gpu.whl",
+        env=env,
+    )
+    assert f"(JetPack {jetpack})" in out
+    assert "--system-site-packages" in out
+    assert "/wheels/ort-gpu.whl" in out
+    assert "doctor --require-gpu" in out
+    assert not (tmp_path / "stage").exists()  # a dry run touches nothing
+
+    result = subprocess.run(
+        [str(SYSTEMD / "install-agent.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--ort-wheel FILE or --ort-index URL" in result.stderr
+
+
+# -- life cycle under systemd ----------------------------------------------------------------
+
+
+def coordinator_toml(
+    path: Path, *, port: int, bundle: str, extra_mqtt: str = "", **rounds: object
+) -> Path:
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in rounds.items())
+    path.write_text(
+        f'fleet = "lab"\nstate_dir = "{path.parent / "coord"}"\n'
+        f'[model]\nmethod = "fedpcl"\nbundle = "{bundle}"\nclasses = {CLASSES}\ndim = 32\n'
+        f"[rounds]\nmin_clients = 1\nwait_after_quorum_s = 0.0\n{lines}"
+        f'[mqtt]\nhost = "127.0.0.1"\nport = {port}\n{extra_mqtt}'
+    )
+    return path
+
+
+@pytest.mark.broker
+def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
+    mosquitto: MosquittoBroker, tmp_path: Path
+) -> None:
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    config = coordinator_toml(
+        tmp_path / "coordinator.toml", port=mosquitto.address.port, bundle="f" * 64, timeout_s=300.0
+    )
+    proc = coordinator_process(
+        config, env={"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": "400000"}
+    )
+    try:
+        notify.wait_for("READY=1")
+        notify.wait_for("WATCHDOG=1")
+        notify.wait_for("WATCHDOG=1")
+
+        text = config.read_text()
+        config.write_text(text.replace("timeout_s = 300.0", "timeout_s = 600.0"))
+        seen = len(proc.lines)
+        proc.signal(signal.SIGHUP)
+        notify.wait_for("RELOADING=1")
+        notify.wait_for("READY=1")
+        proc.wait_for("configuration reloaded", after=seen)
+
+        config.write_text("fleet = \n")  # broken TOML: refused, the old one keeps serving
+        seen = len(proc.lines)
+        proc.signal(signal.SIGHUP)
+        notify.wait_for("READY=1")
+        proc.wait_for("reload refused", after=seen)
+        assert proc.proc.poll() is None
+
+        proc.signal(signal.SIGTERM)
+        try:
+            notify.wait_for("STOPPING=1")
+        except TimeoutError:
+            print("".join(proc.lines), proc.proc.poll())
+            raise
+        assert proc.proc.wait(timeout=30) == 0
+    finally:
+        proc.close()
+        notify.sock.close()
+
+
+# -- the shipped broker configuration over TLS -------------------------------------------------
+
+
+def shipped_broker(certs: Path, tmp_path: Path) -> MosquittoBroker:
+    """Mosquitto with systemd/mosquitto/protofleet.conf, only paths and port rewritten."""
+    port = free_port()
+    live = tmp_path / "mosquitto"
+    shutil.copytree(certs, live / "certs", ignore=shutil.ignore_patterns("ca", "clients"))
+    shutil.copy(SYSTEMD / "mosquitto" / "acl", live / "certs" / "acl")
+    (live / "data").mkdir()
+    text = (SYSTEMD / "mosquitto" / "protofleet.conf").read_text()
+    assert "listener 8883\n" in text
+    text = (
+        text.replace("listener 8883\n", f"listener {port} 127.0.0.1\n")
+        .replace("/etc/mosquitto/protofleet/", f"{live}/certs/")
+        .replace("/var/lib/mosquitto/", f"{live}/data/")
+    )
+    if os.geteuid() == 0:
+        # Started as root, mosquitto drops to its own user, who cannot enter pytest's
+        # private temporary directories; docs/deploy.md gives the real install's owners.
+        text += "user root\n"
+    return MosquittoBroker(port=port, config=text + "log_dest stderr\nlog_type all\n")
+
+
+def tls_client(
+    broker: BrokerAddress, client_id: str, ca: Path, cert: Path | None
+) -> tuple[mqtt.Client, mqtt.ReasonCode | None, list[mqtt.MQTTMessage], threading.Condition]:
+    """Connect and return (client, CONNACK reason or None if the TLS handshake failed,
+    received messages, their condition)."""
+    context = ssl.create_default_context(cafile=str(ca))
+    if cert is not None:
+        context.load_cert_chain(str(cert), str(cert.with_suffix(".key")))
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.tls_set_context(context)
+    cond = threading.Condition()
+    messages: list[mqtt.MQTTMessage] = []
+    outcome: list[mqtt.ReasonCode | None] = []
+
+    def on_connect(c, u, flags, reason, props):
+        with cond:
+            outcome.append(reason)
+            cond.notify_all()
+
+    def on_message(c, u, message):
+        with cond:
+            messages.append(message)
+            cond.notify_all()
+
+    client.on_connect = on_connect
+    client.on_message = on_message
+    try:
+        client.connect(broker.host, broker.port)
+    except (ssl.SSLError, OSError):
+        return client, None, messages, cond
+    client.loop_start()
+    with cond:
+        cond.wait_for(lambda: outcome, timeout=10)
+    if not outcome or not client.is_connected():
+        client.loop_stop()
+        return client, outcome[0] if outcome else None, messages, cond
+    return client, outcome[0], messages, cond
+
+
+def refused(broker: BrokerAddress, ca: Path, cert: Path | None) -> bool:
+    client, reason, _, _ = tls_client(broker, "intruder", ca, cert)
+    ok = reason is not None and not reason.is_failure and client.is_connected()
+    if ok:
+        client.disconnect()
+        client.loop_stop()
+    return not ok
+
+
+def subscribe(client: mqtt.Client, topic: str) -> list[mqtt.ReasonCode]:
+    done = threading.Event()
+    codes: list[mqtt.ReasonCode] = []
+
+    def on_subscribe(c, u, mid, reason_codes, props):
+        codes.extend(reason_codes)
+        done.set()
+
+    client.on_subscribe = on_subscribe
+    client.subscribe(topic, qos=1)
+    assert done.wait(10), "no SUBACK"
+    return codes
+
+
+@pytest.mark.broker
+def test_a_fleet_over_the_shipped_tls_config(
+    certs: Path, small_zoo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    other_ca = tmp_path_factory.mktemp("other") / "ca"
+    sh(str(SYSTEMD / "make-certs.sh"), "--out", str(other_ca), "dev-a")
+    ca = certs / "ca.crt"
+    clients = certs / "clients"
+    bundle_id = load_bundle(small_zoo).id
+
+    with shipped_broker(certs, tmp_path) as broker:
+        address = broker.address
+        tls = (
+            f'tls_ca = "{ca}"\ntls_cert = "{clients / "coordinator.crt"}"\n'
+            f'tls_key = "{clients / "coordinator.key"}"\n'
+        )
+        coord_cfg = coordinator_toml(
+            tmp_path / "coordinator.toml", port=address.port, bundle=bundle_id, extra_mqtt=tls,
+            max_rounds=1, timeout_s=120.0,
+        )  # fmt: skip
+        agent_dir = tmp_path / "dev-a"
+        agent_dir.mkdir()
+        train = digits_npz(agent_dir, "clean", start=0, count=100)
+        agent_cfg = agent_dir / "agent.toml"
+        agent_cfg.write_text(
+            f'agent_id = "dev-a"\nfleet = "lab"\nstate_dir = "{agent_dir / "state"}"\n'
+            f'bundle = "{small_zoo}"\n[data]\ntrain = "{train}"\n[train]\nout_dim = 32\n'
+            f'[mqtt]\nhost = "127.0.0.1"\nport = {address.port}\ntls_ca = "{ca}"\n'
+            f'tls_cert = "{clients / "dev-a.crt"}"\ntls_key = "{clients / "dev-a.key"}"\n'
+        )
+        notify = NotifySocket(str(tmp_path / "agent-notify.sock"))
+        coordinator = coordinator_process(coord_cfg)
+        agent = agent_process(agent_cfg, env={"NOTIFY_SOCKET": notify.address})
+        try:
+            notify.wait_for("READY=1")
+            agent.wait_for("round 0: update published", timeout=120)
+            coordinator.wait_for("round 0 closed with 1 update(s) from dev-a", timeout=60)
+            assert coordinator.proc.wait(timeout=60) == 0  # max_rounds reached
+
+            # Refused: no certificate, a certificate from another CA, a revoked one.
+            assert refused(address, ca, None)
+            assert refused(address, ca, other_ca / "clients" / "dev-a.crt")
+            assert refused(address, ca, clients / "dev-revoked.crt")
+
+            # The coordinator's identity reads every update; device B may not write
+            # device A's update topic.
+            watcher, reason, seen, cond = tls_client(
+                address, "watcher", ca, clients / "coordinator.crt"
+            )
+            assert reason is not None and not reason.is_failure
+            subscribe(watcher, "protofleet/v1/lab/update/+")
+            dev_b, reason, b_seen, b_cond = tls_client(address, "dev-b", ca, clients / "dev-b.crt")
+            assert reason is not None and not reason.is_failure
+            dev_b.publish(update_topic("lab", "dev-a"), b"forged", qos=1).wait_for_publish(10)
+            dev_b.publish(update_topic("lab", "dev-b"), b"marker", qos=1).wait_for_publish(10)
+            with cond:
+                assert cond.wait_for(lambda: any(m.payload == b"marker" for m in seen), timeout=10)
+            # Per-client ordering: the forged message would have arrived before the marker.
+            assert [m.payload for m in seen] == [b"marker"]
+
+            # Device B subscribing to '#' gets nothing but the round topic: Mosquitto's ACL
+            # file filters delivery (it grants the SUBACK), so the proof is what arrives.
+            subscribe(dev_b, "#")
+            dev_a, reason, _, _ = tls_client(address, "dev-a-probe", ca, clients / "dev-a.crt")
+            assert reason is not None and not reason.is_failure
+            dev_a.publish(update_topic("lab", "dev-a"), b"secret", qos=1).wait_for_publish(10)
+            with cond:
+                assert cond.wait_for(lambda: any(m.payload == b"secret" for m in seen), timeout=10)
+            # Routed to every subscriber already; now something B may read, as a marker.
+            watcher.publish(round_topic("lab"), b"round-marker", qos=1).wait_for_publish(10)
+            with b_cond:
+                assert b_cond.wait_for(
+                    lambda: any(m.payload == b"round-marker" for m in b_seen), timeout=10
+                )
+            assert {m.topic for m in b_seen} == {round_topic("lab")}
+            assert not any(m.payload in (b"secret", b"marker") for m in b_seen)
+
+            # SIGTERM: STOPPING=1, a clean exit and a retained offline status.
+            assert agent.stop() == 0
+            notify.wait_for("STOPPING=1")
+            subscribe(watcher, status_topic("lab", "dev-a"))
+            with cond:
+                assert cond.wait_for(
+                    lambda: any(m.topic == status_topic("lab", "dev-a") for m in seen), timeout=10
+                )
+            status = Status.from_wire(
+                next(m.payload for m in seen if m.topic == status_topic("lab", "dev-a"))
+            )
+            assert status.state is AgentState.OFFLINE and status.reason == "shutdown"
+            assert status.last_round == 0
+            for client in (watcher, dev_b, dev_a):
+                client.disconnect()
+                client.loop_stop()
+        finally:
+            agent.close()
+            coordinator.close()
+            notify.sock.close()

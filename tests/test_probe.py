@@ -1,0 +1,62 @@
+"""The provider probe: the embedded model is what it claims, CPU runs it, and a provider
+that falls back or fails is reported as not working."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from export.probe import PROBE_INPUT, PROBE_MODEL, PROBE_OUTPUT, probe_providers
+from export.runtime import CPU, CUDA, TENSORRT
+
+
+def test_embedded_model_is_the_documented_matmul() -> None:
+    w = numpy_helper.from_array(np.arange(32, dtype=np.float32).reshape(8, 4) / 32, name="w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [w],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="protofleet"
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    assert model.SerializeToString() == PROBE_MODEL
+
+
+def test_cpu_runs_the_probe_for_real() -> None:
+    (result,) = probe_providers([CPU])
+    assert result.provider == CPU and result.works, result
+
+
+class FakeSession:
+    """What onnxruntime does on a Jetson whose CUDA libraries do not load: the session is
+    created, runs on the CPU, and reports only the CPU provider."""
+
+    def __init__(self, *, providers: list[str], provider_options: list[dict[str, Any]]) -> None:
+        if providers[0] == TENSORRT:
+            raise RuntimeError("TensorRT EP could not be created")
+        self.providers = [p for p in providers if p != CUDA]
+
+    def run(self, outputs: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [feeds["x"] @ (np.arange(32, dtype=np.float32).reshape(8, 4) / 32)]
+
+    def get_providers(self) -> list[str]:
+        return self.providers
+
+
+def test_fallbacks_and_failures_are_reported_as_not_working() -> None:
+    results = {
+        r.provider: r for r in probe_providers([TENSORRT, CUDA, CPU], session_factory=FakeSession)
+    }
+    assert list(results) == [TENSORRT, CUDA, CPU]  # the runtime's preference order
+    assert not results[TENSORRT].works and "could not be created" in results[TENSORRT].detail
+    assert not results[CUDA].works and results[CUDA].detail == f"fell back to {CPU}"
+    assert results[CPU].works
+    np.testing.assert_allclose(PROBE_OUTPUT, PROBE_INPUT @ (np.arange(32).reshape(8, 4) / 32))
