@@ -42,11 +42,15 @@ class Agent:
     def __init__(self, cfg: AgentConfig, *, runtime: BackboneRuntime | None = None) -> None:
         self.cfg = cfg
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
-        bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
-        self.state.reset_for_bundle(bundle.id)
-        self.runtime = runtime or BackboneRuntime(
-            bundle, settings=_with_cache_dir(cfg.runtime, self.state.providers_dir)
-        )
+        if runtime is None:
+            bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
+            runtime = BackboneRuntime(
+                bundle, settings=_with_cache_dir(cfg.runtime, self.state.providers_dir)
+            )
+        # A simulated fleet hands every agent of a worker the same runtime: one set of
+        # ONNX Runtime sessions per process instead of one per agent.
+        self.runtime = runtime
+        self.state.reset_for_bundle(runtime.bundle.id)
         self.bundle_id = self.runtime.bundle.id
         self.train_data = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
         self.test_data = (
@@ -86,8 +90,12 @@ class Agent:
     def last_round(self) -> int | None:
         return self.state.snapshot.last_round
 
-    def handle(self, announcement: RoundAnnouncement) -> Decision:
-        """Answer ``announcement`` at most once per round, across restarts."""
+    def handle(
+        self, announcement: RoundAnnouncement, *, received_bytes: int | None = None
+    ) -> Decision:
+        """Answer ``announcement`` at most once per round, across restarts.
+        ``received_bytes`` (the announcement's size on the wire) goes into the round's
+        record next to the update's size, for traffic accounting."""
         cfg = self.cfg
         if announcement.fleet != cfg.fleet:
             return Decision("wrong_fleet")
@@ -119,9 +127,9 @@ class Agent:
         if announcement.params.get("final") is True:
             self.state.record(final_round=announcement.round)
             return Decision("final")
-        return self._answer(announcement)
+        return self._answer(announcement, received_bytes)
 
-    def _answer(self, announcement: RoundAnnouncement) -> Decision:
+    def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
         cfg = self.cfg
         if cfg.method == "fedavg" and announcement.extras:
             self._load_weights(announcement.extras)
@@ -163,6 +171,8 @@ class Agent:
             "loss": metrics.loss,
             "train_seconds": metrics.seconds,
             "time": time.time(),
+            "bytes_up": len(payload),
+            "bytes_down": received_bytes,
         }
         if self.test_features is not None and self.test_data is not None:
             record["test_accuracy"] = self.accuracy(

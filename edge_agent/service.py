@@ -145,7 +145,7 @@ class AgentService:
             self.malformed += 1
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
-        decision = self.agent.handle(announcement)
+        decision = self.agent.handle(announcement, received_bytes=len(payload))
         if decision.payload is None:
             log.info("round %d: %s", announcement.round, decision.reason)
             return
