@@ -19,6 +19,7 @@ BENCHMARKS = [
     "bench.coordinator_bench",
     "bench.export_bench",
     "bench.agent_bench",
+    "bench.fleet_bench",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"

@@ -5,6 +5,7 @@ simulated fleet drive the same class."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +18,24 @@ from edge_agent import losses
 from edge_agent.config import AgentConfig
 from edge_agent.features import FeatureCache
 from edge_agent.head import local_prototypes, predict
+from edge_agent.privacy.accounting import Event, release_event
+from edge_agent.privacy.dpsgd import train_round_dp
+from edge_agent.privacy.ledger import Ledger
+from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.state import StateDir
 from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
-from protocol import PrototypeUpdate, RoundAnnouncement
+from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
+
+#: How each method predicts, as its paper evaluates it: FedPCL by the nearest local
+#: prototype (FedPCL 3.3, "Prototype-based Inference"); the methods trained with a
+#: cross-entropy classifier (Solo, FedAvg, FedProto, FPL, FedDBP's shared branch) by that
+#: classifier. Both figures are recorded every round whatever the method.
+INFERENCE = {"fedpcl": "prototype"}
 
 #: FedAvg's weights travel as extras named after the model's parameters.
 WEIGHT_PREFIXES = ("head.", "classifier.")
@@ -74,6 +86,14 @@ class Agent:
                 in_dim=dim, num_classes=self.num_classes, cfg=cfg.train, dual=cfg.method == "feddbp"
             )
         self.resumed = self.state.load_model(self.model)
+        privacy = cfg.privacy
+        self.ledger = Ledger(
+            cfg.state_dir,
+            epsilon_budget=privacy.epsilon,
+            delta=privacy.delta,
+            accountant=privacy.accountant,
+        )
+        self.noise_rng = np.random.default_rng(privacy.noise_seed)
         self.optimiser = make_optimiser(self.model, cfg.train)
         self.generator = torch.Generator().manual_seed(
             cfg.seed + (self.state.snapshot.last_round or 0)
@@ -133,27 +153,64 @@ class Agent:
         cfg = self.cfg
         if cfg.method == "fedavg" and announcement.extras:
             self._load_weights(announcement.extras)
+        privacy = cfg.privacy
+        dp = privacy.mechanism == "dp"
+        if dp and not self.ledger.allows(self._dp_events(None, None)):
+            # Checked before training: the round's DP-SGD steps are paid for by its release.
+            self.state.record(privacy_exhausted=True)
+            log.warning(
+                "round %d: privacy budget (epsilon %.3g) would be exceeded; not publishing",
+                announcement.round,
+                privacy.epsilon,
+            )
+            return Decision("budget_exhausted")
         log.info("round %d: training on %d samples", announcement.round, len(self.train_data))
         guidance = Guidance.from_announcement(
             announcement, client=cfg.agent_id, dim=cfg.train.out_dim
         )
-        metrics = train_round(
-            self.model,
-            self.optimiser,
-            self.features,
-            self.train_data.labels,
-            method=cfg.method,
-            guidance=guidance,
-            cfg=cfg.train,
-            generator=self.generator,
-        )
+        if dp:
+            metrics, q, steps = train_round_dp(
+                self.model,
+                self.optimiser,
+                self.features,
+                self.train_data.labels,
+                method=cfg.method,
+                guidance=guidance,
+                cfg=cfg.train,
+                generator=self.generator,
+                noise_multiplier=privacy.sgd_noise_multiplier,
+                max_grad_norm=privacy.max_grad_norm,
+                seeded=privacy.noise_seed is not None,
+            )
+        else:
+            metrics = train_round(
+                self.model,
+                self.optimiser,
+                self.features,
+                self.train_data.labels,
+                method=cfg.method,
+                guidance=guidance,
+                cfg=cfg.train,
+                generator=self.generator,
+            )
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
         z, _ = embed(self.model, self.features)
         labels = torch.from_numpy(self.train_data.labels)
         protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
+        # The exact local prototypes stay on the device for inference; what leaves it is
+        # the mechanism's release.
         protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
+        release = MECHANISMS[privacy.mechanism](
+            z, self.train_data.labels, self.num_classes, self._mechanism_params(), self.noise_rng
+        )
+        spent = None
+        if dp:
+            # Durable before the update exists anywhere: a crash from here on can only
+            # over-count this release, never forget it.
+            spent = self.ledger.record(announcement.round, self._dp_events(q, steps))
+            crash_point("after_ledger_write")
         extras = self._extras(held, z)
         update = PrototypeUpdate(
             fleet=cfg.fleet,
@@ -161,10 +218,15 @@ class Agent:
             client=cfg.agent_id,
             bundle=self.bundle_id,
             method=cfg.method,
-            classes=tuple(int(c) for c in held),
-            counts=tuple(int(counts[c]) for c in held),
-            prototypes=protos[held].astype(np.float16),
+            classes=tuple(int(c) for c in release.classes),
+            counts=tuple(int(c) for c in release.counts),
+            prototypes=release.prototypes.astype(np.float16),
             extras=extras,
+            privacy=PrivacyMeta(
+                mechanism=privacy.mechanism,
+                epsilon=spent,
+                delta=privacy.delta if dp else None,
+            ),
         )
         payload = update.to_wire()
         record: dict[str, Any] = {
@@ -175,9 +237,10 @@ class Agent:
             "bytes_down": received_bytes,
         }
         if self.test_features is not None and self.test_data is not None:
-            record["test_accuracy"] = self.accuracy(
-                self.test_features, self.test_data.labels, protos, counts
-            )
+            scores = self.accuracies(self.test_features, self.test_data.labels, protos, counts)
+            record["test_accuracy"] = scores[INFERENCE.get(cfg.method, "classifier")]
+            record["test_accuracy_prototype"] = scores["prototype"]
+            record["test_accuracy_classifier"] = scores["classifier"]
         self.state.save_round(
             announcement.round,
             model=self.model,
@@ -190,6 +253,28 @@ class Agent:
             "round %d answered: loss %.4f, %d classes", announcement.round, metrics.loss, len(held)
         )
         return Decision("answered", update=update, payload=payload)
+
+    def _mechanism_params(self) -> MechanismParams:
+        p = self.cfg.privacy
+        # Sums and counts share one multiplier s; the effective release multiplier is
+        # s / sqrt(2) (see privacy.accounting.effective_sigma).
+        s = p.release_noise_multiplier * math.sqrt(2)
+        return MechanismParams(paper_noise=p.paper_noise, paper_scale=p.paper_scale,
+                               paper_p=p.paper_p, sum_sigma=s, count_sigma=s)  # fmt: skip
+
+    def _dp_events(self, q: float | None, steps: int | None) -> list[Event]:
+        """One round's spend: its DP-SGD steps and its release. Before training, the
+        steps are the planned ones (q = batch / samples, ceil(samples / batch) per epoch)."""
+        p, t = self.cfg.privacy, self.cfg.train
+        n = len(self.train_data)
+        if q is None or steps is None:
+            q, steps = min(1.0, t.batch_size / n), t.epochs * math.ceil(n / t.batch_size)
+        s = p.release_noise_multiplier * math.sqrt(2)
+        return [Event(p.sgd_noise_multiplier, q, steps), release_event(s, s)]
+
+    @property
+    def epsilon_spent(self) -> float:
+        return self.ledger.spent()
 
     def _extras(self, held: np.ndarray, z: np.ndarray) -> dict[str, np.ndarray]:
         """Method-specific arrays: FedAvg's weights, FedDBP's Fisher channel scores."""
@@ -222,14 +307,18 @@ class Agent:
         if fitting:
             self.model.load_state_dict(fitting, strict=False)
 
-    def accuracy(
+    def accuracies(
         self, features: np.ndarray, labels: np.ndarray, protos: np.ndarray, counts: np.ndarray
-    ) -> float:
-        z, _ = embed(self.model, features)
+    ) -> dict[str, float]:
+        """Test accuracy by nearest local prototype and by the linear classifier."""
+        z, logits = embed(self.model, features)
         pred, _ = predict(
             torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0)
         )
-        return float((pred.numpy() == labels).mean())
+        return {
+            "prototype": float((pred.numpy() == labels).mean()),
+            "classifier": float((logits.argmax(1) == labels).mean()),
+        }
 
 
 def cache_features(

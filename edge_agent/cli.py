@@ -35,6 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
     p_predict.add_argument(
         "input", type=Path, help="an image, a folder of images, or an .npz with x"
     )
+    p_plan = sub.add_parser(
+        "privacy-plan",
+        help="choose DP noise multipliers for an (epsilon, delta) budget; JSON",
+        description="Noise multipliers that spend --epsilon at --delta over the whole run:\n"
+        "the releases (one per round) take --release-share of it, DP-SGD the rest. Put\n"
+        "sgd_noise_multiplier and release_noise_multiplier into [privacy] of agent.toml.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_plan.add_argument("--epsilon", type=float, required=True, help="total budget")
+    p_plan.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
+    p_plan.add_argument("--rounds", type=int, required=True, help="rounds the agent will answer")
+    p_plan.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
+    p_plan.add_argument("--samples", type=int, required=True, help="training samples on the device")
+    p_plan.add_argument("--batch", type=int, default=32, help="expected batch size (default 32)")
+    p_plan.add_argument(
+        "--release-share", type=float, default=0.2, help="budget share of the releases (0.2)"
+    )
+    p_plan.add_argument("--accountant", choices=["rdp", "prv"], default="rdp")
     p_doctor = sub.add_parser(
         "doctor",
         help="check which ONNX Runtime execution providers really run here; JSON",
@@ -48,6 +66,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit with status 1 unless the CUDA or TensorRT provider works",
     )
     return parser
+
+
+def cmd_privacy_plan(args: argparse.Namespace) -> int:
+    from edge_agent.privacy.accounting import plan
+
+    try:
+        chosen = plan(
+            epsilon_target=args.epsilon,
+            delta=args.delta,
+            rounds=args.rounds,
+            epochs=args.epochs,
+            samples=args.samples,
+            batch=args.batch,
+            release_share=args.release_share,
+            accountant=args.accountant,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    report = {
+        "sgd_noise_multiplier": round(chosen.sgd_noise_multiplier, 4),
+        "sample_rate": chosen.sample_rate,
+        "sgd_steps": chosen.sgd_steps,
+        "release_noise_multiplier": round(chosen.release_noise_multiplier, 4),
+        "releases": chosen.releases,
+        "epsilon": round(chosen.epsilon, 4),
+        "delta": chosen.delta,
+        "accountant": chosen.accountant,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -125,12 +174,37 @@ def cmd_status(args: argparse.Namespace) -> int:
         "pending_round": snap.pending_round,
         "cache_entries": FeatureCache(state.cache_dir).entries(),
         "active_providers": snap.extra.get("active_providers"),
-        "privacy": {"mechanism": "none", "epsilon_spent": None},
+        "privacy": _privacy_status(cfg, snap.extra),
         "last_metrics": snap.history[-1] if snap.history else None,
     }
     json.dump(report, sys.stdout, indent=2)
     print()
     return 0
+
+
+def _privacy_status(cfg: object, extra: dict[str, object]) -> dict[str, object]:
+    from edge_agent.config import AgentConfig
+    from edge_agent.privacy.ledger import Ledger, LedgerError
+
+    assert isinstance(cfg, AgentConfig)
+    p = cfg.privacy
+    out: dict[str, object] = {"mechanism": p.mechanism, "epsilon_spent": None}
+    if p.mechanism == "dp":
+        try:
+            ledger = Ledger(
+                cfg.state_dir, epsilon_budget=p.epsilon, delta=p.delta, accountant=p.accountant
+            )
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from exc
+        out |= {
+            "epsilon_spent": ledger.spent(),
+            "epsilon_budget": p.epsilon,
+            "delta": p.delta,
+            "accountant": p.accountant,
+            "releases": len(ledger.spends),
+            "publishing": not extra.get("privacy_exhausted", False),
+        }
+    return out
 
 
 def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
@@ -223,5 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "status": cmd_status,
             "predict": cmd_predict,
             "doctor": cmd_doctor,
+            "privacy-plan": cmd_privacy_plan,
         },
     )

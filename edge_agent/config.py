@@ -23,6 +23,40 @@ class DataSettings:
 
 
 @dataclass(frozen=True)
+class PrivacySettings:
+    """``mechanism``: none, paper (FedPCL A.2.4 noise, no guarantee) or dp (DP-SGD and a
+    Gaussian release, an (epsilon, delta) guarantee for the agent's whole life). Use
+    ``edge-agent privacy-plan`` to choose the dp noise multipliers for a budget."""
+
+    mechanism: str = "none"
+    epsilon: float = 8.0  # dp: total budget; publishing stops before it is exceeded
+    delta: float = 1e-5
+    accountant: str = "rdp"  # rdp or prv
+    sgd_noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    release_noise_multiplier: float = 5.0  # effective; sums and counts each get sqrt(2) x this
+    paper_noise: str = "gaussian"  # or laplace
+    paper_scale: float = 0.05
+    paper_p: float = 0.1
+    noise_seed: int | None = None  # simulations only: a device draws its noise from the OS
+
+    def __post_init__(self) -> None:
+        from edge_agent.privacy.accounting import ACCOUNTANTS
+        from edge_agent.privacy.mechanisms import MECHANISMS
+
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"privacy.mechanism must be one of {', '.join(MECHANISMS)}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}")
+        if self.epsilon <= 0 or not 0 < self.delta < 1:
+            raise ValueError("privacy.epsilon must be positive and privacy.delta in (0, 1)")
+        if min(self.sgd_noise_multiplier, self.max_grad_norm, self.release_noise_multiplier) <= 0:
+            raise ValueError("privacy noise multipliers and max_grad_norm must be positive")
+        if self.paper_noise not in ("gaussian", "laplace") or not 0 <= self.paper_p < 1:
+            raise ValueError("privacy.paper_noise: gaussian or laplace; paper_p in [0, 1)")
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     agent_id: str
     fleet: str
@@ -35,6 +69,7 @@ class AgentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
     def __post_init__(self) -> None:
         validate_id(self.agent_id, field="agent_id")
@@ -43,6 +78,13 @@ class AgentConfig:
             raise ValueError(
                 f"method {self.method!r} is not supported on the agent; use one of {', '.join(sorted(LOSSES))}"
             )
+        if self.privacy.mechanism == "dp" and self.train.norm != "group":
+            raise ValueError(
+                "privacy.mechanism = 'dp' needs train.norm = 'group': BatchNorm mixes the "
+                "samples of a batch, which per-sample clipping cannot allow"
+            )
+        if self.privacy.mechanism == "dp" and self.method == "feddbp":
+            raise ValueError("privacy.mechanism = 'dp' is not available for feddbp")
         if len(set(self.classes)) != len(self.classes) or not self.classes:
             raise ValueError("classes must be a non-empty list of unique names")
 

@@ -34,15 +34,36 @@ def prototype_contrast(
     present classes (the standard softmax) with ``include_positive``. Averaged over the
     samples whose class is present and that have at least one negative.
     """
-    logits = (z @ protos.T) / tau  # (B, C)
-    positive = logits.gather(1, y[:, None]).squeeze(1)  # (B,)
-    others = present[None, :].expand_as(logits).clone()
+    return prototype_contrast_sets(
+        z, y, protos[None], present[None], tau=tau, include_positive=include_positive
+    )[0]
+
+
+def prototype_contrast_sets(
+    z: torch.Tensor,
+    y: torch.Tensor,
+    sets: torch.Tensor,
+    present: torch.Tensor,
+    *,
+    tau: float,
+    include_positive: bool = False,
+) -> torch.Tensor:
+    """:func:`prototype_contrast` against each of m prototype sets (m, C, d) with masks
+    (m, C) at once: (m,) losses. One batched product instead of m small ones, which is
+    what keeps FedPCL's local term affordable in a fleet of a thousand clients."""
+    m, batch = sets.shape[0], len(y)
+    logits = torch.einsum("bd,mcd->mbc", z, sets) / tau  # (m, B, C)
+    positive = logits.gather(2, y[None, :, None].expand(m, batch, 1)).squeeze(2)  # (m, B)
+    others = present[:, None, :].expand(m, batch, -1).clone()
     if not include_positive:
-        others[torch.arange(len(y)), y] = False
-    denominator = torch.logsumexp(logits.masked_fill(~others, float("-inf")), dim=1)
-    valid = present[y] & others.any(dim=1)
+        others[:, torch.arange(batch), y] = False
+    # A large finite negative instead of -inf: a row with no negatives then has a finite
+    # (masked-out) value and a finite gradient, where -inf would give NaN through softmax.
+    masked = logits.masked_fill(~others, torch.finfo(logits.dtype).min / 4)
+    denominator = torch.logsumexp(masked, dim=2)  # (m, B)
+    valid = present.gather(1, y[None, :].expand(m, batch)) & others.any(dim=2)
     loss = torch.where(valid, denominator - positive, torch.zeros_like(positive))
-    return _masked_mean(loss, valid)
+    return (loss * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
 
 
 def fedpcl_loss(
@@ -64,13 +85,8 @@ def fedpcl_loss(
     )
     if local_sets.shape[0] == 0:
         return l_g
-    l_p = torch.stack(
-        [
-            prototype_contrast(
-                z, y, local_sets[p], local_present[p], tau=tau, include_positive=include_positive
-            )
-            for p in range(local_sets.shape[0])
-        ]
+    l_p = prototype_contrast_sets(
+        z, y, local_sets, local_present, tau=tau, include_positive=include_positive
     ).mean()
     return l_g + l_p
 

@@ -111,6 +111,10 @@ class MosquittoBroker:
         return BrokerAddress(self._host, self._port)
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
     def log_path(self) -> Path:
         assert self._dir is not None
         return Path(self._dir.name) / "mosquitto.log"

@@ -5,19 +5,31 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet import demo
+from fleet import commands
 from protocol.cliutil import make_parser, run
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         "edge-fleet",
-        "Simulate a whole ProtoFleet fleet (broker, coordinator, agents) on one machine.",
+        "Simulate a whole ProtoFleet fleet (broker, coordinator, agents) on one machine:\n"
+        "`run` one method, `compare` methods x seeds on the same partitions, `demo` the\n"
+        "feature-shift comparison `make demo` shows. Reports: report.json, report.md, PNGs.",
     )
+    # Hundreds of agents log a few lines per round each: warnings only unless asked.
+    parser.set_defaults(log_level="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo.add_parser(sub)
+    commands.add_parsers(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser(), argv, handlers={"demo": demo.main})
+    return run(
+        build_parser(),
+        argv,
+        handlers={
+            "run": commands.cmd_run,
+            "compare": commands.cmd_compare,
+            "demo": commands.cmd_demo,
+        },
+    )

@@ -203,7 +203,9 @@ def from_npz(path: Path) -> Partition:
     return Partition(tuple(clients), classes, f"{path.name}: {n} clients")
 
 
-def from_directory(root: Path, *, image_size: int, test_share: float = 0.3, seed: int = 0) -> Partition:
+def from_directory(
+    root: Path, *, image_size: int, test_share: float = 0.3, seed: int = 0
+) -> Partition:
     """Clients from folders. ``<client>/train/<class>/*`` + ``<client>/test/<class>/*`` is
     one client per folder; ``<domain>/<class>/*`` (Digit-5, Office-10 and DomainNet as
     usually laid out) is one client per domain, split ``test_share`` for testing."""
@@ -231,7 +233,7 @@ def from_directory(root: Path, *, image_size: int, test_share: float = 0.3, seed
                 all_ = load_folder(d, classes, size=image_size)
                 skipped += sum(all_.skipped.values())
                 order = np.random.default_rng([seed, i]).permutation(len(all_.labels))
-                cut = int(round(len(order) * (1 - test_share)))
+                cut = round(len(order) * (1 - test_share))
                 train_x, train_y = all_.images[order[:cut]], all_.labels[order[:cut]]
                 test_x, test_y = all_.images[order[cut:]], all_.labels[order[cut:]]
         except DataError as exc:

@@ -62,7 +62,7 @@ def make_parser(prog: str, description: str, epilog: str | None = None) -> argpa
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="verbosity of log lines on stderr (default: INFO)",
+        help="verbosity of log lines on stderr (default: %(default)s)",
     )
     return parser
 

@@ -1,5 +1,6 @@
 """The four console scripts as a user runs them from the virtual environment."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,38 +37,36 @@ def test_no_command_prints_help_and_fails():
     assert "demo" in result.stdout
 
 
-def test_unknown_option_is_a_usage_error_not_a_traceback():
+def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
+    (tmp_path / "not-a-bundle.txt").write_text("x")
     result = run("edge-fleet", "demo", "--clients", "many")
     assert result.returncode == 2
     assert "invalid int value" in result.stderr
     assert "Traceback" not in result.stderr
-    result = run("edge-fleet", "demo", "--clients", "9")
-    assert result.returncode == 2 and "--clients must be 1-5" in result.stderr
+    for argv, message in [
+        (["demo", "--methods", "solo,magic"], "unknown methods magic"),
+        (["compare", "--seeds", "0,x"], "--seeds must be integers"),
+        (["run", "--data", str(tmp_path / "missing.npz")], "does not exist"),
+        (["run", "--broker", "http://x"], "--broker must look like mqtt://host:port"),
+        (["run", "--bundle", str(tmp_path)], "holds no bundle.json"),
+    ]:
+        result = run("edge-fleet", *argv)
+        assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
+        assert "Traceback" not in result.stderr
 
 
 @pytest.mark.broker
-def test_demo_runs_a_fleet_over_mqtt(small_zoo, tmp_path):
+def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     result = run(
-        "edge-fleet",
-        "demo",
-        "--zoo",
-        str(small_zoo),
-        "--out",
-        str(tmp_path),
-        "--clients",
-        "2",
-        "--rounds",
-        "2",
-        "--train",
-        "60",
-    )
+        "edge-fleet", "demo", "--bundle", str(small_zoo), "--out", str(tmp_path),
+        "--clients", "2", "--rounds", "2", "--train", "30", "--test", "20",
+        "--methods", "solo,fedpcl", "--out-dim", "32", "--no-progress",
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = [
-        r
-        for r in (line.split() for line in result.stdout.splitlines())
-        if len(r) == 4 and r[0].isdigit()
-    ]
-    assert [r[0] for r in rows] == ["0", "1"]
-    accuracies = [float(v) for r in rows for v in r[1:]]
-    assert all(0.0 <= a <= 1.0 for a in accuracies)
-    assert "2 FedPCL rounds over MQTT" in result.stdout
+    assert "| solo |" in result.stdout and "| fedpcl |" in result.stdout
+    for name in ("report.json", "report.md", "accuracy_vs_round.png", "backbone_contribution.png"):
+        assert (tmp_path / name).exists()
+        assert str(tmp_path / name) in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["methods"]) == {"solo", "fedpcl"}
+    assert report["config"]["transport"] == "mqtt"

@@ -1,0 +1,1 @@
+"""Privacy on the device: release mechanisms, the accountant and the durable ledger."""

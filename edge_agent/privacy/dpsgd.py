@@ -1,0 +1,96 @@
+"""One round of the local objective trained with DP-SGD (Opacus).
+
+Per-sample gradients (Opacus GradSampleModule), each clipped to ``max_grad_norm``,
+Gaussian noise of ``noise_multiplier * max_grad_norm`` on their sum, and Poisson sampling:
+each step takes every example independently with probability ``q = batch / samples``, which
+is the sampling the accountant's subsampled-Gaussian analysis assumes. The head must use
+GroupNorm (BatchNorm mixes the samples of a batch, so one example's gradient would depend
+on the others). A loss that compares a sample with statistics of its batch is not
+per-sample either: without global prototypes (round 0) the contrastive objectives fall
+back to the classifier's cross-entropy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from edge_agent.train import Guidance, LocalModel, RoundMetrics, TrainConfig, loss_for
+
+
+def _per_sample_loss(
+    model: Any, method: str, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    if method in ("fedpcl", "fpl") and not g.has_globals:
+        _, logits = model(r)
+        return nn.functional.cross_entropy(logits, y)
+    return loss_for(method)(model, r, y, g, cfg)
+
+
+def train_round_dp(
+    model: LocalModel,
+    optimiser: torch.optim.Optimizer,
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    method: str,
+    guidance: Guidance,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    seeded: bool = False,
+) -> tuple[RoundMetrics, float, int]:
+    """Returns (metrics, sample rate q, steps taken): what the accountant composes."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    if cfg.norm != "group":
+        raise ValueError("DP-SGD needs train.norm = 'group' (BatchNorm is not per-sample)")
+    if method == "feddbp":
+        raise ValueError("DP-SGD is not supported for feddbp (its dual branch shares a classifier)")
+    start = time.perf_counter()
+    n = len(labels)
+    q = min(1.0, cfg.batch_size / n)
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    wrapped = GradSampleModule(model, loss_reduction="mean")
+    dp_opt = DPOptimizer(
+        optimiser,
+        noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm,
+        expected_batch_size=max(1, round(q * n)),
+        loss_reduction="mean",
+    )
+    # Opacus draws its noise from torch's global generator. Seeded only in simulations:
+    # on a device, noise an observer could reproduce from a known seed protects nothing.
+    if seeded:
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+    else:
+        torch.seed()
+    total, taken = 0.0, 0
+    wrapped.train()
+    try:
+        for _ in range(cfg.epochs * steps_per_epoch):
+            mask = torch.rand(n, generator=generator) < q  # Poisson sampling
+            idx = torch.nonzero(mask).flatten()
+            taken += 1  # an empty draw is still a step of the mechanism
+            if len(idx) == 0:
+                continue
+            r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))
+            dp_opt.zero_grad(set_to_none=True)
+            loss = _per_sample_loss(wrapped, method, r, y_all[idx], guidance, cfg)
+            loss.backward()
+            dp_opt.step()
+            total += float(loss.detach())
+    finally:
+        wrapped._close()
+    metrics = RoundMetrics(
+        loss=total / max(taken, 1), samples=n, steps=taken, seconds=time.perf_counter() - start
+    )
+    return metrics, q, taken

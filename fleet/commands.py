@@ -1,0 +1,205 @@
+"""``edge-fleet run``, ``compare`` and ``demo``: argument handling around the runner."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fleet import report as report_mod
+from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
+from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
+from fleet.runner import run as run_fleet
+from protocol.cliutil import UsageError
+
+BIN = Path(sys.executable).parent
+METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
+DATA_HELP = """data:
+  digits-5 (default) is built locally from scikit-learn's bundled digits and photos.
+  --data FILE.npz   train_x_<i>, train_y_<i>, test_x_<i>, test_y_<i> (x uint8 or float32
+                    in N,3,H,W; y integers) and optionally domain_<i>, for clients 0..N-1
+  --data DIR        DIR/<client>/train/<class>/*, DIR/<client>/test/<class>/* (one
+                    client per folder), or DIR/<domain>/<class>/* (Digit-5, Office-10,
+                    DomainNet laid out as folders: one client per domain, 30% for testing)
+"""
+
+
+def _common(parser: argparse.ArgumentParser, *, rounds: int, clients: int, out: str) -> None:
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
+    data.add_argument("--split", choices=SPLITS, default="feature",
+                      help="digits-5 non-IID setting (default feature)")  # fmt: skip
+    data.add_argument("--clients", type=int, default=clients,
+                      help=f"digits-5 clients (default {clients})")  # fmt: skip
+    data.add_argument("--alpha", type=float, default=0.5,
+                      help="Dirichlet alpha of the label splits (default 0.5)")  # fmt: skip
+    data.add_argument("--domain", default="clean",
+                      help="digits-5 domain of the label split (default clean)")  # fmt: skip
+    data.add_argument("--train", type=int, default=100,
+                      help="digits-5 training images per client (default 100)")  # fmt: skip
+    data.add_argument("--test", type=int, default=100,
+                      help="digits-5 test images per client (default 100)")  # fmt: skip
+    data.add_argument("--image-size", type=int, default=32,
+                      help="side that folder images are resized to (default 32)")  # fmt: skip
+    fl = parser.add_argument_group("federation")
+    fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
+    fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
+    fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
+    fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),
+                    help="backbone bundle; the zoo is built there if missing (default runs/zoo)")  # fmt: skip
+    fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
+                    help="zoo to build when --bundle is missing (default full, ~5 min once)")  # fmt: skip
+    tr = parser.add_argument_group("transport")
+    tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
+                    help="mqtt: broker + processes; memory: one process, no broker (default mqtt)")  # fmt: skip
+    tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
+    tr.add_argument("--workers", type=int, default=2,
+                    help="worker processes hosting the agents (default 2)")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_parsers(sub: Any) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p_run = sub.add_parser("run", help="run one method over a simulated fleet and report",
+                           description="Run R rounds of one method over N agents.",
+                           epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
+    p_run.add_argument("--method", choices=METHODS, default="fedpcl", help="default fedpcl")
+    p_run.add_argument("--seed", type=int, default=0)
+    _common(p_run, rounds=30, clients=5, out="runs/fleet")
+
+    p_cmp = sub.add_parser("compare", help="several methods x seeds on the same partitions",
+                           description="Every method and seed on the same bundle and partitions.",
+                           epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
+    p_cmp.add_argument("--methods", default=",".join(METHODS),
+                       help=f"comma-separated (default {','.join(METHODS)})")  # fmt: skip
+    p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
+    _common(p_cmp, rounds=30, clients=5, out="runs/compare")
+
+    p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto and "
+                            "fedpcl on 5 feature-shifted devices over MQTT",
+                            description="The feature-shift comparison of solo, fedavg, fedproto "
+                            "and fedpcl with 5 devices over a private Mosquitto.")  # fmt: skip
+    p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
+    p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl")
+    _common(p_demo, rounds=30, clients=5, out="runs/demo")
+
+
+def _list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise UsageError(f"--{what} is empty")
+    if allowed is not None:
+        bad = [i for i in items if i not in allowed]
+        if bad:
+            raise UsageError(f"unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in _list(text, what="seeds")]
+    except ValueError as exc:
+        raise UsageError(f"--seeds must be integers: {exc}") from exc
+
+
+def ensure_bundle(path: Path, size: str) -> Path:
+    if (path / "bundle.json").exists():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise UsageError(f"{path} exists but holds no bundle.json")
+    print(f"building the {size} backbone zoo in {path} (once) ...", file=sys.stderr, flush=True)
+    done = subprocess.run(
+        [str(BIN / "edge-export"), "zoo", "--out", str(path), "--size", size],
+        stdout=subprocess.DEVNULL,
+    )
+    if done.returncode != 0:
+        raise UsageError(f"building the zoo failed (exit {done.returncode})")
+    return path
+
+
+def partition_for(args: argparse.Namespace, seed: int) -> Partition:
+    if args.data is None:
+        return digits5(clients=args.clients, split=args.split, seed=seed, train=args.train,
+                       test=args.test, alpha=args.alpha, domain=args.domain)  # fmt: skip
+    if not args.data.exists():
+        raise UsageError(f"--data {args.data} does not exist")
+    if args.data.suffix == ".npz":
+        return from_npz(args.data)
+    return from_directory(args.data, image_size=args.image_size, seed=seed)
+
+
+def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
+    if args.broker:
+        parse_broker_url(args.broker)  # a bad URL fails now, not after the zoo is built
+    if args.data is not None and not args.data.exists():
+        raise UsageError(f"--data {args.data} does not exist")
+    bundle = ensure_bundle(args.bundle, args.zoo_size)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}
+    description = ""
+    for seed in seeds:
+        partition = partition_for(args, seed)  # the same partition for every method
+        description = partition.description.replace(f", seed {seed}", "")
+        for method in methods:
+            spec = RunSpec(
+                method=method,
+                rounds=args.rounds,
+                bundle=bundle,
+                out=args.out / "runs" / stamp / f"{method}-seed{seed}",
+                seed=seed,
+                transport=args.transport,
+                broker=args.broker,
+                workers=args.workers,
+                out_dim=args.out_dim,
+                epochs=args.epochs,
+                progress=not args.no_progress,
+            )
+            result = run_fleet(spec, partition)
+            results[method][seed] = result
+            final = report_mod.run_summary(result)["final_mean"]
+            print(f"{method:>9} seed {seed}: final mean accuracy {final:.3f} "
+                  f"({result.wall_seconds:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("command", "log_format", "log_level")}  # fmt: skip
+    config.update(methods=methods, seeds=seeds, bundle=str(bundle))
+    document = report_mod.build_report(results, config=config, partition=description)
+    # The contribution heatmap of the first federated method that ran (FedPCL if present).
+    heat_method = next((m for m in ("fedpcl", *methods) if m in results), methods[0])
+    run0 = results[heat_method][seeds[0]]
+    extra = {}
+    domains, backbones, matrix = report_mod.backbone_contribution(run0, bundle)
+    document["backbone_contribution"] = {
+        "method": heat_method, "seed": seeds[0], "domains": domains, "backbones": backbones,
+        "similarity": matrix.round(4).tolist(),
+    }  # fmt: skip
+    extra["contribution"] = report_mod.plot_contribution(
+        domains, backbones, matrix, args.out / "backbone_contribution.png", method=heat_method
+    )
+    return report_mod.write(document, args.out, extra_plots=extra)
+
+
+def _print(paths: dict[str, Path]) -> None:
+    print(paths["report.md"].read_text())
+    for name, path in paths.items():
+        print(f"{name:>14}: {path}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _print(compare(args, [args.method], [args.seed]))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    methods = _list(args.methods, what="methods", allowed=METHODS)
+    _print(compare(args, methods, _seeds(args.seeds)))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return cmd_compare(args)

@@ -1,0 +1,310 @@
+"""Reports of simulated fleets: report.json, a Table-2-shaped report.md, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.runner import RunResult
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def _std(values: Sequence[float | None]) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.std(vals)) if vals else float("nan")
+
+
+def final_accuracy(result: RunResult, rule: str = "accuracy") -> dict[str, float]:
+    """Each client's accuracy after the last round it answered; ``rule`` picks the
+    method's own inference (``accuracy``), ``accuracy_prototype`` or ``accuracy_classifier``."""
+    out = {}
+    for c in result.clients:
+        answered = [a for a in getattr(c, rule) if a is not None]
+        out[c.name] = answered[-1] if answered else float("nan")
+    return out
+
+
+def run_summary(result: RunResult) -> dict[str, Any]:
+    final = final_accuracy(result)
+    per_domain: dict[str, list[float]] = {}
+    for c in result.clients:
+        per_domain.setdefault(c.domain, []).append(final[c.name])
+    answered = [
+        (u, d) for c in result.clients for u, d in zip(c.bytes_up, c.bytes_down, strict=True) if u
+    ]
+    return {
+        "accuracy": {c.name: list(c.accuracy) for c in result.clients},
+        "final": final,
+        "final_mean": _mean(list(final.values())),
+        "final_mean_prototype": _mean(list(final_accuracy(result, "accuracy_prototype").values())),
+        "final_mean_classifier": _mean(
+            list(final_accuracy(result, "accuracy_classifier").values())
+        ),
+        "mean_by_round": [
+            _mean([c.accuracy[r] for c in result.clients]) for r in range(result.spec.rounds)
+        ],
+        "per_domain": {d: _mean(v) for d, v in per_domain.items()},
+        "bytes_up": {c.name: list(c.bytes_up) for c in result.clients},
+        "bytes_down": {c.name: list(c.bytes_down) for c in result.clients},
+        "bytes_up_per_client_round": _mean([u for u, _ in answered]),
+        "bytes_down_per_client_round": _mean([d for _, d in answered]),
+        "round_seconds": list(result.round_seconds),
+        "wall_seconds": result.wall_seconds,
+        "peak_mb": result.peak_mb,
+        "run_dir": str(result.spec.out),
+    }
+
+
+def build_report(
+    results: dict[str, dict[int, RunResult]], *, config: dict[str, Any], partition: str
+) -> dict[str, Any]:
+    """``results[method][seed]`` -> the report.json document."""
+    methods: dict[str, Any] = {}
+    for method, by_seed in results.items():
+        runs = {str(seed): run_summary(r) for seed, r in sorted(by_seed.items())}
+        finals = [runs[s]["final_mean"] for s in runs]
+        domains = sorted({d for r in runs.values() for d in r["per_domain"]})
+        methods[method] = {
+            "runs": runs,
+            "final_mean": _mean(finals),
+            "final_std": _std(finals),
+            "final_mean_prototype": _mean([runs[s]["final_mean_prototype"] for s in runs]),
+            "final_mean_classifier": _mean([runs[s]["final_mean_classifier"] for s in runs]),
+            "per_domain": {
+                d: _mean([r["per_domain"].get(d) for r in runs.values()]) for d in domains
+            },
+            "per_domain_std": {
+                d: _std([r["per_domain"].get(d) for r in runs.values()]) for d in domains
+            },
+            "mean_by_round": [
+                _mean([r["mean_by_round"][i] for r in runs.values()])
+                for i in range(len(next(iter(runs.values()))["mean_by_round"]))
+            ],
+            "bytes_up_per_client_round": _mean(
+                [r["bytes_up_per_client_round"] for r in runs.values()]
+            ),
+            "bytes_down_per_client_round": _mean(
+                [r["bytes_down_per_client_round"] for r in runs.values()]
+            ),
+            "peak_mb": max(r["peak_mb"] for r in runs.values()),
+        }
+    return {"config": config, "partition": partition, "methods": methods}
+
+
+def _cell(mean: float, std: float) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{100 * mean:.1f} ({100 * std:.1f})"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds."""
+    methods = report["methods"]
+    domains = sorted({d for m in methods.values() for d in m["per_domain"]})
+    seeds = sorted({s for m in methods.values() for s in m["runs"]})
+    head = ["method", *domains, "mean"]
+    lines = [
+        f"# Fleet report: {report['partition']}",
+        "",
+        f"Final test accuracy (%) of each client on its own test split, mean (std) over "
+        f"seeds {', '.join(seeds)}; a domain's cell averages its clients.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
+    for name, m in methods.items():
+        cells = [
+            _cell(m["per_domain"].get(d, math.nan), m["per_domain_std"].get(d, 0.0))
+            for d in domains
+        ]
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {_cell(m['final_mean'], m['final_std'])} |"
+        )
+    lines += [
+        "",
+        "Every method by both inference rules (mean over seeds, %): the table above uses each",
+        "method's own (FedPCL: nearest local prototype; the others: their classifier).",
+        "",
+        "| method | nearest local prototype | classifier |",
+        "|---|---:|---:|",
+    ]
+    for name, m in methods.items():
+        lines.append(
+            f"| {name} | {100 * m['final_mean_prototype']:.1f} | "
+            f"{100 * m['final_mean_classifier']:.1f} |"
+        )
+    lines += [
+        "",
+        "| method | bytes up / client / round | bytes down / client / round | peak MB |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        lines.append(
+            f"| {name} | {m['bytes_up_per_client_round']:,.0f} | "
+            f"{m['bytes_down_per_client_round']:,.0f} | {m['peak_mb']:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(
+    report: dict[str, Any], out: Path, *, extra_plots: dict[str, Path] | None = None
+) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out / "report.md").write_text(markdown(report))
+    plots = {"accuracy": plot_accuracy(report, out / "accuracy_vs_round.png"),
+             "domains": plot_domains(report, out / "accuracy_per_domain.png")}  # fmt: skip
+    return {
+        "report.json": out / "report.json",
+        "report.md": out / "report.md",
+        **plots,
+        **(extra_plots or {}),
+    }
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, m in report["methods"].items():
+        runs = list(m["runs"].values())
+        curves = np.array([r["mean_by_round"] for r in runs], dtype=float) * 100
+        mean = np.nanmean(curves, axis=0)
+        rounds = np.arange(1, len(mean) + 1)
+        (line,) = ax.plot(rounds, mean, marker="o", markersize=3, label=name)
+        if len(runs) > 1:
+            std = np.nanstd(curves, axis=0)
+            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean client test accuracy (%)")
+    ax.set_title(report["partition"], fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_domains(report: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    methods = report["methods"]
+    domains = sorted({d for m in methods.values() for d in m["per_domain"]})
+    if len(domains) > 12:  # one bar group per client would be unreadable: show the mean
+        domains = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * (len(domains) + 1) + 2), 4.2), dpi=120)
+    groups = [*domains, "mean"]
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(len(groups))
+    for i, (name, m) in enumerate(methods.items()):
+        values = [m["per_domain"].get(d, math.nan) for d in domains] + [m["final_mean"]]
+        errors = [m["per_domain_std"].get(d, 0.0) for d in domains] + [m["final_std"]]
+        ax.bar(x + i * width - 0.4 + width / 2, np.array(values) * 100, width,
+               yerr=np.array(errors) * 100, capsize=2, label=name)  # fmt: skip
+    ax.set_xticks(x, groups)
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("final accuracy per domain (mean over seeds, bars: std)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def backbone_contribution(
+    result: RunResult, bundle: Path
+) -> tuple[list[str], list[str], np.ndarray]:
+    """FedPCL Fig. 3's question, answered with the trained heads: for each domain and
+    backbone k, the cosine similarity between a client's class prototypes computed from
+    all backbones and those computed from backbone k alone (the other backbones' feature
+    blocks replaced by their mean over the client's data, which keeps the head's input
+    in distribution), averaged over classes and over the domain's clients."""
+    import torch
+
+    from edge_agent.agent import Agent
+    from edge_agent.config import load as load_agent_config
+    from edge_agent.head import local_prototypes
+    from edge_agent.train import embed
+    from export.runtime import BackboneRuntime
+
+    runtime = BackboneRuntime(bundle)
+    members = runtime.bundle.members
+    names = [m.name for m in members]
+    bounds = np.cumsum([0] + [m.output_dim for m in members])
+    sims: dict[str, list[np.ndarray]] = {}
+    for client in result.clients:
+        cfg_path = result.spec.out / "clients" / client.name / "agent.toml"
+        agent = Agent(load_agent_config(cfg_path), runtime=runtime)
+        feats = np.asarray(agent.features, dtype=np.float32)
+        labels = torch.from_numpy(agent.train_data.labels)
+        n_cls = agent.num_classes
+        full, counts = local_prototypes(
+            torch.from_numpy(embed(agent.model, feats)[0]), labels, n_cls
+        )
+        present = (counts > 0).numpy()
+        row = []
+        for k in range(len(members)):
+            only = np.broadcast_to(feats.mean(0), feats.shape).copy()
+            only[:, bounds[k] : bounds[k + 1]] = feats[:, bounds[k] : bounds[k + 1]]
+            single, _ = local_prototypes(
+                torch.from_numpy(embed(agent.model, only)[0]), labels, n_cls
+            )
+            cos = torch.nn.functional.cosine_similarity(single, full, dim=1).numpy()
+            row.append(float(cos[present].mean()))
+        sims.setdefault(client.domain, []).append(np.array(row))
+    domains = sorted(sims)
+    return domains, names, np.stack([np.mean(sims[d], axis=0) for d in domains])
+
+
+def plot_contribution(
+    domains: list[str], backbones: list[str], matrix: np.ndarray, path: Path, *, method: str
+) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 * len(backbones) + 2.5, 0.55 * len(domains) + 1.8), dpi=120)
+    # The scale starts just below the smallest value so differences between backbones show.
+    low = max(-1.0, math.floor((float(matrix.min()) - 0.05) * 10) / 10)
+    image = ax.imshow(matrix, cmap="viridis", vmin=low, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(backbones)), backbones)
+    ax.set_yticks(range(len(domains)), domains)
+    for i in range(len(domains)):
+        for j in range(len(backbones)):
+            value = matrix[i, j]
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center",
+                    color="black" if value > (low + 1) / 2 else "white", fontsize=9)  # fmt: skip
+    ax.set_xlabel("single backbone")
+    ax.set_title(f"{method}: similarity of single- to multi-backbone prototypes", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="cosine similarity")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

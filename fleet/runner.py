@@ -1,0 +1,508 @@
+"""Run one simulated fleet: the real agent and coordinator code, over MQTT or in memory.
+
+``mqtt``: a broker (Mosquitto from PATH, else amqtt in-process, or ``--broker URL``),
+``edge-coordinator run`` as its own process, and the agents hosted in a few worker
+processes (``python -m fleet.worker``), each agent with its own state directory and MQTT
+session, all agents of a worker sharing one set of ONNX Runtime sessions.
+
+``memory``: the same :class:`~edge_agent.agent.Agent` and
+:class:`~coordinator.rounds.RoundManager` (with its SQLite store) in this process, the
+messages handed over as the same wire bytes, for sweeps with 1,000 clients.
+
+Either way every agent evaluates itself on its own test split each round and keeps the
+record in its state directory; :func:`collect` reads the run back from those records and
+the coordinator's database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from fleet.partition import ClientData, Partition
+from protocol.cliutil import UsageError
+
+log = logging.getLogger(__name__)
+
+FLEET = "sim"
+TRANSPORTS = ("mqtt", "memory")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    rounds: int
+    bundle: Path
+    out: Path  # this run's folder
+    seed: int = 0
+    transport: str = "mqtt"
+    broker: str | None = None  # mqtt://host:port of an external broker
+    workers: int = 2
+    out_dim: int = 256
+    epochs: int = 1
+    progress: bool = True
+    extra_train: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        if self.rounds < 1 or self.workers < 1 or self.epochs < 1:
+            raise UsageError("--rounds, --workers and --epochs must be at least 1")
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    name: str
+    domain: str
+    accuracy: tuple[float | None, ...]  # per round, by the method's own inference rule
+    accuracy_prototype: tuple[float | None, ...]  # per round, nearest local prototype
+    accuracy_classifier: tuple[float | None, ...]  # per round, the linear classifier
+    bytes_up: tuple[int, ...]
+    bytes_down: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    spec: RunSpec
+    clients: tuple[ClientRecord, ...]
+    round_seconds: tuple[float, ...]
+    peak_mb: float
+    wall_seconds: float
+
+
+# -- configuration files ---------------------------------------------------------------------
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+
+def to_toml(tables: dict[str, Any]) -> str:
+    """Top-level keys first, then one ``[table]`` per dict value (one level deep)."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in tables.items() if not isinstance(v, dict)]
+    for name, table in tables.items():
+        if isinstance(table, dict):
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _agent_tables(
+    spec: RunSpec, client: ClientData, root: Path, classes: tuple[str, ...], index: int
+) -> dict[str, Any]:
+    train, test = client.save(root / "data")
+    return {
+        "agent_id": client.name,
+        "fleet": FLEET,
+        "state_dir": str(root / "state"),
+        "bundle": str(spec.bundle),
+        "method": spec.method,
+        "classes": list(classes),
+        "seed": spec.seed * 100_003 + index,
+        "data": {"train": str(train), "test": str(test)},
+        "train": {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train},
+        # One intra-op thread per session: many agents share a few cores.
+        "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
+    }
+
+
+def _coordinator_tables(
+    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int
+) -> dict[str, Any]:
+    return {
+        "fleet": FLEET,
+        "state_dir": str(spec.out / "coordinator"),
+        "sqlite_synchronous": "NORMAL",
+        "model": {
+            "method": spec.method,
+            "bundle": bundle_id,
+            "classes": list(classes),
+            "dim": spec.out_dim,
+        },
+        "rounds": {
+            "min_clients": clients,
+            "wait_after_quorum_s": 0.0,
+            "timeout_s": 3600.0,
+            "max_rounds": spec.rounds,
+        },
+    }
+
+
+# -- running -----------------------------------------------------------------------------------
+
+
+def run(spec: RunSpec, partition: Partition) -> RunResult:
+    from export import bundle as bundle_mod
+    from export.errors import BundleError
+
+    try:
+        bundle = bundle_mod.load(spec.bundle)
+    except BundleError as exc:
+        raise UsageError(str(exc)) from exc
+    spec.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    agents: list[dict[str, Any]] = []
+    for i, client in enumerate(partition.clients):
+        tables = _agent_tables(
+            spec, client, spec.out / "clients" / client.name, partition.classes, i
+        )
+        # Written for both transports: reports and users can reopen any agent from it.
+        (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
+        agents.append(tables)
+    coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents))
+    if spec.transport == "memory":
+        peak = _run_memory(spec, agents, coord)
+    else:
+        peak = _run_mqtt(spec, agents, coord)
+    return collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
+
+
+def _progress(spec: RunSpec, total: int, desc: str, unit: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        leave=False,
+        disable=not spec.progress or None,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+
+
+def _peak_self_mb() -> float:
+    # ru_maxrss is in kibibytes on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _run_memory(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+    import torch
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.store import Store
+    from edge_agent.agent import Agent
+    from edge_agent.config import AgentConfig
+    from export.runtime import BackboneRuntime, RuntimeSettings
+    from protocol import RoundAnnouncement
+    from protocol.settings import build
+
+    torch.set_num_threads(1)
+    runtime = BackboneRuntime(spec.bundle, settings=RuntimeSettings(intra_op_threads=1))
+    live = []
+    with _progress(spec, len(agents), f"{spec.method}: starting agents", "agent") as bar:
+        for tables in agents:
+            live.append(Agent(build(AgentConfig, tables), runtime=runtime))
+            bar.update()
+    cfg = build(CoordinatorConfig, coord)
+    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+    try:
+        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
+        with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
+            while True:
+                wire = manager.announcement.to_wire()
+                announcement = RoundAnnouncement.from_wire(wire, max_bytes=len(wire))
+                for agent in live:
+                    decision = agent.handle(announcement, received_bytes=len(wire))
+                    if decision.payload is not None:
+                        outcome = manager.offer(decision.payload, topic_client=agent.cfg.agent_id)
+                        if not outcome.accepted:
+                            raise RuntimeError(
+                                f"the coordinator rejected {agent.cfg.agent_id}: {outcome.reason}"
+                            )
+                        agent.state.mark_published(announcement.round)
+                if manager.done:
+                    break
+                if manager.poll() is None:
+                    raise RuntimeError(f"round {announcement.round} did not close")
+                bar.update()
+    finally:
+        store.close()
+    return _peak_self_mb()
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    parsed = urlparse(url if "://" in url else f"mqtt://{url}")
+    if parsed.scheme not in ("mqtt", "tcp") or not parsed.hostname:
+        raise UsageError(f"--broker must look like mqtt://host:port, got {url!r}")
+    try:
+        port = parsed.port or 1883
+    except ValueError as exc:
+        raise UsageError(f"--broker {url!r}: {exc}") from exc
+    return parsed.hostname, port
+
+
+@contextmanager
+def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
+    """(host, port, broker pid or None): the external broker, else Mosquitto, else amqtt."""
+    if spec.broker:
+        host, port = parse_broker_url(spec.broker)
+        yield host, port, None
+        return
+    from fleet.amqtt_broker import AmqttBroker
+    from fleet.broker import BrokerError, MosquittoBroker, find_mosquitto
+
+    broker: Any
+    if find_mosquitto() is not None:
+        broker = MosquittoBroker()
+    else:
+        log.warning("mosquitto not found on PATH: using the embedded amqtt broker")
+        broker = AmqttBroker()
+    try:
+        broker.start()
+    except BrokerError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        pid = broker.pid if isinstance(broker, MosquittoBroker) else None
+        yield broker.address.host, broker.address.port, pid
+    finally:
+        broker.stop()
+
+
+def vm_hwm_mb(pid: int) -> float:
+    """Peak resident memory of a live process (Linux /proc), 0 if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+    bin_dir = Path(sys.executable).parent
+    logs = spec.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    with broker_for(spec) as (host, port, broker_pid):
+        # FedPCL's announcement carries every client's padded local set (Eq. 7): about
+        # 10 kB per client, so a 100-agent fleet's exceeds the 1 MB default cap.
+        mqtt = {"host": host, "port": port, "keepalive": 60, "max_payload_bytes": 256 << 20}
+        coord_cfg = spec.out / "coordinator.toml"
+        coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
+        configs = []
+        for tables in agents:
+            path = Path(tables["state_dir"]).parent / "agent.toml"
+            path.write_text(to_toml({**tables, "mqtt": mqtt}))
+            configs.append(path)
+        workers = min(spec.workers, len(configs))
+        peak_files = [logs / f"worker-{w}.peak.json" for w in range(workers)]
+        try:
+            watcher = _Watcher(host, port, expected=len(configs))
+            procs.append(
+                _spawn(
+                    [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
+                    logs / "coordinator.log",
+                )
+            )
+            for w in range(workers):
+                spec_file = logs / f"worker-{w}.json"
+                spec_file.write_text(
+                    json.dumps(
+                        {
+                            "bundle": str(spec.bundle),
+                            "configs": [str(c) for c in configs[w::workers]],
+                            "peak_file": str(peak_files[w]),
+                        }
+                    )
+                )
+                procs.append(
+                    _spawn(
+                        [sys.executable, "-m", "fleet.worker", str(spec_file)],
+                        logs / f"worker-{w}.log",
+                    )
+                )
+            coordinator = procs[0]
+            alive = _liveness(procs, logs)
+            with _progress(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
+                watcher.wait_online(bar, alive)
+            broker_peak = 0.0
+            with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
+                watcher.wait_rounds(spec.rounds, bar, alive)
+            if broker_pid is not None:
+                broker_peak = vm_hwm_mb(broker_pid)
+            if coordinator.wait(timeout=60) != 0:
+                raise UsageError(f"the coordinator failed; see {logs / 'coordinator.log'}")
+            # Only the coordinator has been reaped: RUSAGE_CHILDREN's peak is its own.
+            coord_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            watcher.close()
+        finally:
+            _stop_all(procs)
+    worker_peaks = []
+    for f in peak_files:
+        try:
+            worker_peaks.append(float(json.loads(f.read_text())["peak_mb"]))
+        except (OSError, ValueError, KeyError):
+            raise UsageError(
+                f"a worker did not report its memory; see {f.with_suffix('.log')}"
+            ) from None
+    return sum(worker_peaks) + coord_peak + broker_peak + _peak_self_mb()
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as handle:
+        return subprocess.Popen(
+            argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+def _liveness(procs: list[subprocess.Popen[bytes]], logs: Path) -> Callable[[], None]:
+    def check() -> None:
+        for proc in procs[1:]:  # the coordinator exits by itself after the last round
+            if proc.poll() is not None:
+                raise UsageError(
+                    f"a fleet process exited early (status {proc.returncode}); see the logs in {logs}"
+                )
+
+    return check
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _Watcher:
+    """Follows the fleet over MQTT: agents coming online, rounds being announced."""
+
+    def __init__(self, host: str, port: int, *, expected: int) -> None:
+        import paho.mqtt.client as mqtt
+
+        from protocol import round_topic, status_filter
+
+        self.expected = expected
+        self.online: set[str] = set()
+        self.round = -1
+        self._cond = threading.Condition()
+        self._client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"fleet-watcher-{os.getpid()}"
+        )
+        self._round_topic = round_topic(FLEET)
+        topics = [(self._round_topic, 1), (status_filter(FLEET), 1)]
+        self._client.on_connect = lambda c, u, f, rc, p: c.subscribe(topics)
+        self._client.on_message = self._on_message
+        self._client.connect_async(host, port)
+        self._client.loop_start()
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        from protocol import AgentState, ProtocolError, RoundAnnouncement, Status
+
+        try:
+            if message.topic == self._round_topic:
+                ann = RoundAnnouncement.from_wire(message.payload)
+                with self._cond:
+                    self.round = max(self.round, ann.round)
+                    self._cond.notify_all()
+            else:
+                status = Status.from_wire(message.payload)
+                with self._cond:
+                    if status.state is AgentState.ONLINE:
+                        self.online.add(status.client)
+                    self._cond.notify_all()
+        except (ProtocolError, ValueError):
+            return
+
+    def _wait(
+        self, done: Callable[[], bool], tick: Callable[[], None], alive: Callable[[], None]
+    ) -> None:
+        stalled_since = time.monotonic()
+        while True:
+            with self._cond:
+                progressed = self._cond.wait_for(done, timeout=2.0)
+                tick()
+            if progressed:
+                return
+            alive()
+            if time.monotonic() - stalled_since > 1800:
+                raise UsageError("the fleet made no progress for 30 minutes")
+
+    def wait_online(self, bar: Any, alive: Callable[[], None]) -> None:
+        def tick() -> None:
+            bar.update(len(self.online) - bar.n)
+
+        self._wait(lambda: len(self.online) >= self.expected, tick, alive)
+
+    def wait_rounds(self, rounds: int, bar: Any, alive: Callable[[], None]) -> None:
+        def tick() -> None:
+            bar.update(min(rounds, max(0, self.round)) - bar.n)
+
+        self._wait(lambda: self.round >= rounds, tick, alive)
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float) -> RunResult:
+    """Read the run back from every agent's state.json and the coordinator's database."""
+    records = []
+    for client in partition.clients:
+        state_file = spec.out / "clients" / client.name / "state" / "state.json"
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"no record of {client.name}: {exc}") from exc
+        by_round = {h["round"]: h for h in state.get("history", [])}
+        rows = [by_round.get(r, {}) for r in range(spec.rounds)]
+        records.append(
+            ClientRecord(
+                name=client.name,
+                domain=client.domain,
+                accuracy=tuple(h.get("test_accuracy") for h in rows),
+                accuracy_prototype=tuple(h.get("test_accuracy_prototype") for h in rows),
+                accuracy_classifier=tuple(h.get("test_accuracy_classifier") for h in rows),
+                bytes_up=tuple(int(h.get("bytes_up") or 0) for h in rows),
+                bytes_down=tuple(int(h.get("bytes_down") or 0) for h in rows),
+            )
+        )
+    db = sqlite3.connect(
+        f"file:{spec.out / 'coordinator' / 'coordinator.sqlite3'}?mode=ro", uri=True
+    )
+    try:
+        rows = db.execute(
+            "SELECT round, opened_at, closed_at FROM rounds WHERE round < ? ORDER BY round",
+            (spec.rounds,),
+        ).fetchall()
+    finally:
+        db.close()
+    # A round's wall time runs from its announcement to the next one (closing = opening).
+    opened = {r: t for r, t, _ in rows}
+    seconds = []
+    for r, t, closed in rows:
+        end = closed if closed is not None else opened.get(r + 1)
+        seconds.append(float(end - t) if end is not None else float("nan"))
+    return RunResult(spec, tuple(records), tuple(seconds), peak_mb, wall)

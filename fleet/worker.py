@@ -1,0 +1,70 @@
+"""A worker process of a simulated fleet: hosts many agents, one MQTT session each.
+
+``python -m fleet.worker SPEC.json`` where the spec names the bundle, the agents' TOML
+files and where to write the process's peak memory at exit. Every agent gets its own
+:class:`~edge_agent.service.AgentService` (its own paho client and thread); all share one
+set of ONNX Runtime sessions and one torch thread, so a hundred agents fit on two cores.
+SIGTERM or SIGINT stops every agent cleanly (offline status published) and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("fleet.worker")
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if len(argv) != 1:
+        print("usage: python -m fleet.worker SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    stop = threading.Event()
+    services: list[Any] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        for service in services:
+            service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    import torch
+
+    from edge_agent.agent import Agent
+    from edge_agent.config import load
+    from edge_agent.service import AgentService
+    from export.runtime import BackboneRuntime, RuntimeSettings
+
+    torch.set_num_threads(1)
+    runtime = BackboneRuntime(Path(spec["bundle"]), settings=RuntimeSettings(intra_op_threads=1))
+    threads = []
+    for path in spec["configs"]:
+        if stop.is_set():
+            break
+        service = AgentService(agent=Agent(load(Path(path)), runtime=runtime))
+        services.append(service)
+        thread = threading.Thread(target=service.run, name=service.cfg.agent_id, daemon=True)
+        thread.start()
+        threads.append(thread)
+    log.info("worker hosts %d agents", len(services))
+    stop.wait()
+    for thread in threads:
+        thread.join(timeout=60)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(spec["peak_file"]).write_text(json.dumps({"peak_mb": peak_mb, "agents": len(services)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

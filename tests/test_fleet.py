@@ -1,0 +1,248 @@
+"""Simulated fleets: partitions, the report's arithmetic, and whole fleets over a real
+Mosquitto, the embedded amqtt broker and the in-memory transport."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent.config import load as load_agent_config
+from edge_agent.head import predict
+from edge_agent.state import StateDir
+from edge_agent.train import LocalModel, embed
+from export.runtime import BackboneRuntime
+from fleet import partition as part
+from fleet.amqtt_broker import AmqttBroker
+from fleet.report import build_report, markdown
+from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
+from protocol.cliutil import UsageError
+
+BIN = Path(sys.executable).parent
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# -- partitions ----------------------------------------------------------------------------
+
+
+def test_dirichlet_counts_sum_and_concentrate() -> None:
+    rng = np.random.default_rng(0)
+    counts = part.dirichlet_label_counts(100, 10, 0.1, rng)
+    assert counts.sum() == 100 and counts.shape == (10,)
+    top_share = lambda alpha: np.mean(  # noqa: E731
+        [part.dirichlet_label_counts(100, 10, alpha, rng).max() / 100 for _ in range(200)]
+    )
+    # Small alpha: most of a client's data in one class; large alpha: close to 1/10 each.
+    assert top_share(0.1) > 0.5 > 0.2 > top_share(100.0)
+
+
+def test_digits5_splits_are_deterministic_and_shaped_as_asked() -> None:
+    a = part.digits5(clients=6, split="feature", seed=3, train=30, test=10)
+    b = part.digits5(clients=6, split="feature", seed=3, train=30, test=10)
+    c = part.digits5(clients=6, split="feature", seed=4, train=30, test=10)
+    assert [x.domain for x in a.clients] == [*part.DOMAINS, part.DOMAINS[0]]
+    for x, y in zip(a.clients, b.clients, strict=True):
+        np.testing.assert_array_equal(x.train_x, y.train_x)
+        np.testing.assert_array_equal(x.test_y, y.test_y)
+    assert not np.array_equal(a.clients[0].train_x, c.clients[0].train_x)
+    first = a.clients[0]
+    assert first.train_x.shape == (30, 3, 32, 32) and first.train_x.dtype == np.uint8
+    assert len(first.test_y) == 10
+
+    label = part.digits5(clients=4, split="label", seed=0, train=60, test=20, alpha=0.1)
+    assert {x.domain for x in label.clients} == {"clean"}
+    # Dirichlet(0.1): each client's labels concentrate on few classes.
+    assert all(np.bincount(x.train_y, minlength=10).max() >= 20 for x in label.clients)
+    both = part.digits5(clients=5, split="feature-label", seed=0, train=60, test=20, alpha=0.1)
+    assert [x.domain for x in both.clients] == list(part.DOMAINS)
+
+
+def test_digits5_rejects_bad_arguments() -> None:
+    with pytest.raises(UsageError, match="--split"):
+        part.digits5(clients=2, split="iid", seed=0, train=10, test=5)
+    with pytest.raises(UsageError, match="--alpha"):
+        part.digits5(clients=2, split="label", seed=0, train=10, test=5, alpha=0)
+
+
+def test_clients_from_an_npz(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays: dict[str, np.ndarray] = {}
+    for i in range(2):
+        arrays[f"train_x_{i}"] = rng.integers(0, 255, (8, 3, 16, 16), dtype=np.uint8)
+        arrays[f"train_y_{i}"] = np.arange(8) % 3
+        arrays[f"test_x_{i}"] = rng.random((4, 3, 16, 16), dtype=np.float32)
+        arrays[f"test_y_{i}"] = np.arange(4) % 3
+    arrays["domain_1"] = np.array("sketch")
+    np.savez(tmp_path / "fleet.npz", **arrays)  # type: ignore[arg-type]
+    got = part.from_npz(tmp_path / "fleet.npz")
+    assert [c.domain for c in got.clients] == ["client-0", "sketch"]
+    assert got.classes == ("0", "1", "2")
+    assert got.clients[1].test_x.dtype == np.uint8
+
+    del arrays["test_y_1"]
+    np.savez(tmp_path / "broken.npz", **arrays)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="client 1 lacks test_y_1"):
+        part.from_npz(tmp_path / "broken.npz")
+
+
+def test_clients_from_folders(tmp_path: Path) -> None:
+    from PIL import Image
+
+    def image(path: Path, value: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((20, 20, 3), value, np.uint8)).save(path)
+
+    per_client = tmp_path / "clients"
+    for client in ("a", "b"):
+        for split in ("train", "test"):
+            for cls in ("cat", "dog"):
+                image(per_client / client / split / cls / "1.png", 10)
+    (per_client / "a" / "train" / "cat" / "broken.png").write_bytes(b"not a png")
+    got = part.from_directory(per_client, image_size=8)
+    assert got.classes == ("cat", "dog") and len(got.clients) == 2
+    assert got.clients[0].train_x.shape == (2, 3, 8, 8)
+    assert "1 unreadable images skipped" in got.description
+
+    domains = tmp_path / "office"
+    for dom in ("amazon", "webcam"):
+        for cls in ("mug", "pen"):
+            for k in range(5):
+                image(domains / dom / cls / f"{k}.png", 20 * k)
+    got = part.from_directory(domains, image_size=8, test_share=0.3)
+    assert [c.domain for c in got.clients] == ["amazon", "webcam"]
+    assert len(got.clients[0].train_y) == 7 and len(got.clients[0].test_y) == 3
+
+
+# -- report arithmetic ---------------------------------------------------------------------
+
+
+def fake_result(tmp_path: Path, method: str, seed: int, accs: list[list[float]]) -> RunResult:
+    spec = RunSpec(method=method, rounds=len(accs[0]), bundle=tmp_path, out=tmp_path, seed=seed)
+    clients = tuple(
+        ClientRecord(
+            name=f"c{i}",
+            domain=["clean", "photo"][i % 2],
+            accuracy=tuple(a),
+            accuracy_prototype=tuple(a),
+            accuracy_classifier=tuple(a),
+            bytes_up=(100,) * len(a),
+            bytes_down=(1000,) * len(a),
+        )
+        for i, a in enumerate(accs)
+    )
+    return RunResult(spec, clients, (1.0,) * len(accs[0]), 50.0, 2.0)
+
+
+def test_report_means_stds_and_table(tmp_path: Path) -> None:
+    results = {
+        "fedpcl": {
+            0: fake_result(tmp_path, "fedpcl", 0, [[0.5, 0.8], [0.4, 0.6]]),
+            1: fake_result(tmp_path, "fedpcl", 1, [[0.5, 0.6], [0.4, 0.4]]),
+        }
+    }
+    doc = build_report(results, config={}, partition="toy")
+    m = doc["methods"]["fedpcl"]
+    # Final means per seed: (0.8 + 0.6) / 2 = 0.7 and (0.6 + 0.4) / 2 = 0.5.
+    assert m["final_mean"] == pytest.approx(0.6)
+    assert m["final_std"] == pytest.approx(0.1)
+    assert m["per_domain"] == pytest.approx({"clean": 0.7, "photo": 0.5})
+    assert m["mean_by_round"] == pytest.approx([0.45, 0.6])
+    assert m["bytes_up_per_client_round"] == 100
+    table = markdown(doc)
+    assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) |" in table
+
+
+def test_small_helpers() -> None:
+    assert parse_broker_url("mqtt://10.0.0.5:1884") == ("10.0.0.5", 1884)
+    assert parse_broker_url("broker.lan") == ("broker.lan", 1883)
+    with pytest.raises(UsageError):
+        parse_broker_url("http://x")
+    text = to_toml({"a": 1, "b": 'x"y', "t": {"c": [1.5, 2], "d": True}})
+    assert text == 'a = 1\nb = "x\\"y"\n[t]\nc = [1.5, 2]\nd = true\n'
+
+
+# -- whole fleets ----------------------------------------------------------------------------
+
+
+def independent_accuracy(client_dir: Path) -> float:
+    """Re-evaluate an agent from its state directory alone: head, prototypes, test data."""
+    cfg = load_agent_config(client_dir / "agent.toml")
+    runtime = BackboneRuntime(cfg.bundle)
+    state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
+    model = LocalModel(in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train)
+    assert state.load_model(model)
+    loaded = state.load_prototypes()
+    assert loaded is not None
+    protos, counts = loaded
+    assert cfg.data.test is not None
+    with np.load(cfg.data.test) as data:
+        x = data["x"].astype(np.float32) / 255
+        y = data["y"]
+    z, _ = embed(model, runtime.extract(x))
+    pred, _ = predict(torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0))
+    return float((pred.numpy() == y).mean())
+
+
+@pytest.mark.broker
+def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    argv = [str(BIN / "edge-fleet"), "run", "--transport", "mqtt", "--clients", "3",
+            "--rounds", "2", "--train", "40", "--test", "30", "--out-dim", "32",
+            "--bundle", str(small_zoo), "--out", str(out), "--no-progress"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    run_ = report["methods"]["fedpcl"]["runs"]["0"]
+    run_dir = Path(run_["run_dir"])
+    assert len(run_["final"]) == 3
+
+    db = sqlite3.connect(run_dir / "coordinator" / "coordinator.sqlite3")
+    stored = {
+        (c, r): n for r, c, n in db.execute("SELECT round, client, length(payload) FROM updates")
+    }
+    announced = dict(db.execute("SELECT round, length(announcement) FROM rounds"))
+    db.close()
+    for client, accs in run_["accuracy"].items():
+        assert len(accs) == 2 and all(0.0 <= a <= 1.0 for a in accs)
+        # The final figure is what the agent's saved head and prototypes really score.
+        assert run_["final"][client] == pytest.approx(
+            independent_accuracy(run_dir / "clients" / client), abs=1e-9
+        )
+        # Traffic: what the coordinator stored and announced, byte for byte.
+        assert run_["bytes_up"][client] == [stored[(client, 0)], stored[(client, 1)]]
+        assert run_["bytes_down"][client] == [announced[0], announced[1]]
+    assert report["methods"]["fedpcl"]["final_mean"] == pytest.approx(
+        np.mean(list(run_["final"].values()))
+    )
+    assert "| fedpcl |" in (out / "report.md").read_text()
+    for png in ("accuracy_vs_round.png", "accuracy_per_domain.png", "backbone_contribution.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5_000
+
+    # The in-memory transport runs the same code: the same partition gives the same numbers.
+    partition = part.digits5(clients=3, split="feature", seed=0, train=40, test=30)
+    spec = RunSpec(method="fedpcl", rounds=2, bundle=small_zoo, out=tmp_path / "memory",
+                   transport="memory", out_dim=32, progress=False)  # fmt: skip
+    memory = run(spec, partition)
+    for record in memory.clients:
+        assert list(record.accuracy) == pytest.approx(run_["accuracy"][record.name], abs=1e-9)
+
+
+def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
+    partition = part.digits5(clients=2, split="label", seed=1, train=30, test=20)
+    with AmqttBroker() as broker:
+        spec = RunSpec(method="fedproto", rounds=2, bundle=small_zoo, out=tmp_path / "amqtt",
+                       broker=f"mqtt://127.0.0.1:{broker.address.port}", workers=1, out_dim=32,
+                       progress=False)  # fmt: skip
+        result = run(spec, partition)
+    assert [len(c.accuracy) for c in result.clients] == [2, 2]
+    assert all(a is not None for c in result.clients for a in c.accuracy)
+    assert all(u > 0 for c in result.clients for u in c.bytes_up)
