@@ -20,6 +20,7 @@ BENCHMARKS = [
     "bench.export_bench",
     "bench.agent_bench",
     "bench.fleet_bench",
+    "bench.privacy_bench",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"

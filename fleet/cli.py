@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet import commands
+from fleet import commands, privacy
 from protocol.cliutil import make_parser, run
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(log_level="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parsers(sub)
+    privacy.add_parser(sub)
     return parser
 
 
@@ -31,5 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run": commands.cmd_run,
             "compare": commands.cmd_compare,
             "demo": commands.cmd_demo,
+            "privacy": privacy.main,
         },
     )

@@ -56,6 +56,7 @@ class RunSpec:
     epochs: int = 1
     progress: bool = True
     extra_train: dict[str, Any] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # the agents' [privacy] table
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -123,7 +124,13 @@ def _agent_tables(
         "train": {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train},
         # One intra-op thread per session: many agents share a few cores.
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
+        **(_privacy_tables(spec, index) if spec.privacy else {}),
     }
+
+
+def _privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
+    # Seeded noise: a simulation must be reproducible; a device draws from the OS.
+    return {"privacy": {**spec.privacy, "noise_seed": spec.seed * 100_003 + index}}
 
 
 def _coordinator_tables(
@@ -281,15 +288,28 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         broker.stop()
 
 
-def vm_hwm_mb(pid: int) -> float:
-    """Peak resident memory of a live process (Linux /proc), 0 if unknown."""
+def _proc_status_mb(pid: int, key: str) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
         pass
     return 0.0
+
+
+class FleetMemory:
+    """The peak of the fleet's summed resident memory (broker, coordinator, workers, this
+    process), sampled from /proc each time the runner wakes (at least every 2 s)."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.peak_mb = 0.0
+
+    def sample(self) -> None:
+        total = _proc_status_mb(os.getpid(), "VmRSS")
+        total += sum(_proc_status_mb(pid, "VmRSS") for pid in self.pids)
+        self.peak_mb = max(self.peak_mb, total)
 
 
 def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
@@ -310,6 +330,9 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             configs.append(path)
         workers = min(spec.workers, len(configs))
         peak_files = [logs / f"worker-{w}.peak.json" for w in range(workers)]
+        memory = FleetMemory()
+        if broker_pid is not None:
+            memory.pids.append(broker_pid)
         try:
             watcher = _Watcher(host, port, expected=len(configs))
             procs.append(
@@ -336,30 +359,22 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                     )
                 )
             coordinator = procs[0]
-            alive = _liveness(procs, logs)
+            memory.pids += [p.pid for p in procs]
+            alive = _liveness(procs, logs, memory.sample)
             with _progress(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
-            broker_peak = 0.0
             with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
                 watcher.wait_rounds(spec.rounds, bar, alive)
-            if broker_pid is not None:
-                broker_peak = vm_hwm_mb(broker_pid)
+            memory.sample()
             if coordinator.wait(timeout=60) != 0:
                 raise UsageError(f"the coordinator failed; see {logs / 'coordinator.log'}")
-            # Only the coordinator has been reaped: RUSAGE_CHILDREN's peak is its own.
-            coord_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             watcher.close()
         finally:
             _stop_all(procs)
-    worker_peaks = []
     for f in peak_files:
-        try:
-            worker_peaks.append(float(json.loads(f.read_text())["peak_mb"]))
-        except (OSError, ValueError, KeyError):
-            raise UsageError(
-                f"a worker did not report its memory; see {f.with_suffix('.log')}"
-            ) from None
-    return sum(worker_peaks) + coord_peak + broker_peak + _peak_self_mb()
+        if not f.exists():  # written by a worker that stopped cleanly
+            raise UsageError(f"a worker did not stop cleanly; see {f.with_suffix('.log')}")
+    return memory.peak_mb
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -369,8 +384,11 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _liveness(procs: list[subprocess.Popen[bytes]], logs: Path) -> Callable[[], None]:
+def _liveness(
+    procs: list[subprocess.Popen[bytes]], logs: Path, sample: Callable[[], None]
+) -> Callable[[], None]:
     def check() -> None:
+        sample()
         for proc in procs[1:]:  # the coordinator exits by itself after the last round
             if proc.poll() is not None:
                 raise UsageError(
@@ -437,14 +455,18 @@ class _Watcher:
         self, done: Callable[[], bool], tick: Callable[[], None], alive: Callable[[], None]
     ) -> None:
         stalled_since = time.monotonic()
+        seen = (self.round, len(self.online))
         while True:
             with self._cond:
-                progressed = self._cond.wait_for(done, timeout=2.0)
+                progressed = self._cond.wait_for(done, timeout=1.0)
                 tick()
+                now = (self.round, len(self.online))
+            alive()  # also samples the fleet's memory, about once a second
             if progressed:
                 return
-            alive()
-            if time.monotonic() - stalled_since > 1800:
+            if now != seen:
+                seen, stalled_since = now, time.monotonic()
+            elif time.monotonic() - stalled_since > 1800:
                 raise UsageError("the fleet made no progress for 30 minutes")
 
     def wait_online(self, bar: Any, alive: Callable[[], None]) -> None:

@@ -145,9 +145,16 @@ def dp_config(root: Path, bundle: Path, *, epsilon: float) -> AgentConfig:
 
 
 def announcement(bundle_id: str, round_: int) -> RoundAnnouncement:
+    """Round 0 bare; later rounds carry global prototypes, so DP-SGD trains FedPCL's own
+    objective (round 0 falls back to cross-entropy)."""
+    globals_: dict[str, object] = {}
+    if round_ > 0:
+        protos = np.random.default_rng(round_).normal(size=(10, 32)).astype(np.float32)
+        protos /= np.linalg.norm(protos, axis=1, keepdims=True)
+        globals_ = {"global_classes": tuple(range(10)), "global_prototypes": protos}
     return RoundAnnouncement(
         fleet="lab", round=round_, bundle=bundle_id, method="fedpcl", classes=CLASSES,
-        deadline=time.time() + 600, params={"final": False},
+        deadline=time.time() + 600, params={"final": False}, **globals_,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -224,3 +231,46 @@ def test_sigkill_after_the_ledger_write_never_lowers_the_spent_epsilon(
     # The lost release stays counted: the restart re-answers and pays again.
     assert float(after) > before
     assert len(json.loads((cfg.state_dir / "privacy.json").read_text())["spends"]) == 2
+
+
+# -- audit ------------------------------------------------------------------------------------
+
+
+def test_clopper_pearson_by_hand() -> None:
+    from edge_agent.privacy.audit import clopper_pearson
+
+    low, high = clopper_pearson(0, 100)
+    assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 100), rel=1e-9)
+    low, high = clopper_pearson(100, 100)
+    assert high == 1.0 and low == pytest.approx(0.025 ** (1 / 100), rel=1e-9)
+
+
+def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one() -> None:
+    from edge_agent.privacy.audit import canary_audit, release_broken
+
+    real = canary_audit(runs=6000, seed=1)
+    broken = canary_audit(runs=6000, seed=1, mechanism=release_broken)
+    assert real.epsilon_claimed == broken.epsilon_claimed
+    assert real.epsilon_lower_bound <= real.epsilon_claimed
+    assert broken.epsilon_lower_bound > broken.epsilon_claimed  # the audit can fail
+
+
+def test_label_inference_from_counts_with_and_without_noise() -> None:
+    from edge_agent.privacy.audit import label_inference_error
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(60, 8))
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    y = np.repeat([0, 1, 2], [40, 15, 5])
+    true = np.bincount(y, minlength=4)
+    exact = release_none(z, y, 4, MechanismParams(), rng)
+    sent = np.zeros(4, np.int64)
+    sent[exact.classes] = exact.counts
+    assert label_inference_error(true, sent) == 0.0
+    noisy = [
+        label_inference_error(
+            true, release_dp(z, y, 4, MechanismParams(sum_sigma=20.0, count_sigma=20.0), rng).counts
+        )
+        for _ in range(50)
+    ]
+    assert np.mean(noisy) > 0.15

@@ -14,22 +14,35 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from edge_agent import losses
 from edge_agent.train import Guidance, LocalModel, RoundMetrics, TrainConfig, loss_for
+
+_WRAPPERS: weakref.WeakKeyDictionary[LocalModel, Any] = weakref.WeakKeyDictionary()
 
 
 def _per_sample_loss(
     model: Any, method: str, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
 ) -> torch.Tensor:
-    if method in ("fedpcl", "fpl") and not g.has_globals:
-        _, logits = model(r)
+    if method not in ("fedpcl", "fpl") or (method == "fpl" and g.has_globals):
+        return loss_for(method)(model, r, y, g, cfg)
+    z, logits = model(r)  # one forward: Opacus pairs each activation with its backward
+    if not g.has_globals:
         return nn.functional.cross_entropy(logits, y)
-    return loss_for(method)(model, r, y, g, cfg)
+    # FedPCL's loss never touches the classifier, but Opacus needs a per-sample gradient
+    # for every trainable parameter it was given: a zero-weighted term supplies zeros.
+    return losses.fedpcl_loss(
+        z, y, global_protos=g.global_protos, global_present=g.global_present,
+        local_sets=g.local_sets, local_present=g.local_present, tau=cfg.tau,
+        include_positive=cfg.include_positive,
+    ) + 0.0 * logits.sum()  # fmt: skip
 
 
 def train_round_dp(
@@ -59,7 +72,11 @@ def train_round_dp(
     q = min(1.0, cfg.batch_size / n)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-    wrapped = GradSampleModule(model, loss_reduction="mean")
+    # One wrapper per model for its whole life: Opacus's hooks do not come back on a
+    # module that was wrapped and released before.
+    wrapped = _WRAPPERS.get(model)
+    if wrapped is None:
+        wrapped = _WRAPPERS[model] = GradSampleModule(model, loss_reduction="mean")
     dp_opt = DPOptimizer(
         optimiser,
         noise_multiplier=noise_multiplier,
@@ -75,21 +92,22 @@ def train_round_dp(
         torch.seed()
     total, taken = 0.0, 0
     wrapped.train()
-    try:
-        for _ in range(cfg.epochs * steps_per_epoch):
-            mask = torch.rand(n, generator=generator) < q  # Poisson sampling
-            idx = torch.nonzero(mask).flatten()
-            taken += 1  # an empty draw is still a step of the mechanism
-            if len(idx) == 0:
-                continue
-            r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))
-            dp_opt.zero_grad(set_to_none=True)
-            loss = _per_sample_loss(wrapped, method, r, y_all[idx], guidance, cfg)
+    for _ in range(cfg.epochs * steps_per_epoch):
+        mask = torch.rand(n, generator=generator) < q  # Poisson sampling
+        idx = torch.nonzero(mask).flatten()
+        taken += 1  # an empty draw is still a step of the mechanism
+        if len(idx) == 0:
+            continue
+        r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))
+        dp_opt.zero_grad(set_to_none=True)
+        loss = _per_sample_loss(wrapped, method, r, y_all[idx], guidance, cfg)
+        with warnings.catch_warnings():
+            # The cached features need no gradient; Opacus's hooks warn about it.
+            warnings.filterwarnings("ignore", message="Full backward hook")
             loss.backward()
-            dp_opt.step()
-            total += float(loss.detach())
-    finally:
-        wrapped._close()
+        dp_opt.step()
+        total += float(loss.detach())
+    dp_opt.zero_grad(set_to_none=True)  # drop the last per-sample gradients (memory)
     metrics = RoundMetrics(
         loss=total / max(taken, 1), samples=n, steps=taken, seconds=time.perf_counter() - start
     )

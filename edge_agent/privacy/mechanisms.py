@@ -24,7 +24,7 @@ class Release:
     counts: np.ndarray  # (k,) non-negative integers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MechanismParams:
     paper_noise: str = "gaussian"  # or "laplace"
     paper_scale: float = 0.05

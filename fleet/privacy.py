@@ -1,0 +1,168 @@
+"""``edge-fleet privacy``: what privacy costs in accuracy, on digits-5.
+
+For each split: FedPCL with the `dp` mechanism at each epsilon (the whole run, at delta;
+noise multipliers from the same planner as ``edge-agent privacy-plan``), FedPCL with the
+`paper` noise settings (FedPCL A.2.4), FedPCL without privacy, and non-private Solo,
+which is what a device keeps by not federating at all. Writes privacy_report.json, a
+markdown table and accuracy_vs_epsilon.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from edge_agent.privacy.accounting import plan
+from fleet import commands
+from fleet.report import run_summary
+from fleet.runner import RunSpec
+from fleet.runner import run as run_fleet
+from protocol.cliutil import UsageError
+
+PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "privacy",
+        help="accuracy vs epsilon of DP FedPCL, the paper's noise, and non-private Solo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--epsilons", default="1,2,4,8,16", help="DP budgets (default 1,2,4,8,16)")
+    parser.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
+    parser.add_argument("--splits", default="feature,label", help="default feature,label")
+    parser.add_argument(
+        "--paper",
+        default=PAPER_DEFAULT,
+        help=f"noise:scale:p settings of the paper's mechanism (default {PAPER_DEFAULT})",
+    )
+    parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
+    parser.add_argument("--release-share", type=float, default=0.2,
+                        help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
+    commands._common(parser, rounds=20, clients=5, out="runs/privacy")
+    parser.set_defaults(transport="memory")
+
+
+def _paper_settings(text: str) -> list[tuple[str, float, float]]:
+    out = []
+    for item in commands._list(text, what="paper"):
+        try:
+            noise, scale, p = item.split(":")
+            out.append((noise, float(scale), float(p)))
+        except ValueError as exc:
+            raise UsageError(f"--paper items look like gaussian:0.05:0.1, got {item!r}") from exc
+        if noise not in ("gaussian", "laplace"):
+            raise UsageError(f"--paper noise must be gaussian or laplace, got {noise!r}")
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        epsilons = [float(e) for e in commands._list(args.epsilons, what="epsilons")]
+    except ValueError as exc:
+        raise UsageError(f"--epsilons must be numbers: {exc}") from exc
+    splits = commands._list(
+        args.splits, what="splits", allowed=("feature", "label", "feature-label")
+    )
+    paper = _paper_settings(args.paper)
+    seeds = commands._seeds(args.seeds)
+    bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results: dict[str, Any] = {}
+    for split in splits:
+        args.split = split
+        rows: dict[str, list[float]] = {}
+        for seed in seeds:
+            partition = commands.partition_for(args, seed)
+            samples = min(len(c.train_y) for c in partition.clients)
+            settings: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+                ("solo (no privacy)", "solo", {}, {}),
+                ("fedpcl (no privacy)", "fedpcl", {}, {}),
+            ]
+            for noise, scale, p in paper:
+                settings.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
+                                 {"mechanism": "paper", "paper_noise": noise,
+                                  "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
+            for eps in epsilons:
+                chosen = plan(epsilon_target=eps, delta=args.delta, rounds=args.rounds,
+                              epochs=args.epochs, samples=samples, batch=32,
+                              release_share=args.release_share)  # fmt: skip
+                settings.append((f"fedpcl dp eps={eps:g}", "fedpcl",
+                                 {"mechanism": "dp", "epsilon": eps, "delta": args.delta,
+                                  "sgd_noise_multiplier": chosen.sgd_noise_multiplier,
+                                  "release_noise_multiplier": chosen.release_noise_multiplier},
+                                 {"norm": "group"}))  # fmt: skip
+            for name, method, privacy, train in settings:
+                slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
+                spec = RunSpec(method=method, rounds=args.rounds, bundle=bundle,
+                               out=args.out / "runs" / stamp / split / f"{slug}-seed{seed}",
+                               seed=seed, transport=args.transport, broker=args.broker,
+                               workers=args.workers, out_dim=args.out_dim, epochs=args.epochs,
+                               progress=not args.no_progress, extra_train=train,
+                               privacy=privacy)  # fmt: skip
+                final = run_summary(run_fleet(spec, partition))["final_mean"]
+                rows.setdefault(name, []).append(final)
+                print(
+                    f"{split:>13} seed {seed}: {name:<34} {final:.3f}", file=sys.stderr, flush=True
+                )
+        results[split] = {name: sum(v) / len(v) for name, v in rows.items()}
+    document = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                           if k not in ("command", "log_format", "log_level")},
+                "epsilons": epsilons, "delta": args.delta, "results": results}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "privacy_report.json").write_text(json.dumps(document, indent=1))
+    table = markdown(document)
+    (args.out / "privacy_report.md").write_text(table)
+    plot = plot_accuracy_vs_epsilon(document, args.out / "accuracy_vs_epsilon.png")
+    print(table)
+    print(f"privacy_report.json: {args.out / 'privacy_report.json'}\nplot: {plot}")
+    return 0
+
+
+def markdown(document: dict[str, Any]) -> str:
+    splits = list(document["results"])
+    names = list(next(iter(document["results"].values())))
+    lines = [
+        f"# Privacy on digits-5 (delta {document['delta']:g} for the whole run)",
+        "",
+        "Final mean test accuracy (%) over the clients.",
+        "",
+        "| setting | " + " | ".join(f"{s} shift" for s in splits) + " |",
+        "|---|" + "---:|" * len(splits),
+    ]
+    for name in names:
+        cells = [f"{100 * document['results'][s][name]:.1f}" for s in splits]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
+    from fleet.report import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    epsilons = document["epsilons"]
+    for i, (split, rows) in enumerate(document["results"].items()):
+        colour = f"C{i}"
+        ys = [100 * rows[f"fedpcl dp eps={e:g}"] for e in epsilons]
+        ax.plot(epsilons, ys, marker="o", color=colour, label=f"DP FedPCL, {split} shift")
+        ax.axhline(100 * rows["fedpcl (no privacy)"], color=colour, linestyle=":",
+                   label=f"FedPCL without privacy, {split}")  # fmt: skip
+        ax.axhline(100 * rows["solo (no privacy)"], color=colour, linestyle="--",
+                   label=f"Solo (shares nothing), {split}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+    ax.set_xlabel(f"epsilon (delta {document['delta']:g}, whole run)")
+    ax.set_ylabel("final mean test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
