@@ -168,31 +168,19 @@ class Agent:
         guidance = Guidance.from_announcement(
             announcement, client=cfg.agent_id, dim=cfg.train.out_dim
         )
+        args = (self.model, self.optimiser, self.features, self.train_data.labels)
+        common: dict[str, Any] = {"method": cfg.method, "guidance": guidance, "cfg": cfg.train,
+                  "generator": self.generator}  # fmt: skip
         if dp:
             metrics, q, steps = train_round_dp(
-                self.model,
-                self.optimiser,
-                self.features,
-                self.train_data.labels,
-                method=cfg.method,
-                guidance=guidance,
-                cfg=cfg.train,
-                generator=self.generator,
+                *args,
+                **common,
                 noise_multiplier=privacy.sgd_noise_multiplier,
                 max_grad_norm=privacy.max_grad_norm,
                 seeded=privacy.noise_seed is not None,
             )
         else:
-            metrics = train_round(
-                self.model,
-                self.optimiser,
-                self.features,
-                self.train_data.labels,
-                method=cfg.method,
-                guidance=guidance,
-                cfg=cfg.train,
-                generator=self.generator,
-            )
+            metrics = train_round(*args, **common)
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
         z, _ = embed(self.model, self.features)

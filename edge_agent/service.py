@@ -148,6 +148,14 @@ class AgentService:
         decision = self.agent.handle(announcement, received_bytes=len(payload))
         if decision.payload is None:
             log.info("round %d: %s", announcement.round, decision.reason)
+            if decision.reason == "budget_exhausted":
+                # Said where the coordinator and operators look: the retained status.
+                self.client.publish(
+                    self._status_topic,
+                    self._status(AgentState.ONLINE, "privacy budget exhausted; not publishing"),
+                    qos=1,
+                    retain=True,
+                )
             return
         info = self.client.publish(
             update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload, qos=1

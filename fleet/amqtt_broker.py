@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from types import TracebackType
 from typing import Any
 
-from fleet.broker import BrokerAddress, BrokerError, free_port, wait_for_port
+from fleet.broker import BrokerAddress, BrokerError, ManagedBroker, free_port, wait_for_port
 
 
-class AmqttBroker:
+class AmqttBroker(ManagedBroker):
     def __init__(
         self, *, host: str = "127.0.0.1", port: int | None = None, startup_timeout: float = 10.0
     ) -> None:
@@ -87,14 +86,3 @@ class AmqttBroker:
         if loop is not None and not loop.is_running():
             loop.close()
         self._loop = self._broker = self._thread = None
-
-    def __enter__(self) -> AmqttBroker:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 #: Mosquitto's default of 1000 queued messages per client silently drops a burst of
 #: updates from a large fleet; every config this project writes raises it.
@@ -74,7 +75,35 @@ class BrokerAddress:
         return f"mqtt://{self.host}:{self.port}"
 
 
-class MosquittoBroker:
+B = TypeVar("B", bound="ManagedBroker")
+
+
+class ManagedBroker:
+    """A broker this process starts and stops: ``with Broker() as b: b.address``."""
+
+    @property
+    def address(self) -> BrokerAddress:
+        raise NotImplementedError
+
+    def start(self: B) -> B:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: B) -> B:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MosquittoBroker(ManagedBroker):
     """A private Mosquitto on a free loopback port, stopped on exit.
 
     ``extra_config`` lines are appended to the generated configuration; ``config`` replaces
@@ -170,14 +199,3 @@ class MosquittoBroker:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
-
-    def __enter__(self) -> MosquittoBroker:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

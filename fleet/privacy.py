@@ -142,7 +142,7 @@ def markdown(document: dict[str, Any]) -> str:
 
 
 def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
-    from fleet.report import _pyplot
+    from fleet.report import _pyplot, finish
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
@@ -160,9 +160,4 @@ def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel(f"epsilon (delta {document['delta']:g}, whole run)")
     ax.set_ylabel("final mean test accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish(plt, fig, ax, path, legend_size=7)

@@ -206,8 +206,13 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy (%)")
     ax.set_title(report["partition"], fontsize=9)
+    return finish(plt, fig, ax, path)
+
+
+def finish(plt: Any, fig: Any, ax: Any, path: Path, *, legend_size: int = 8) -> Path:
+    """Grid, legend outside the axes (never over the data), save, close."""
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -233,12 +238,7 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(0, 100)
     ax.set_title("final accuracy per domain (mean over seeds, bars: std)", fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish(plt, fig, ax, path)
 
 
 def backbone_contribution(

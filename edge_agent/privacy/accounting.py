@@ -16,6 +16,7 @@ al.) is selectable and usually tighter.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -61,28 +62,46 @@ def release_event(sigma_sum: float, sigma_count: float) -> Event:
     return Event(effective_sigma(sigma_sum, sigma_count), 1.0, 1, kind="release")
 
 
-def orders() -> list[float]:
+@functools.cache
+def _orders() -> tuple[float, ...]:
     from opacus.accountants import RDPAccountant
 
-    return list(RDPAccountant.DEFAULT_ALPHAS)
+    return tuple(RDPAccountant.DEFAULT_ALPHAS)
+
+
+def orders() -> list[float]:
+    return list(_orders())
+
+
+@functools.lru_cache(maxsize=4096)
+def _event_rdp(noise_multiplier: float, sample_rate: float, count: int) -> tuple[float, ...]:
+    # Opacus's subsampled-Gaussian series costs milliseconds per call; an agent's rounds
+    # repeat the same few events, so the ledger re-prices its history from this cache.
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return tuple(
+        np.asarray(
+            compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=count,
+                        orders=orders())
+        )
+    )  # fmt: skip
 
 
 def rdp(history: Sequence[Event], alphas: Sequence[float] | None = None) -> np.ndarray:
     """RDP of the composed history at each order (the sum over events)."""
-    from opacus.accountants.analysis.rdp import compute_rdp
+    if alphas is not None and list(alphas) != orders():
+        from opacus.accountants.analysis.rdp import compute_rdp
 
-    alphas = list(alphas or orders())
-    total = np.zeros(len(alphas))
+        total = np.zeros(len(alphas))
+        for e in history:
+            if e.count:
+                total += np.asarray(compute_rdp(q=e.sample_rate, noise_multiplier=e.noise_multiplier,
+                                                steps=e.count, orders=list(alphas)))  # fmt: skip
+        return total
+    total = np.zeros(len(orders()))
     for e in history:
         if e.count:
-            total += np.asarray(
-                compute_rdp(
-                    q=e.sample_rate,
-                    noise_multiplier=e.noise_multiplier,
-                    steps=e.count,
-                    orders=alphas,
-                )
-            )
+            total += np.asarray(_event_rdp(e.noise_multiplier, e.sample_rate, e.count))
     return total
 
 
