@@ -4,6 +4,7 @@ backbone features, and the agent's peak memory during a cached epoch."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,23 +79,30 @@ def run() -> dict[str, float]:
     _epoch(
         np.random.default_rng(0).random((64, runtime.feature_dim), dtype=np.float32), labels[:64]
     )
-    start = time.perf_counter()
-    before = runtime.samples_processed
-    _epoch(OnTheFly(runtime, images), labels)  # type: ignore[arg-type]
-    uncached = time.perf_counter() - start
-    assert runtime.samples_processed - before == SAMPLES, "the uncached epoch skipped samples"
+    # Medians of repeated epochs: one 0.1 s epoch on a shared 2-core machine is noisy.
+    uncached_runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        before = runtime.samples_processed
+        _epoch(OnTheFly(runtime, images), labels)  # type: ignore[arg-type]
+        uncached_runs.append(time.perf_counter() - start)
+        assert runtime.samples_processed - before == SAMPLES, "the uncached epoch skipped samples"
+    uncached = statistics.median(uncached_runs)
     with tempfile.TemporaryDirectory() as tmp:
         cache = FeatureCache(Path(tmp))
         cache.features(
             runtime.bundle.id, images, runtime.extract, dim=runtime.feature_dim, labels=labels
         )
         before = runtime.samples_processed
-        start = time.perf_counter()
-        feats = cache.features(
-            runtime.bundle.id, images, runtime.extract, dim=runtime.feature_dim, labels=labels
-        )
-        _epoch(feats, labels)
-        cached = time.perf_counter() - start
+        cached_runs = []
+        for _ in range(7):
+            start = time.perf_counter()
+            feats = cache.features(
+                runtime.bundle.id, images, runtime.extract, dim=runtime.feature_dim, labels=labels
+            )
+            _epoch(feats, labels)
+            cached_runs.append(time.perf_counter() - start)
+        cached = statistics.median(cached_runs)
         assert runtime.samples_processed == before, "the cached epoch ran a backbone"
         # Peak memory of an agent process doing a cached epoch, measured on its own.
         out = subprocess.run(
