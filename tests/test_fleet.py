@@ -246,3 +246,23 @@ def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Pa
     assert [len(c.accuracy) for c in result.clients] == [2, 2]
     assert all(a is not None for c in result.clients for a in c.accuracy)
     assert all(u > 0 for c in result.clients for u in c.bytes_up)
+
+
+def test_privacy_sweep_reports_accuracy_and_the_label_attack(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    argv = [str(BIN / "edge-fleet"), "privacy", "--bundle", str(small_zoo), "--out", str(tmp_path),
+            "--clients", "2", "--rounds", "2", "--train", "30", "--test", "20", "--out-dim", "32",
+            "--splits", "label", "--epsilons", "8", "--paper", "laplace:0.05:0.2",
+            "--no-progress"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = report["results"]["label"]
+    assert set(rows) == {"solo (no privacy)", "fedpcl (no privacy)",
+                         "fedpcl paper laplace s=0.05 p=0.2", "fedpcl dp eps=8"}  # fmt: skip
+    assert all(0.0 <= v <= 1.0 for v in rows.values())
+    attack = report["label_inference_tv"]["label"]
+    assert attack["no noise"] == 0.0 and attack["dp eps=8"] > 0.05
+    assert (tmp_path / "accuracy_vs_epsilon.png").read_bytes().startswith(PNG)
+    assert "| fedpcl dp eps=8 |" in (tmp_path / "report.md").read_text()
