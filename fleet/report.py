@@ -101,10 +101,10 @@ def build_report(
     return {"config": config, "partition": partition, "methods": methods}
 
 
-def _cell(mean: float, std: float) -> str:
+def _cell(mean: float, std: float, *, with_std: bool = True) -> str:
     if math.isnan(mean):
         return "-"
-    return f"{100 * mean:.1f} ({100 * std:.1f})"
+    return f"{100 * mean:.1f} ({100 * std:.1f})" if with_std else f"{100 * mean:.1f}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -113,23 +113,26 @@ def markdown(report: dict[str, Any]) -> str:
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
     seeds = sorted({s for m in methods.values() for s in m["runs"]})
     head = ["method", *domains, "mean"]
+    several = len(seeds) > 1
+    over = f"mean (std) over seeds {', '.join(seeds)}" if several else f"seed {seeds[0]}"
     lines = [
         f"# Fleet report: {report['partition']}",
         "",
-        f"Final test accuracy (%) of each client on its own test split, mean (std) over "
-        f"seeds {', '.join(seeds)}; a domain's cell averages its clients.",
+        f"Final test accuracy (%) of each client on its own test split, {over}; a "
+        "domain's cell averages its clients.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
     ]
     for name, m in methods.items():
         cells = [
-            _cell(m["per_domain"].get(d, math.nan), m["per_domain_std"].get(d, 0.0))
+            _cell(
+                m["per_domain"].get(d, math.nan), m["per_domain_std"].get(d, 0.0), with_std=several
+            )
             for d in domains
         ]
-        lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | {_cell(m['final_mean'], m['final_std'])} |"
-        )
+        cells.append(_cell(m["final_mean"], m["final_std"], with_std=several))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Every method by both inference rules (mean over seeds, %): the table above uses each",
