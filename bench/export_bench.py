@@ -7,16 +7,14 @@ from pathlib import Path
 
 from export import bench
 from export import bundle as bundle_mod
-from export.zoo import build_zoo
+from fleet.commands import ensure_bundle
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 
 
 def ensure_zoo() -> Path:
     """The full zoo every benchmark uses, built once (about 5 minutes) if missing."""
-    if not (ZOO / "bundle.json").exists():
-        build_zoo(ZOO, size="full")
-    return ZOO
+    return ensure_bundle(ZOO, "full")
 
 
 def run() -> dict[str, float]:

@@ -19,7 +19,7 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.transport import make_client
+from protocol.transport import make_client, network_thread_alive
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,8 @@ class CoordinatorService:
         thread is alive (its death would mean no reconnects, ever)."""
         if self._last_tick is None:
             return True
-        thread = getattr(self.client, "_thread", None)
-        alive = thread is not None and thread.is_alive()
-        return alive and time.monotonic() - self._last_tick < 4 * self.TICK_S
+        recent = time.monotonic() - self._last_tick < 4 * self.TICK_S
+        return recent and network_thread_alive(self.client)
 
     def stop(self) -> None:
         self._stop.set()

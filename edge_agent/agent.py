@@ -18,7 +18,7 @@ from edge_agent import losses
 from edge_agent.config import AgentConfig
 from edge_agent.features import FeatureCache
 from edge_agent.head import local_prototypes, predict
-from edge_agent.privacy.accounting import Event, release_event
+from edge_agent.privacy.accounting import Event, per_part_sigma, release_event
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
@@ -244,9 +244,7 @@ class Agent:
 
     def _mechanism_params(self) -> MechanismParams:
         p = self.cfg.privacy
-        # Sums and counts share one multiplier s; the effective release multiplier is
-        # s / sqrt(2) (see privacy.accounting.effective_sigma).
-        s = p.release_noise_multiplier * math.sqrt(2)
+        s = per_part_sigma(p.release_noise_multiplier)
         return MechanismParams(paper_noise=p.paper_noise, paper_scale=p.paper_scale,
                                paper_p=p.paper_p, sum_sigma=s, count_sigma=s)  # fmt: skip
 
@@ -257,7 +255,7 @@ class Agent:
         n = len(self.train_data)
         if q is None or steps is None:
             q, steps = min(1.0, t.batch_size / n), t.epochs * math.ceil(n / t.batch_size)
-        s = p.release_noise_multiplier * math.sqrt(2)
+        s = per_part_sigma(p.release_noise_multiplier)
         return [Event(p.sgd_noise_multiplier, q, steps), release_event(s, s)]
 
     @property

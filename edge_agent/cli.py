@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
 from protocol.cliutil import UsageError, make_parser, run
 
@@ -130,7 +131,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from edge_agent.agent import Agent
-    from edge_agent.config import AgentConfig
     from edge_agent.data import DataError
     from edge_agent.service import AgentService
     from export.errors import BundleError
@@ -182,11 +182,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _privacy_status(cfg: object, extra: dict[str, object]) -> dict[str, object]:
-    from edge_agent.config import AgentConfig
+def _privacy_status(cfg: AgentConfig, extra: dict[str, object]) -> dict[str, object]:
     from edge_agent.privacy.ledger import Ledger, LedgerError
 
-    assert isinstance(cfg, AgentConfig)
     p = cfg.privacy
     out: dict[str, object] = {"mechanism": p.mechanism, "epsilon_spent": None}
     if p.mechanism == "dp":

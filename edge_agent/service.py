@@ -25,7 +25,7 @@ from protocol import (
     status_topic,
     update_topic,
 )
-from protocol.transport import backoff_delay, make_client
+from protocol.transport import backoff_delay, make_client, network_thread_alive
 from protocol.version import package_version
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,7 @@ class AgentService:
         """For the systemd watchdog: paho's network thread must be alive once started."""
         if not self._started:
             return True
-        # paho keeps the loop_start() thread private; its death means no reconnects ever.
-        thread = getattr(self.client, "_thread", None)
-        return thread is not None and thread.is_alive()
+        return network_thread_alive(self.client)
 
     def stop(self) -> None:
         with self._cond:

@@ -226,6 +226,9 @@ def _feddbp(
 
 #: Local objectives by method name. Solo and FedAvg train head and classifier with
 #: cross-entropy; FedAvg's weights are then averaged by the coordinator.
+#: The contrastive objective on (z, logits); DP-SGD calls it directly (privacy.dpsgd).
+fedpcl_objective = _fedpcl
+
 LOSSES: dict[str, LossFn] = {
     "fedpcl": _on_embeddings(_fedpcl),
     "fedproto": _on_embeddings(_fedproto),

@@ -27,7 +27,9 @@ DATA_HELP = """data:
 """
 
 
-def _common(parser: argparse.ArgumentParser, *, rounds: int, clients: int, out: str) -> None:
+def add_common_options(
+    parser: argparse.ArgumentParser, *, rounds: int, clients: int, out: str
+) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     data.add_argument("--split", choices=SPLITS, default="feature",
@@ -71,7 +73,7 @@ def add_parsers(sub: Any) -> None:
                            epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
     p_run.add_argument("--method", choices=METHODS, default="fedpcl", help="default fedpcl")
     p_run.add_argument("--seed", type=int, default=0)
-    _common(p_run, rounds=30, clients=5, out="runs/fleet")
+    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet")
 
     p_cmp = sub.add_parser("compare", help="several methods x seeds on the same partitions",
                            description="Every method and seed on the same bundle and partitions.",
@@ -79,7 +81,7 @@ def add_parsers(sub: Any) -> None:
     p_cmp.add_argument("--methods", default=",".join(METHODS),
                        help=f"comma-separated (default {','.join(METHODS)})")  # fmt: skip
     p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
-    _common(p_cmp, rounds=30, clients=5, out="runs/compare")
+    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare")
 
     p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto and "
                             "fedpcl on 5 feature-shifted devices over MQTT",
@@ -87,10 +89,10 @@ def add_parsers(sub: Any) -> None:
                             "and fedpcl with 5 devices over a private Mosquitto.")  # fmt: skip
     p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl")
-    _common(p_demo, rounds=30, clients=5, out="runs/demo")
+    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo")
 
 
-def _list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+def split_list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise UsageError(f"--{what} is empty")
@@ -101,9 +103,9 @@ def _list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) -> li
     return items
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
     try:
-        return [int(s) for s in _list(text, what="seeds")]
+        return [int(s) for s in split_list(text, what="seeds")]
     except ValueError as exc:
         raise UsageError(f"--seeds must be integers: {exc}") from exc
 
@@ -196,8 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    methods = _list(args.methods, what="methods", allowed=METHODS)
-    _print(compare(args, methods, _seeds(args.seeds)))
+    methods = split_list(args.methods, what="methods", allowed=METHODS)
+    _print(compare(args, methods, parse_seeds(args.seeds)))
     return 0
 
 

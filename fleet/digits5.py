@@ -25,7 +25,8 @@ CLASSES = tuple(str(d) for d in range(10))
 
 
 @cache
-def _source() -> tuple[np.ndarray, np.ndarray]:
+def source() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 stroke images (N, 1, 32, 32) and their labels, shared by every domain."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -95,7 +96,7 @@ def domain_data(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Images (N, 3, 32, 32) and labels (N,) of one domain (all 1,797 digits, or
     ``indices`` of them)."""
-    strokes, labels = _source()
+    strokes, labels = source()
     if indices is not None:
         strokes, labels = strokes[indices], labels[indices]
     rng = np.random.default_rng([seed, DOMAINS.index(domain) if domain in DOMAINS else 99])

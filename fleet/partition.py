@@ -23,7 +23,7 @@ import numpy as np
 
 from edge_agent.data import DataError, load_folder
 from fleet.digits5 import CLASSES as DIGIT_CLASSES
-from fleet.digits5 import DOMAINS, domain_data
+from fleet.digits5 import DOMAINS, domain_data, source
 from protocol.cliutil import UsageError
 
 SPLITS = ("feature", "label", "feature-label")
@@ -105,9 +105,7 @@ def digits5(
         raise UsageError(f"--alpha must be positive, got {alpha}")
     if domain not in DOMAINS:
         raise UsageError(f"--domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
-    from fleet.digits5 import _source
-
-    _, labels = _source()
+    _, labels = source()
     num_classes = len(DIGIT_CLASSES)
     out = []
     # Each domain's samples are shared out without replacement across the clients on it

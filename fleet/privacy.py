@@ -46,13 +46,13 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    commands._common(parser, rounds=20, clients=5, out="runs/privacy")
+    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy")
     parser.set_defaults(transport="memory")
 
 
 def _paper_settings(text: str) -> list[tuple[str, float, float]]:
     out = []
-    for item in commands._list(text, what="paper"):
+    for item in commands.split_list(text, what="paper"):
         try:
             noise, scale, p = item.split(":")
             out.append((noise, float(scale), float(p)))
@@ -65,14 +65,14 @@ def _paper_settings(text: str) -> list[tuple[str, float, float]]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        epsilons = [float(e) for e in commands._list(args.epsilons, what="epsilons")]
+        epsilons = [float(e) for e in commands.split_list(args.epsilons, what="epsilons")]
     except ValueError as exc:
         raise UsageError(f"--epsilons must be numbers: {exc}") from exc
-    splits = commands._list(
+    splits = commands.split_list(
         args.splits, what="splits", allowed=("feature", "label", "feature-label")
     )
     paper = _paper_settings(args.paper)
-    seeds = commands._seeds(args.seeds)
+    seeds = commands.parse_seeds(args.seeds)
     bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, Any] = {}
@@ -189,9 +189,9 @@ def markdown(document: dict[str, Any]) -> str:
 
 
 def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
-    from fleet.report import _pyplot, finish
+    from fleet.report import finish, pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     epsilons = document["epsilons"]
     for i, (split, rows) in enumerate(document["results"].items()):

@@ -185,7 +185,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +195,7 @@ def _pyplot() -> Any:
 
 
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, m in report["methods"].items():
         runs = list(m["runs"].values())
@@ -223,7 +223,7 @@ def finish(plt: Any, fig: Any, ax: Any, path: Path, *, legend_size: int = 8) -> 
 
 
 def plot_domains(report: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     methods = report["methods"]
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
     if len(domains) > 12:  # one bar group per client would be unreadable: show the mean
@@ -292,7 +292,7 @@ def backbone_contribution(
 def plot_contribution(
     domains: list[str], backbones: list[str], matrix: np.ndarray, path: Path, *, method: str
 ) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.6 * len(backbones) + 2.5, 0.55 * len(domains) + 1.8), dpi=120)
     # The scale starts just below the smallest value so differences between backbones show.
     low = max(-1.0, math.floor((float(matrix.min()) - 0.05) * 10) / 10)

@@ -329,7 +329,6 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             path.write_text(to_toml({**tables, "mqtt": mqtt}))
             configs.append(path)
         workers = min(spec.workers, len(configs))
-        peak_files = [logs / f"worker-{w}.peak.json" for w in range(workers)]
         memory = FleetMemory()
         if broker_pid is not None:
             memory.pids.append(broker_pid)
@@ -348,7 +347,6 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                         {
                             "bundle": str(spec.bundle),
                             "configs": [str(c) for c in configs[w::workers]],
-                            "peak_file": str(peak_files[w]),
                         }
                     )
                 )
@@ -371,9 +369,9 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             watcher.close()
         finally:
             _stop_all(procs)
-    for f in peak_files:
-        if not f.exists():  # written by a worker that stopped cleanly
-            raise UsageError(f"a worker did not stop cleanly; see {f.with_suffix('.log')}")
+    for w, proc in enumerate(procs[1:]):
+        if proc.returncode != 0:  # a worker stops with 0 after SIGTERM
+            raise UsageError(f"a worker did not stop cleanly; see {logs / f'worker-{w}.log'}")
     return memory.peak_mb
 
 

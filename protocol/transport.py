@@ -60,6 +60,13 @@ def backoff_delay(attempt: int, *, low: float, high: float, rng: random.Random) 
     return rng.uniform(low, cap)
 
 
+def network_thread_alive(client: mqtt.Client) -> bool:
+    """Whether paho's loop_start() thread runs: the one that reconnects. paho keeps it in a
+    private attribute; its death leaves a client that will never reconnect."""
+    thread = getattr(client, "_thread", None)
+    return thread is not None and thread.is_alive()
+
+
 def make_client(
     settings: MqttSettings,
     client_id: str,

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export.probe import PROBE_INPUT, PROBE_MODEL, PROBE_OUTPUT, probe_providers
+from export.probe import PROBE_MODEL, probe_providers
 from export.runtime import CPU, CUDA, TENSORRT
 
 
@@ -59,4 +59,3 @@ def test_fallbacks_and_failures_are_reported_as_not_working() -> None:
     assert not results[TENSORRT].works and "could not be created" in results[TENSORRT].detail
     assert not results[CUDA].works and results[CUDA].detail == f"fell back to {CPU}"
     assert results[CPU].works
-    np.testing.assert_allclose(PROBE_OUTPUT, PROBE_INPUT @ (np.arange(32).reshape(8, 4) / 32))

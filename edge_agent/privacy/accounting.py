@@ -58,6 +58,13 @@ def effective_sigma(sigma_sum: float, sigma_count: float) -> float:
     return float((sigma_sum**-2 + sigma_count**-2) ** -0.5)
 
 
+def per_part_sigma(effective: float) -> float:
+    """The multiplier for sums and for counts (the same for both) that makes the release
+    a Gaussian mechanism with multiplier ``effective``: the inverse of
+    :func:`effective_sigma` with equal parts."""
+    return effective * math.sqrt(2)
+
+
 def release_event(sigma_sum: float, sigma_count: float) -> Event:
     return Event(effective_sigma(sigma_sum, sigma_count), 1.0, 1, kind="release")
 
@@ -147,8 +154,7 @@ class Plan:
 
     @property
     def release_sum_sigma(self) -> float:
-        # Sums and counts get the same multiplier s: effective = s / sqrt(2).
-        return self.release_noise_multiplier * math.sqrt(2)
+        return per_part_sigma(self.release_noise_multiplier)
 
     def history(self) -> list[Event]:
         s = self.release_sum_sigma

@@ -22,8 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent import losses
-from edge_agent.train import Guidance, LocalModel, RoundMetrics, TrainConfig, loss_for
+from edge_agent.train import (
+    Guidance,
+    LocalModel,
+    RoundMetrics,
+    TrainConfig,
+    fedpcl_objective,
+    loss_for,
+)
 
 _WRAPPERS: weakref.WeakKeyDictionary[LocalModel, Any] = weakref.WeakKeyDictionary()
 
@@ -38,11 +44,7 @@ def _per_sample_loss(
         return nn.functional.cross_entropy(logits, y)
     # FedPCL's loss never touches the classifier, but Opacus needs a per-sample gradient
     # for every trainable parameter it was given: a zero-weighted term supplies zeros.
-    return losses.fedpcl_loss(
-        z, y, global_protos=g.global_protos, global_present=g.global_present,
-        local_sets=g.local_sets, local_present=g.local_present, tau=cfg.tau,
-        include_positive=cfg.include_positive,
-    ) + 0.0 * logits.sum()  # fmt: skip
+    return fedpcl_objective(z, logits, y, g, cfg) + 0.0 * logits.sum()
 
 
 def train_round_dp(
