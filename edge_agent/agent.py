@@ -70,7 +70,7 @@ class Agent:
             if cfg.data.test
             else None
         )
-        cache = FeatureCache(self.state.cache_dir)
+        cache = FeatureCache(cfg.data.feature_cache or self.state.cache_dir)
         dim = self.runtime.feature_dim
         self.features = cache_features(cache, self.bundle_id, self.train_data, self.runtime)
         self.test_features = (

@@ -172,7 +172,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "bundle_id": snap.bundle_id,
         "last_round": snap.last_round,
         "pending_round": snap.pending_round,
-        "cache_entries": FeatureCache(state.cache_dir).entries(),
+        "cache_entries": FeatureCache(cfg.data.feature_cache or state.cache_dir).entries(),
         "active_providers": snap.extra.get("active_providers"),
         "privacy": _privacy_status(cfg, snap.extra),
         "last_metrics": snap.history[-1] if snap.history else None,

@@ -20,6 +20,9 @@ class DataSettings:
     train: Path
     test: Path | None = None
     image_size: int = 32  # folder images are resized to this square side
+    # Where backbone features are cached; default <state_dir>/cache. Entries are keyed by
+    # bundle and data fingerprint, so agents (or runs) on the same data may share one.
+    feature_cache: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,28 @@ def partition_for(args: argparse.Namespace, seed: int) -> Partition:
     return from_directory(args.data, image_size=args.image_size, seed=seed)
 
 
+def spec_for(
+    args: argparse.Namespace, *, method: str, bundle: Path, seed: int, out: Path, **extra: Any
+) -> RunSpec:
+    """One run of a sweep from the shared options. Every run of a sweep shares one feature
+    cache under ``--out``: the backbones see each image once, whatever the method."""
+    return RunSpec(
+        method=method,
+        rounds=args.rounds,
+        bundle=bundle,
+        out=out,
+        seed=seed,
+        transport=args.transport,
+        broker=args.broker,
+        workers=args.workers,
+        out_dim=args.out_dim,
+        epochs=args.epochs,
+        progress=not args.no_progress,
+        feature_cache=args.out / "feature-cache",
+        **extra,
+    )
+
+
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
     if args.broker:
         parse_broker_url(args.broker)  # a bad URL fails now, not after the zoo is built
@@ -149,19 +171,8 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
         partition = partition_for(args, seed)  # the same partition for every method
         description = partition.description.replace(f", seed {seed}", "")
         for method in methods:
-            spec = RunSpec(
-                method=method,
-                rounds=args.rounds,
-                bundle=bundle,
-                out=args.out / "runs" / stamp / f"{method}-seed{seed}",
-                seed=seed,
-                transport=args.transport,
-                broker=args.broker,
-                workers=args.workers,
-                out_dim=args.out_dim,
-                epochs=args.epochs,
-                progress=not args.no_progress,
-            )
+            spec = spec_for(args, method=method, bundle=bundle, seed=seed,
+                            out=args.out / "runs" / stamp / f"{method}-seed{seed}")  # fmt: skip
             result = run_fleet(spec, partition)
             results[method][seed] = result
             final = report_mod.run_summary(result)["final_mean"]

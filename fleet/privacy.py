@@ -21,7 +21,6 @@ from typing import Any
 from edge_agent.privacy.accounting import plan
 from fleet import commands
 from fleet.report import run_summary
-from fleet.runner import RunSpec
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
 
@@ -102,12 +101,11 @@ def main(args: argparse.Namespace) -> int:
                                  {"norm": "group"}))  # fmt: skip
             for name, method, privacy, train in settings:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-                spec = RunSpec(method=method, rounds=args.rounds, bundle=bundle,
-                               out=args.out / "runs" / stamp / split / f"{slug}-seed{seed}",
-                               seed=seed, transport=args.transport, broker=args.broker,
-                               workers=args.workers, out_dim=args.out_dim, epochs=args.epochs,
-                               progress=not args.no_progress, extra_train=train,
-                               privacy=privacy)  # fmt: skip
+                spec = commands.spec_for(
+                    args, method=method, bundle=bundle, seed=seed,
+                    out=args.out / "runs" / stamp / split / f"{slug}-seed{seed}",
+                    extra_train=train, privacy=privacy,
+                )  # fmt: skip
                 final = run_summary(run_fleet(spec, partition))["final_mean"]
                 rows.setdefault(name, []).append(final)
                 print(

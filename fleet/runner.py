@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -57,6 +57,9 @@ class RunSpec:
     progress: bool = True
     extra_train: dict[str, Any] = field(default_factory=dict)
     privacy: dict[str, Any] = field(default_factory=dict)  # the agents' [privacy] table
+    # Shared by every run that sees the same images (the methods of a compare): the
+    # backbones then run once per image, not once per method.
+    feature_cache: Path | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -83,6 +86,7 @@ class RunResult:
     round_seconds: tuple[float, ...]
     peak_mb: float
     wall_seconds: float
+    backbone_samples: int | None = None  # images the backbones ran on (memory transport)
 
 
 # -- configuration files ---------------------------------------------------------------------
@@ -120,7 +124,11 @@ def _agent_tables(
         "method": spec.method,
         "classes": list(classes),
         "seed": spec.seed * 100_003 + index,
-        "data": {"train": str(train), "test": str(test)},
+        "data": {
+            "train": str(train),
+            "test": str(test),
+            **({"feature_cache": str(spec.feature_cache)} if spec.feature_cache else {}),
+        },
         "train": {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train},
         # One intra-op thread per session: many agents share a few cores.
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
@@ -177,11 +185,13 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
         agents.append(tables)
     coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents))
+    samples = None
     if spec.transport == "memory":
-        peak = _run_memory(spec, agents, coord)
+        peak, samples = _run_memory(spec, agents, coord)
     else:
         peak = _run_mqtt(spec, agents, coord)
-    return collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
+    result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
+    return replace(result, backbone_samples=samples)
 
 
 def _progress(spec: RunSpec, total: int, desc: str, unit: str) -> Any:
@@ -203,7 +213,9 @@ def _peak_self_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _run_memory(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+def _run_memory(
+    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
+) -> tuple[float, int]:
     import torch
 
     from coordinator.config import CoordinatorConfig
@@ -247,7 +259,7 @@ def _run_memory(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, An
                 bar.update()
     finally:
         store.close()
-    return _peak_self_mb()
+    return _peak_self_mb(), runtime.samples_processed
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:

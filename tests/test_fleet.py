@@ -266,3 +266,18 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     assert attack["no noise"] == 0.0 and attack["dp eps=8"] > 0.05
     assert (tmp_path / "accuracy_vs_epsilon.png").read_bytes().startswith(PNG)
     assert "| fedpcl dp eps=8 |" in (tmp_path / "report.md").read_text()
+
+
+def test_runs_sharing_a_feature_cache_run_the_backbones_once(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    partition = part.digits5(clients=2, split="feature", seed=2, train=24, test=16)
+    results = []
+    for method in ("solo", "fedpcl"):  # what `compare` does: one cache for every method
+        spec = RunSpec(method=method, rounds=1, bundle=small_zoo, out=tmp_path / method,
+                       transport="memory", out_dim=32, progress=False,
+                       feature_cache=tmp_path / "feature-cache")  # fmt: skip
+        results.append(run(spec, partition))
+    assert results[0].backbone_samples == 2 * (24 + 16)
+    assert results[1].backbone_samples == 0
+    assert all(a is not None for c in results[1].clients for a in c.accuracy)
