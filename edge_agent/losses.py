@@ -7,6 +7,8 @@ A sample whose own class has no prototype contributes nothing to a prototype ter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -39,6 +41,58 @@ def prototype_contrast(
     )[0]
 
 
+@dataclass(frozen=True)
+class ContrastTargets:
+    """S prototype sets prepared once for :func:`contrast_terms`: everything that does
+    not depend on the batch. A training step of the small head is dominated by per-op
+    overhead, so a round's sets are stacked, transposed, scaled and masked once, not once
+    per step."""
+
+    matrix: torch.Tensor  # (d, S*C): the sets' prototypes as columns, over tau
+    bias: torch.Tensor  # (S, C): 0, or a large negative for a class a set lacks
+    valid: torch.Tensor  # (C, S) bool: a sample of class c counts in set s
+    sets: int
+    classes: int
+    include_positive: bool
+
+    @classmethod
+    def build(
+        cls, sets: torch.Tensor, present: torch.Tensor, *, tau: float, include_positive: bool
+    ) -> ContrastTargets:
+        """``sets`` (S, C, d) with masks (S, C)."""
+        s, c, d = sets.shape
+        # A large finite negative instead of -inf: a row with no negatives then has a
+        # finite (masked-out) value and a finite gradient, where -inf gives NaN.
+        bias = torch.zeros(s, c, dtype=sets.dtype).masked_fill(~present, _BIG)
+        negatives = present.sum(dim=1)[None, :] - (0 if include_positive else present.T.long())
+        return cls(
+            matrix=(sets.reshape(s * c, d).T / tau).contiguous(),
+            bias=bias,
+            valid=present.T & (negatives > 0),
+            sets=s,
+            classes=c,
+            include_positive=include_positive,
+        )
+
+
+_BIG = torch.finfo(torch.float32).min / 4
+
+
+def contrast_terms(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
+    """:func:`prototype_contrast` against each of the S prepared sets at once: (S,)
+    losses, from one matrix product and a few elementwise ops on (B, S, C)."""
+    batch = len(y)
+    logits = (z @ targets.matrix).view(batch, targets.sets, targets.classes)
+    own = y.view(batch, 1, 1).expand(batch, targets.sets, 1)
+    positive = logits.gather(2, own).squeeze(2)  # (B, S)
+    masked = logits + targets.bias
+    if not targets.include_positive:
+        masked = masked.scatter(2, own, _BIG)  # A(y): the classes other than y
+    valid = targets.valid[y]  # (B, S)
+    loss = torch.where(valid, torch.logsumexp(masked, dim=2) - positive, 0.0)
+    return loss.sum(dim=0) / valid.sum(dim=0).clamp(min=1)
+
+
 def prototype_contrast_sets(
     z: torch.Tensor,
     y: torch.Tensor,
@@ -51,19 +105,35 @@ def prototype_contrast_sets(
     """:func:`prototype_contrast` against each of m prototype sets (m, C, d) with masks
     (m, C) at once: (m,) losses. One batched product instead of m small ones, which is
     what keeps FedPCL's local term affordable in a fleet of a thousand clients."""
-    m, batch = sets.shape[0], len(y)
-    logits = torch.einsum("bd,mcd->mbc", z, sets) / tau  # (m, B, C)
-    positive = logits.gather(2, y[None, :, None].expand(m, batch, 1)).squeeze(2)  # (m, B)
-    others = present[:, None, :].expand(m, batch, -1).clone()
-    if not include_positive:
-        others[:, torch.arange(batch), y] = False
-    # A large finite negative instead of -inf: a row with no negatives then has a finite
-    # (masked-out) value and a finite gradient, where -inf would give NaN through softmax.
-    masked = logits.masked_fill(~others, torch.finfo(logits.dtype).min / 4)
-    denominator = torch.logsumexp(masked, dim=2)  # (m, B)
-    valid = present.gather(1, y[None, :].expand(m, batch)) & others.any(dim=2)
-    loss = torch.where(valid, denominator - positive, torch.zeros_like(positive))
-    return (loss * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
+    targets = ContrastTargets.build(sets, present, tau=tau, include_positive=include_positive)
+    return contrast_terms(z, y, targets)
+
+
+def fedpcl_targets(
+    *,
+    global_protos: torch.Tensor,
+    global_present: torch.Tensor,
+    local_sets: torch.Tensor,
+    local_present: torch.Tensor,
+    tau: float = 0.07,
+    include_positive: bool = False,
+) -> ContrastTargets:
+    """FedPCL's sets for :func:`fedpcl_from_targets`: the global set first, then the m
+    (padded) local sets."""
+    return ContrastTargets.build(
+        torch.cat([global_protos[None], local_sets]),
+        torch.cat([global_present[None], local_present]),
+        tau=tau,
+        include_positive=include_positive,
+    )
+
+
+def fedpcl_from_targets(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
+    """``L_g + L_p`` from :func:`fedpcl_targets`: row 0 is L_g, the mean of the rest L_p."""
+    terms = contrast_terms(z, y, targets)
+    if len(terms) == 1:
+        return terms[0]
+    return terms[0] + terms[1:].mean()
 
 
 def fedpcl_loss(
@@ -80,15 +150,15 @@ def fedpcl_loss(
     """FedPCL Eq. 8-10: ``L_g`` against the global set plus ``L_p``, the average of the
     same term against each client's (padded) local set. ``local_sets`` is (m, C, d) with
     ``local_present`` (m, C); m may be 0 (then ``L_p`` is 0)."""
-    l_g = prototype_contrast(
-        z, y, global_protos, global_present, tau=tau, include_positive=include_positive
+    targets = fedpcl_targets(
+        global_protos=global_protos,
+        global_present=global_present,
+        local_sets=local_sets,
+        local_present=local_present,
+        tau=tau,
+        include_positive=include_positive,
     )
-    if local_sets.shape[0] == 0:
-        return l_g
-    l_p = prototype_contrast_sets(
-        z, y, local_sets, local_present, tau=tau, include_positive=include_positive
-    ).mean()
-    return l_g + l_p
+    return fedpcl_from_targets(z, y, targets)
 
 
 def fedproto_loss(

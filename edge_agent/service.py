@@ -17,6 +17,7 @@ import paho.mqtt.client as mqtt
 
 from edge_agent.agent import Agent
 from protocol import (
+    FINISHED,
     AgentState,
     ProtocolError,
     RoundAnnouncement,
@@ -146,6 +147,15 @@ class AgentService:
         decision = self.agent.handle(announcement, received_bytes=len(payload))
         if decision.payload is None:
             log.info("round %d: %s", announcement.round, decision.reason)
+            if decision.reason == "final":
+                # Whoever waits for the fleet to finish (a simulation, an operator) reads
+                # it from the retained status; any closing figures are written by now.
+                self.client.publish(
+                    self._status_topic,
+                    self._status(AgentState.ONLINE, FINISHED),
+                    qos=1,
+                    retain=True,
+                )
             if decision.reason == "budget_exhausted":
                 # Said where the coordinator and operators look: the retained status.
                 self.client.publish(

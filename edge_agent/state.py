@@ -157,6 +157,15 @@ class StateDir:
             if old.name != f"update-{self.snapshot.pending_round}.bin":
                 old.unlink(missing_ok=True)
 
+    def amend_round(self, round_: int, **metrics: Any) -> None:
+        """Add figures to round ``round_``'s history entry once they are known (FedAvg's
+        global-model accuracy arrives with the next announcement). Idempotent."""
+        history = tuple(
+            {**h, **metrics} if h.get("round") == round_ else h for h in self.snapshot.history
+        )
+        if history != self.snapshot.history:
+            self._commit(replace(self.snapshot, history=history))
+
     def record(self, **extra: Any) -> None:
         self._commit(replace(self.snapshot, extra={**self.snapshot.extra, **extra}))
 

@@ -79,10 +79,27 @@ class Guidance:
     local_present: torch.Tensor  # (m, C) bool
     clusters: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # (M, d)
     cluster_classes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # FedPCL's prepared sets, built at the first step of a round and reused by the rest.
+    _targets: dict[tuple[float, bool], losses.ContrastTargets] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def has_globals(self) -> bool:
         return bool(self.global_present.any())
+
+    def fedpcl_targets(self, *, tau: float, include_positive: bool) -> losses.ContrastTargets:
+        key = (tau, include_positive)
+        if key not in self._targets:
+            self._targets[key] = losses.fedpcl_targets(
+                global_protos=self.global_protos,
+                global_present=self.global_present,
+                local_sets=self.local_sets,
+                local_present=self.local_present,
+                tau=tau,
+                include_positive=include_positive,
+            )
+        return self._targets[key]
 
     @classmethod
     def empty(cls, num_classes: int, dim: int) -> Guidance:
@@ -160,16 +177,8 @@ def _fedpcl(
         return losses.prototype_contrast(
             z, y, protos, counts > 0, tau=cfg.tau, include_positive=cfg.include_positive
         )
-    return losses.fedpcl_loss(
-        z,
-        y,
-        global_protos=g.global_protos,
-        global_present=g.global_present,
-        local_sets=g.local_sets,
-        local_present=g.local_present,
-        tau=cfg.tau,
-        include_positive=cfg.include_positive,
-    )
+    targets = g.fedpcl_targets(tau=cfg.tau, include_positive=cfg.include_positive)
+    return losses.fedpcl_from_targets(z, y, targets)
 
 
 def _fedproto(

@@ -135,8 +135,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Every method by both inference rules (mean over seeds, %): the table above uses each",
-        "method's own (FedPCL: nearest local prototype; the others: their classifier).",
+        "Every method by both inference rules on each device's own trained head (mean over",
+        "seeds, %). The table above uses each method's own rule: FedPCL the nearest local",
+        "prototype, FedAvg its global model, the others their classifier.",
         "",
         "| method | nearest local prototype | classifier |",
         "|---|---:|---:|",

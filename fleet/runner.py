@@ -375,6 +375,7 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                 watcher.wait_online(bar, alive)
             with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
                 watcher.wait_rounds(spec.rounds, bar, alive)
+            watcher.wait_finished(alive)
             memory.sample()
             if coordinator.wait(timeout=60) != 0:
                 raise UsageError(f"the coordinator failed; see {logs / 'coordinator.log'}")
@@ -431,6 +432,7 @@ class _Watcher:
 
         self.expected = expected
         self.online: set[str] = set()
+        self.finished: set[str] = set()
         self.round = -1
         self._cond = threading.Condition()
         self._client = mqtt.Client(
@@ -444,7 +446,7 @@ class _Watcher:
         self._client.loop_start()
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
-        from protocol import AgentState, ProtocolError, RoundAnnouncement, Status
+        from protocol import FINISHED, AgentState, ProtocolError, RoundAnnouncement, Status
 
         try:
             if message.topic == self._round_topic:
@@ -457,6 +459,8 @@ class _Watcher:
                 with self._cond:
                     if status.state is AgentState.ONLINE:
                         self.online.add(status.client)
+                        if status.reason == FINISHED:
+                            self.finished.add(status.client)
                     self._cond.notify_all()
         except (ProtocolError, ValueError):
             return
@@ -465,12 +469,12 @@ class _Watcher:
         self, done: Callable[[], bool], tick: Callable[[], None], alive: Callable[[], None]
     ) -> None:
         stalled_since = time.monotonic()
-        seen = (self.round, len(self.online))
+        seen = (self.round, len(self.online), len(self.finished))
         while True:
             with self._cond:
                 progressed = self._cond.wait_for(done, timeout=1.0)
                 tick()
-                now = (self.round, len(self.online))
+                now = (self.round, len(self.online), len(self.finished))
             alive()  # also samples the fleet's memory, about once a second
             if progressed:
                 return
@@ -490,6 +494,11 @@ class _Watcher:
             bar.update(min(rounds, max(0, self.round)) - bar.n)
 
         self._wait(lambda: self.round >= rounds, tick, alive)
+
+    def wait_finished(self, alive: Callable[[], None]) -> None:
+        """Until every agent has handled the final announcement (and written what it
+        scores there, such as FedAvg's last global-model accuracy)."""
+        self._wait(lambda: len(self.finished) >= self.expected, lambda: None, alive)
 
     def close(self) -> None:
         self._client.loop_stop()

@@ -16,6 +16,7 @@ from protocol.errors import (
 from protocol.ids import is_valid_id, validate_id
 from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES, PROTOCOL_VERSION
 from protocol.messages import (
+    FINISHED,
     AgentState,
     Message,
     PrivacyMeta,
@@ -37,6 +38,7 @@ from protocol.topics import (
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "PROTOCOL_VERSION",
+    "FINISHED",
     "AgentState",
     "ArrayError",
     "FieldError",

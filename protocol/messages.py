@@ -353,6 +353,11 @@ class AgentState(str, Enum):
     OFFLINE = "offline"
 
 
+#: The ``reason`` of the online status a device publishes once it has handled the final
+#: announcement of a fleet with ``max_rounds``: nothing more will come from it.
+FINISHED = "finished"
+
+
 @dataclass(frozen=True, eq=False)
 class Status(_Message):
     """A client's retained presence; the offline form is also its MQTT Last Will."""

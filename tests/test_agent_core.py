@@ -124,3 +124,58 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "no such input" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fedavg_is_scored_by_the_global_model_of_each_round(small_zoo, tmp_path):
+    """FedAvg's accuracy is its global model's on the device's test split (not the
+    device's locally trained copy), filed under the round that produced the model."""
+    import torch
+
+    from coordinator.strategies import make_strategy
+    from edge_agent.train import LocalModel, embed
+
+    def config(domain: str):  # enough local training that the heads learn something
+        cfg = agent_config(tmp_path / domain, small_zoo, agent_id=f"dev-{domain}",
+                           domain=domain, method="fedavg")  # fmt: skip
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=10, lr=1e-2))
+
+    agents = [Agent(config(d)) for d in ("clean", "inverted")]
+    strategy = make_strategy("fedavg")
+
+    def play(round_: int, extras: dict, *, final: bool = False) -> dict:
+        updates = []
+        for agent in agents:
+            ann = announcement(
+                agent.bundle_id, round_, method="fedavg", extras=extras, params={"final": final}
+            )
+            decision = agent.handle(ann)
+            if decision.update is not None:
+                updates.append(decision.update)
+        if not updates:
+            return {}
+        result = strategy.aggregate(updates, num_classes=10, dim=32)
+        return {k: v.astype(np.float32) for k, v in result.extras.items()}  # as announced
+
+    def global_accuracy(agent: Agent, weights: dict) -> float:
+        model = LocalModel(in_dim=agent.runtime.feature_dim, num_classes=10, cfg=agent.cfg.train)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+        _, logits = embed(model, agent.test_features)
+        return float((logits.argmax(1) == agent.test_data.labels).mean())
+
+    first = play(0, {})
+    for agent in agents:  # round 0's global model is not known yet
+        record = agent.state.snapshot.history[-1]
+        assert record["test_accuracy"] is None and record["test_accuracy_classifier"] is not None
+    second = play(1, first)
+    play(2, second, final=True)
+    for agent in agents:
+        by_round = {h["round"]: h for h in agent.state.snapshot.history}
+        for round_, weights in ((0, first), (1, second)):
+            assert by_round[round_]["test_accuracy"] == global_accuracy(agent, weights)
+            assert by_round[round_]["test_accuracy_global"] == by_round[round_]["test_accuracy"]
+    # The test can tell the models apart: averaging two domains' heads gives other
+    # scores than either device's locally trained copy.
+    assert any(
+        global_accuracy(a, first) != a.state.snapshot.history[0]["test_accuracy_classifier"]
+        for a in agents
+    )

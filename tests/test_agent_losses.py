@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from edge_agent import losses
 from edge_agent.head import ProjectionHead, local_prototypes, predict
@@ -174,3 +175,28 @@ def test_prototype_distance_is_shared_by_fedproto_upcr_and_feddbp():
         losses.prototype_distance(Z, Y, protos=protos, present=torch.tensor([False, True])).item()
         == 0.0
     )
+
+
+@pytest.mark.parametrize("include_positive", [False, True])
+def test_batched_sets_equal_the_term_written_out_per_sample(include_positive):
+    gen = torch.Generator().manual_seed(3)
+    z = nn.functional.normalize(torch.randn(6, 4, generator=gen), dim=1)
+    y = torch.tensor([0, 1, 2, 2, 3, 0])
+    sets = torch.randn(3, 4, 4, generator=gen)
+    present = torch.ones(3, 4, dtype=torch.bool)
+    present[1, 2] = False  # samples of class 2 do not count in set 1
+    present[2, 1:] = False  # set 2 has class 0 only: no negatives for class 0 there
+    got = losses.prototype_contrast_sets(
+        z, y, sets, present, tau=0.5, include_positive=include_positive
+    )
+    for s in range(3):
+        terms = []
+        for b in range(len(y)):
+            c = int(y[b])
+            others = [a for a in range(4) if present[s, a] and (include_positive or a != c)]
+            if not present[s, c] or not others:
+                continue
+            logits = [float(z[b] @ sets[s, a]) / 0.5 for a in range(4)]
+            terms.append(-logits[c] + math.log(sum(math.exp(logits[a]) for a in others)))
+        want = sum(terms) / len(terms) if terms else 0.0
+        assert got[s].item() == pytest.approx(want, abs=1e-5)
