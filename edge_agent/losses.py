@@ -118,8 +118,8 @@ def fedpcl_targets(
     tau: float = 0.07,
     include_positive: bool = False,
 ) -> ContrastTargets:
-    """FedPCL's sets for :func:`fedpcl_from_targets`: the global set first, then the m
-    (padded) local sets."""
+    """FedPCL's sets for :func:`fedpcl_loss`: the global set (C, d) first, then the m
+    (padded) local sets (m, C, d) with masks (m, C); m may be 0."""
     return ContrastTargets.build(
         torch.cat([global_protos[None], local_sets]),
         torch.cat([global_present[None], local_present]),
@@ -128,37 +128,14 @@ def fedpcl_targets(
     )
 
 
-def fedpcl_from_targets(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
-    """``L_g + L_p`` from :func:`fedpcl_targets`: row 0 is L_g, the mean of the rest L_p."""
+def fedpcl_loss(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
+    """FedPCL Eq. 8-10 from :func:`fedpcl_targets`: ``L_g`` against the global set (row 0)
+    plus ``L_p``, the average of the same term against each client's (padded) local set
+    (the other rows; none gives ``L_p`` = 0)."""
     terms = contrast_terms(z, y, targets)
     if len(terms) == 1:
         return terms[0]
     return terms[0] + terms[1:].mean()
-
-
-def fedpcl_loss(
-    z: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    global_protos: torch.Tensor,
-    global_present: torch.Tensor,
-    local_sets: torch.Tensor,
-    local_present: torch.Tensor,
-    tau: float = 0.07,
-    include_positive: bool = False,
-) -> torch.Tensor:
-    """FedPCL Eq. 8-10: ``L_g`` against the global set plus ``L_p``, the average of the
-    same term against each client's (padded) local set. ``local_sets`` is (m, C, d) with
-    ``local_present`` (m, C); m may be 0 (then ``L_p`` is 0)."""
-    targets = fedpcl_targets(
-        global_protos=global_protos,
-        global_present=global_present,
-        local_sets=local_sets,
-        local_present=local_present,
-        tau=tau,
-        include_positive=include_positive,
-    )
-    return fedpcl_from_targets(z, y, targets)
 
 
 def fedproto_loss(

@@ -178,7 +178,7 @@ def _fedpcl(
             z, y, protos, counts > 0, tau=cfg.tau, include_positive=cfg.include_positive
         )
     targets = g.fedpcl_targets(tau=cfg.tau, include_positive=cfg.include_positive)
-    return losses.fedpcl_from_targets(z, y, targets)
+    return losses.fedpcl_loss(z, y, targets)
 
 
 def _fedproto(

@@ -159,6 +159,7 @@ def test_fedavg_is_scored_by_the_global_model_of_each_round(small_zoo, tmp_path)
     def global_accuracy(agent: Agent, weights: dict) -> float:
         model = LocalModel(in_dim=agent.runtime.feature_dim, num_classes=10, cfg=agent.cfg.train)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+        assert agent.test_features is not None and agent.test_data is not None
         _, logits = embed(model, agent.test_features)
         return float((logits.argmax(1) == agent.test_data.labels).mean())
 

@@ -39,15 +39,14 @@ def test_contrast_temperature_and_absent_classes():
 def test_fedpcl_is_global_term_plus_mean_of_local_terms():
     local_sets = torch.stack([PROTOS, torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])])
     local_present = torch.tensor([[True, True, True], [True, True, False]])
-    got = losses.fedpcl_loss(
-        Z,
-        Y,
+    targets = losses.fedpcl_targets(
         global_protos=PROTOS,
         global_present=ALL,
         local_sets=local_sets,
         local_present=local_present,
         tau=1.0,
     )
+    got = losses.fedpcl_loss(Z, Y, targets)
     l_g = -1 + math.log(1 + math.exp(-1))
     l_p = (l_g + 1.0) / 2  # second set: logits [0, 1] -> -0 + log(e^1) = 1
     assert got.item() == pytest.approx(l_g + l_p, abs=1e-6)
@@ -122,18 +121,17 @@ def test_a_fedpcl_step_moves_z_towards_its_prototypes_and_away_from_others():
         return own, others
 
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    targets = losses.fedpcl_targets(
+        global_protos=protos,
+        global_present=present,
+        local_sets=protos[None],
+        local_present=present[None],
+        tau=0.07,
+    )
 
     def step() -> None:
         head.train()
-        loss = losses.fedpcl_loss(
-            head(r),
-            y,
-            global_protos=protos,
-            global_present=present,
-            local_sets=protos[None],
-            local_present=present[None],
-            tau=0.07,
-        )
+        loss = losses.fedpcl_loss(head(r), y, targets)
         opt.zero_grad()
         loss.backward()
         opt.step()
