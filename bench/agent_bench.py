@@ -20,6 +20,7 @@ from edge_agent.features import FeatureCache
 from edge_agent.train import Guidance, LocalModel, TrainConfig, make_optimiser, train_round
 from export.runtime import BackboneRuntime
 from fleet.digits5 import domain_data
+from fleet.procmem import peak_self_mb
 
 SAMPLES = 1_000
 
@@ -75,8 +76,6 @@ class OnTheFly:
 
 def cached_epoch(cache_dir: str) -> dict[str, float]:
     """Run in a fresh process: load the runtime, read cached features, train one epoch."""
-    import resource
-
     runtime = BackboneRuntime(ZOO)
     images, labels = domain_data("photo", indices=np.arange(SAMPLES))
     cache = FeatureCache(Path(cache_dir))
@@ -85,7 +84,7 @@ def cached_epoch(cache_dir: str) -> dict[str, float]:
     )
     _epoch(feats, labels)
     return {
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_mb": peak_self_mb(),
         "backbone_samples": runtime.samples_processed,
     }
 

@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import paho.mqtt.client as mqtt
 
 from coordinator.strategies import make_strategy
 from fleet.broker import MosquittoBroker
-from protocol import PrototypeUpdate, update_topic
+from protocol import PrototypeUpdate, round_topic, update_topic
 
 CLASSES, DIM, BUNDLE = 10, 256, "e" * 64
 
@@ -84,9 +85,16 @@ def intake_rate(count: int = 5_000) -> tuple[float, float]:
         try:
             pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-publisher")
             pub.max_inflight_messages_set(1000)
+            # The coordinator subscribes before it publishes its retained announcement,
+            # and the broker handles one client's packets in order: once the
+            # announcement arrives, the coordinator's subscription is in place.
+            announced = threading.Event()
+            pub.on_message = lambda _c, _u, _m: announced.set()
             pub.connect(broker.address.host, broker.address.port)
+            pub.subscribe(round_topic("bench"), qos=1)
             pub.loop_start()
-            _wait(lambda: _subscribed(db), timeout=30)
+            if not announced.wait(60):
+                raise TimeoutError("the coordinator never announced a round")
             start = time.perf_counter()
             infos = [
                 pub.publish(update_topic("bench", f"dev-{i:05d}"), p, qos=1)
@@ -108,16 +116,6 @@ def intake_rate(count: int = 5_000) -> tuple[float, float]:
 def _rows(db: Path) -> int:
     with sqlite3.connect(db) as conn:
         return int(conn.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
-
-
-def _subscribed(db: Path) -> bool:
-    # The coordinator opens round 0 in its database before it connects; give it the
-    # connection by checking that the round row exists and a status query works.
-    try:
-        with sqlite3.connect(db) as conn:
-            return conn.execute("SELECT COUNT(*) FROM rounds").fetchone()[0] > 0
-    except sqlite3.Error:
-        return False
 
 
 def _wait(predicate, *, timeout: float) -> None:  # type: ignore[no-untyped-def]

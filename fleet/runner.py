@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import signal
 import sqlite3
 import subprocess
@@ -34,6 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from fleet.partition import ClientData, Partition
+from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
 from protocol.cliutil import UsageError
 
 log = logging.getLogger(__name__)
@@ -208,11 +208,6 @@ def _progress(spec: RunSpec, total: int, desc: str, unit: str) -> Any:
     )
 
 
-def _peak_self_mb() -> float:
-    # ru_maxrss is in kibibytes on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _run_memory(
     spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
 ) -> tuple[float, int]:
@@ -229,6 +224,7 @@ def _run_memory(
     from protocol.settings import build
 
     torch.set_num_threads(1)
+    reset_peak()
     runtime = BackboneRuntime(spec.bundle, settings=RuntimeSettings(intra_op_threads=1))
     live = []
     with _progress(spec, len(agents), f"{spec.method}: starting agents", "agent") as bar:
@@ -259,7 +255,7 @@ def _run_memory(
                 bar.update()
     finally:
         store.close()
-    return _peak_self_mb(), runtime.samples_processed
+    return peak_self_mb(), runtime.samples_processed
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
@@ -298,30 +294,6 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         yield broker.address.host, broker.address.port, pid
     finally:
         broker.stop()
-
-
-def _proc_status_mb(pid: int, key: str) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return 0.0
-
-
-class FleetMemory:
-    """The peak of the fleet's summed resident memory (broker, coordinator, workers, this
-    process), sampled from /proc each time the runner wakes (at least every 2 s)."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-        self.peak_mb = 0.0
-
-    def sample(self) -> None:
-        total = _proc_status_mb(os.getpid(), "VmRSS")
-        total += sum(_proc_status_mb(pid, "VmRSS") for pid in self.pids)
-        self.peak_mb = max(self.peak_mb, total)
 
 
 def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
