@@ -158,17 +158,25 @@ def spec_for(
     )
 
 
-def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
+def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partition:
+    """Everything a sweep's options can get wrong (broker URL, run settings, data), checked
+    before the zoo is built, which takes minutes the first time. Returns the partition of
+    ``seed``, which the sweep then reuses."""
     if args.broker:
-        parse_broker_url(args.broker)  # a bad URL fails now, not after the zoo is built
-    if args.data is not None and not args.data.exists():
-        raise UsageError(f"--data {args.data} does not exist")
+        parse_broker_url(args.broker)
+    spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)
+    return partition_for(args, seed)
+
+
+def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
+    first = check_options(args, method=methods[0], seed=seeds[0])
     bundle = ensure_bundle(args.bundle, args.zoo_size)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}
     description = ""
     for seed in seeds:
-        partition = partition_for(args, seed)  # the same partition for every method
+        # The same partition for every method.
+        partition = first if seed == seeds[0] else partition_for(args, seed)
         description = partition.description.replace(f", seed {seed}", "")
         for method in methods:
             spec = spec_for(args, method=method, bundle=bundle, seed=seed,

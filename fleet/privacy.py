@@ -62,6 +62,16 @@ def _paper_settings(text: str) -> list[tuple[str, float, float]]:
     return out
 
 
+def _plan(epsilon: float, args: argparse.Namespace, *, samples: int) -> Any:
+    """The noise multipliers that spend ``epsilon`` over the sweep's rounds."""
+    try:
+        return plan(epsilon_target=epsilon, delta=args.delta, rounds=args.rounds,
+                    epochs=args.epochs, samples=samples, batch=32,
+                    release_share=args.release_share)  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"no privacy plan for epsilon {epsilon:g}: {exc}") from exc
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         epsilons = [float(e) for e in commands.split_list(args.epsilons, what="epsilons")]
@@ -72,6 +82,10 @@ def main(args: argparse.Namespace) -> int:
     )
     paper = _paper_settings(args.paper)
     seeds = commands.parse_seeds(args.seeds)
+    args.split = splits[0]
+    first = commands.check_options(args, method="fedpcl", seed=seeds[0])
+    for eps in epsilons:  # an impossible privacy plan fails now, not after the zoo is built
+        _plan(eps, args, samples=min(len(c.train_y) for c in first.clients))
     bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, Any] = {}
@@ -80,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
         args.split = split
         rows: dict[str, list[float]] = {}
         for seed in seeds:
-            partition = commands.partition_for(args, seed)
+            first_run = split == splits[0] and seed == seeds[0]
+            partition = first if first_run else commands.partition_for(args, seed)
             samples = min(len(c.train_y) for c in partition.clients)
             settings: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
                 ("solo (no privacy)", "solo", {}, {}),
@@ -91,9 +106,7 @@ def main(args: argparse.Namespace) -> int:
                                  {"mechanism": "paper", "paper_noise": noise,
                                   "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
             for eps in epsilons:
-                chosen = plan(epsilon_target=eps, delta=args.delta, rounds=args.rounds,
-                              epochs=args.epochs, samples=samples, batch=32,
-                              release_share=args.release_share)  # fmt: skip
+                chosen = _plan(eps, args, samples=samples)
                 settings.append((f"fedpcl dp eps={eps:g}", "fedpcl",
                                  {"mechanism": "dp", "epsilon": eps, "delta": args.delta,
                                   "sgd_noise_multiplier": chosen.sgd_noise_multiplier,

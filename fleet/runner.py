@@ -66,6 +66,8 @@ class RunSpec:
             raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}")
         if self.rounds < 1 or self.workers < 1 or self.epochs < 1:
             raise UsageError("--rounds, --workers and --epochs must be at least 1")
+        if self.out_dim < 1:
+            raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,24 @@ def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
         assert "Traceback" not in result.stderr
 
 
+def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
+    # The bundle folder does not exist: any of these reaching the zoo build would start
+    # minutes of training and create the folder.
+    bundle = tmp_path / "zoo"
+    for argv, message in [
+        (["run", "--rounds", "0"], "--rounds"),
+        (["run", "--out-dim", "0"], "--out-dim must be at least 1"),
+        (["compare", "--clients", "0"], "at least 1 client"),
+        (["run", "--split", "label", "--alpha", "-1"], "--alpha must be positive"),
+        (["privacy", "--epsilons", "-1"], "no privacy plan for epsilon -1"),
+        (["privacy", "--delta", "2"], "delta must be in (0, 1)"),
+    ]:
+        result = run("edge-fleet", *argv, "--bundle", str(bundle), "--out", str(tmp_path / "o"))
+        assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert not bundle.exists(), argv
+
+
 @pytest.mark.broker
 def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     result = run(
