@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """A configuration file or value is invalid; ``key`` is the dotted path to it."""
 
     def __init__(self, message: str, *, key: str = "", source: str = "") -> None:
-        self.key = key
+        self.key, self.detail = key, message
         where = f"{source}: " if source else ""
         at = f"{key}: " if key else ""
         super().__init__(f"{where}{at}{message}")
@@ -52,7 +52,7 @@ def load_config(cls: type[T], path: Path) -> T:
     try:
         return build(cls, data)
     except ConfigError as exc:
-        raise ConfigError(str(exc), key=exc.key, source=str(path)) from None
+        raise ConfigError(exc.detail, key=exc.key, source=str(path)) from None
 
 
 def build(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:

@@ -38,6 +38,8 @@ def test_bad_configs_name_the_key(tmp_path, text, key):
         load(write(tmp_path, text))
     assert info.value.key == key
     assert str(tmp_path) in str(info.value)
+    if key:  # named once: "file: rounds.min_clients: expected int, got str"
+        assert str(info.value).count(f"{key}:") == 1, str(info.value)
 
 
 def test_not_toml_and_missing_file(tmp_path):
