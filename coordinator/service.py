@@ -46,6 +46,7 @@ class CoordinatorService:
         self.client = make_client(self.config.mqtt, self.config.coordinator_id)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.on_message = self._on_message
 
     # -- paho callbacks (network thread) -----------------------------------------------
@@ -74,6 +75,12 @@ class CoordinatorService:
         self._connected.clear()
         if not self._stop.is_set():
             log.warning("disconnected from broker (%s); paho will reconnect", reason)
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # The broker is down or unreachable: paho retries, but says nothing on its own.
+        if not self._stop.is_set():
+            mqtt_cfg = self.config.mqtt
+            log.warning("cannot reach the broker at %s:%d; retrying", mqtt_cfg.host, mqtt_cfg.port)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:

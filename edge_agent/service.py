@@ -51,6 +51,7 @@ class AgentService:
         )
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.on_message = self._on_message
 
     def _status(self, state: AgentState, reason: str = "") -> bytes:
@@ -81,8 +82,16 @@ class AgentService:
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
     ) -> None:
-        if self._stop:
-            return
+        if not self._stop:
+            self._retry(client, f"disconnected ({reason})")
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # The broker is down or unreachable: paho retries, but says nothing on its own.
+        if not self._stop:
+            mqtt_cfg = self.cfg.mqtt
+            self._retry(client, f"cannot reach the broker at {mqtt_cfg.host}:{mqtt_cfg.port}")
+
+    def _retry(self, client: mqtt.Client, why: str) -> None:
         # paho backs off exponentially but in lock-step across a fleet; a random base per
         # attempt spreads the reconnects of many devices after a broker restart.
         self._attempt += 1
@@ -93,10 +102,10 @@ class AgentService:
             high=mqtt_cfg.reconnect_max_s,
             rng=self._rng,
         )
-        client.reconnect_delay_set(
-            min_delay=max(1, round(delay)), max_delay=max(1, int(mqtt_cfg.reconnect_max_s))
-        )
-        log.warning("disconnected (%s); reconnecting in about %.0f s", reason, delay)
+        # paho waits whole seconds, at least one: the next wait is exactly ``wait``.
+        wait = max(1, round(delay))
+        client.reconnect_delay_set(min_delay=wait, max_delay=max(1, int(mqtt_cfg.reconnect_max_s)))
+        log.warning("%s; reconnecting in %d s", why, wait)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         if not message.payload:

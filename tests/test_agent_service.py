@@ -19,6 +19,7 @@ from protocol import (
     parse_topic,
     round_topic,
     status_filter,
+    status_topic,
     update_filter,
 )
 from tests.agent_helpers import digits_npz
@@ -151,3 +152,27 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
     state = json.loads((tmp_path / "a" / "state" / "state.json").read_text())
     assert state["extra"]["backbone_samples_at_start"] == 0
     assert state["last_round"] == 2
+
+
+@pytest.mark.broker
+def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(small_zoo, tmp_path):
+    from fleet.broker import MosquittoBroker, free_port
+
+    port = free_port()
+    config, _ = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)
+    agent = agent_process(config)
+    try:
+        agent.wait_for(f"cannot reach the broker at 127.0.0.1:{port}; reconnecting in")
+        with (
+            MosquittoBroker(port=port) as broker,
+            connected(broker.address, "watch", subscribe=(status_topic("lab", "dev-a"),)) as (
+                _,
+                inbox,
+            ),
+        ):
+            # The first waits are 1-2 s (jittered backoff from reconnect_min_s = 1).
+            message = inbox.wait(1, timeout=30)[0]
+            assert Status.from_wire(message.payload).state is AgentState.ONLINE
+            assert agent.stop() == 0
+    finally:
+        agent.close()

@@ -223,3 +223,23 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
     rejections = status(config)["rejections"]
     assert sum(rejections.values()) == len(malformed)
     assert set(rejections) <= {"malformed", "field", "array", "id", "version", "too_large"}
+
+
+def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_is_up(tmp_path):
+    from fleet.broker import MosquittoBroker, free_port
+    from tests.process_helpers import coordinator_process
+
+    port = free_port()
+    coordinator = coordinator_process(write_config(tmp_path, port, rounds=1))
+    try:
+        coordinator.wait_for(f"cannot reach the broker at 127.0.0.1:{port}")
+        with (
+            MosquittoBroker(port=port) as broker,
+            connected(broker.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox),
+        ):
+            # paho's own backoff: the first retries come within a few seconds.
+            message = inbox.wait(1, timeout=30)[0]
+            assert RoundAnnouncement.from_wire(message.payload).round == 0
+            assert coordinator.stop() == 0
+    finally:
+        coordinator.close()
