@@ -46,51 +46,76 @@ class ContrastTargets:
     """S prototype sets prepared once for :func:`contrast_terms`: everything that does
     not depend on the batch. A training step of the small head is dominated by per-op
     overhead, so a round's sets are stacked, transposed, scaled and masked once, not once
-    per step."""
+    per step, and a sample's masks are looked up by its class."""
 
     matrix: torch.Tensor  # (d, S*C): the sets' prototypes as columns, over tau
-    bias: torch.Tensor  # (S, C): 0, or a large negative for a class a set lacks
-    valid: torch.Tensor  # (C, S) bool: a sample of class c counts in set s
+    # (C, S, C): for a sample of class c, 0 for the classes of its denominator in each set,
+    # a large negative for the others (absent from the set; c itself unless included).
+    bias: torch.Tensor
+    valid: torch.Tensor  # (C, S) float: 1 where a sample of class c counts in set s
+    weights: torch.Tensor  # (S,): each set's weight in :func:`weighted_contrast`
     sets: int
     classes: int
-    include_positive: bool
 
     @classmethod
     def build(
-        cls, sets: torch.Tensor, present: torch.Tensor, *, tau: float, include_positive: bool
+        cls,
+        sets: torch.Tensor,
+        present: torch.Tensor,
+        *,
+        tau: float,
+        include_positive: bool,
+        weights: torch.Tensor | None = None,
     ) -> ContrastTargets:
-        """``sets`` (S, C, d) with masks (S, C)."""
+        """``sets`` (S, C, d) with masks (S, C); ``weights`` (S,) default to ones."""
         s, c, d = sets.shape
         # A large finite negative instead of -inf: a row with no negatives then has a
-        # finite (masked-out) value and a finite gradient, where -inf gives NaN.
-        bias = torch.zeros(s, c, dtype=sets.dtype).masked_fill(~present, _BIG)
+        # finite (weighted-out) value and a finite gradient, where -inf gives NaN.
+        bias = torch.zeros(c, s, c, dtype=sets.dtype).masked_fill(~present[None], _BIG)
+        if not include_positive:
+            own = torch.arange(c)
+            bias[own, :, own] = _BIG  # A(y): the classes other than y
         negatives = present.sum(dim=1)[None, :] - (0 if include_positive else present.T.long())
         return cls(
             matrix=(sets.reshape(s * c, d).T / tau).contiguous(),
             bias=bias,
-            valid=present.T & (negatives > 0),
+            valid=(present.T & (negatives > 0)).to(sets.dtype),
+            weights=torch.ones(s, dtype=sets.dtype) if weights is None else weights,
             sets=s,
             classes=c,
-            include_positive=include_positive,
         )
 
 
 _BIG = torch.finfo(torch.float32).min / 4
 
 
-def contrast_terms(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
-    """:func:`prototype_contrast` against each of the S prepared sets at once: (S,)
-    losses, from one matrix product and a few elementwise ops on (B, S, C)."""
+def _sample_terms(
+    z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's term against each set, (B, S), and where it counts, (B, S) float.
+    One matrix product and a few ops on (B, S, C)."""
     batch = len(y)
     logits = (z @ targets.matrix).view(batch, targets.sets, targets.classes)
     own = y.view(batch, 1, 1).expand(batch, targets.sets, 1)
     positive = logits.gather(2, own).squeeze(2)  # (B, S)
-    masked = logits + targets.bias
-    if not targets.include_positive:
-        masked = masked.scatter(2, own, _BIG)  # A(y): the classes other than y
-    valid = targets.valid[y]  # (B, S)
-    loss = torch.where(valid, torch.logsumexp(masked, dim=2) - positive, 0.0)
-    return loss.sum(dim=0) / valid.sum(dim=0).clamp(min=1)
+    terms = torch.logsumexp(logits + targets.bias[y], dim=2) - positive
+    return terms, targets.valid[y]
+
+
+def contrast_terms(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
+    """:func:`prototype_contrast` against each of the S prepared sets at once: (S,)
+    losses, each the mean over the samples that count in its set."""
+    terms, valid = _sample_terms(z, y, targets)
+    return (terms * valid).sum(dim=0) / valid.sum(dim=0).clamp(min=1)
+
+
+def weighted_contrast(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> torch.Tensor:
+    """``sum_s weights[s] * contrast_terms(z, y, targets)[s]`` as one reduction: the
+    per-set means' divisors and the weights fold into one (B, S) coefficient that needs
+    no gradient, which saves a training step several graph nodes."""
+    terms, valid = _sample_terms(z, y, targets)
+    coefficient = valid * (targets.weights / valid.sum(dim=0).clamp(min=1))
+    return (terms * coefficient).sum()
 
 
 def prototype_contrast_sets(
@@ -118,13 +143,16 @@ def fedpcl_targets(
     tau: float = 0.07,
     include_positive: bool = False,
 ) -> ContrastTargets:
-    """FedPCL's sets for :func:`fedpcl_loss`: the global set (C, d) first, then the m
-    (padded) local sets (m, C, d) with masks (m, C); m may be 0."""
+    """FedPCL's sets for :func:`fedpcl_loss`: the global set (C, d) first, weight 1, then
+    the m (padded) local sets (m, C, d) with masks (m, C), weight 1/m each; m may be 0."""
+    m = len(local_sets)
+    weights = torch.cat([torch.ones(1), torch.full((m,), 1.0 / max(m, 1))])
     return ContrastTargets.build(
         torch.cat([global_protos[None], local_sets]),
         torch.cat([global_present[None], local_present]),
         tau=tau,
         include_positive=include_positive,
+        weights=weights.to(global_protos.dtype),
     )
 
 
@@ -132,10 +160,7 @@ def fedpcl_loss(z: torch.Tensor, y: torch.Tensor, targets: ContrastTargets) -> t
     """FedPCL Eq. 8-10 from :func:`fedpcl_targets`: ``L_g`` against the global set (row 0)
     plus ``L_p``, the average of the same term against each client's (padded) local set
     (the other rows; none gives ``L_p`` = 0)."""
-    terms = contrast_terms(z, y, targets)
-    if len(terms) == 1:
-        return terms[0]
-    return terms[0] + terms[1:].mean()
+    return weighted_contrast(z, y, targets)
 
 
 def fedproto_loss(

@@ -170,6 +170,17 @@ def _on_embeddings(fn: EmbeddingLoss) -> LossFn:
 def _fedpcl(
     z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
 ) -> torch.Tensor:
+    return _fedpcl_on(z, y, g, cfg)
+
+
+def _fedpcl_model(
+    model: LocalModel, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    # FedPCL has no classifier: the head alone, without the unused logits, per step.
+    return _fedpcl_on(model.head(r), y, g, cfg)
+
+
+def _fedpcl_on(z: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig) -> torch.Tensor:
     if not g.has_globals:
         # Round 0 has no prototypes yet: contrast against this batch's own class means
         # (detached), the local-only form of the same objective.
@@ -239,7 +250,7 @@ def _feddbp(
 fedpcl_objective = _fedpcl
 
 LOSSES: dict[str, LossFn] = {
-    "fedpcl": _on_embeddings(_fedpcl),
+    "fedpcl": _fedpcl_model,
     "fedproto": _on_embeddings(_fedproto),
     "fpl": _on_embeddings(_fpl),
     "feddbp": _feddbp,

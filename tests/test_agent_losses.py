@@ -198,3 +198,21 @@ def test_batched_sets_equal_the_term_written_out_per_sample(include_positive):
             terms.append(-logits[c] + math.log(sum(math.exp(logits[a]) for a in others)))
         want = sum(terms) / len(terms) if terms else 0.0
         assert got[s].item() == pytest.approx(want, abs=1e-5)
+
+
+def test_the_weighted_reduction_equals_the_weighted_sum_of_per_set_means():
+    gen = torch.Generator().manual_seed(4)
+    z = nn.functional.normalize(torch.randn(9, 5, generator=gen), dim=1).requires_grad_()
+    y = torch.tensor([0, 1, 2, 2, 3, 0, 1, 1, 3])
+    sets = torch.randn(4, 4, 5, generator=gen)
+    present = torch.rand(4, 4, generator=gen) > 0.3
+    present[3] = False  # a set with no classes: counts for nothing, and stays finite
+    weights = torch.tensor([1.0, 0.5, 0.25, 2.0])
+    targets = losses.ContrastTargets.build(
+        sets, present, tau=0.1, include_positive=False, weights=weights
+    )
+    got = losses.weighted_contrast(z, y, targets)
+    want = (weights * losses.contrast_terms(z, y, targets)).sum()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    (grad,) = torch.autograd.grad(got, z)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
