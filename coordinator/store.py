@@ -133,9 +133,11 @@ class Store:
             return cursor.rowcount == 1
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
+        # In client order, not arrival order: float sums depend on their order, and a
+        # round's aggregate must not depend on which device happened to answer first.
         with self._lock:
             rows = self._db.execute(
-                "SELECT client, payload FROM updates WHERE round = ? ORDER BY received_at, client",
+                "SELECT client, payload FROM updates WHERE round = ? ORDER BY client",
                 (round_,),
             ).fetchall()
         return [(client, bytes(payload)) for client, payload in rows]
