@@ -167,20 +167,17 @@ def _on_embeddings(fn: EmbeddingLoss) -> LossFn:
     return loss
 
 
-def _fedpcl(
-    z: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
-) -> torch.Tensor:
-    return _fedpcl_on(z, y, g, cfg)
-
-
 def _fedpcl_model(
     model: LocalModel, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
 ) -> torch.Tensor:
     # FedPCL has no classifier: the head alone, without the unused logits, per step.
-    return _fedpcl_on(model.head(r), y, g, cfg)
+    return fedpcl_objective(model.head(r), y, g, cfg)
 
 
-def _fedpcl_on(z: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig) -> torch.Tensor:
+def fedpcl_objective(
+    z: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
+) -> torch.Tensor:
+    """FedPCL's objective on embeddings z; DP-SGD calls it directly (privacy.dpsgd)."""
     if not g.has_globals:
         # Round 0 has no prototypes yet: contrast against this batch's own class means
         # (detached), the local-only form of the same objective.
@@ -246,8 +243,6 @@ def _feddbp(
 
 #: Local objectives by method name. Solo and FedAvg train head and classifier with
 #: cross-entropy; FedAvg's weights are then averaged by the coordinator.
-#: The contrastive objective on (z, logits); DP-SGD calls it directly (privacy.dpsgd).
-fedpcl_objective = _fedpcl
 
 LOSSES: dict[str, LossFn] = {
     "fedpcl": _fedpcl_model,

@@ -44,7 +44,7 @@ def _per_sample_loss(
         return nn.functional.cross_entropy(logits, y)
     # FedPCL's loss never touches the classifier, but Opacus needs a per-sample gradient
     # for every trainable parameter it was given: a zero-weighted term supplies zeros.
-    return fedpcl_objective(z, logits, y, g, cfg) + 0.0 * logits.sum()
+    return fedpcl_objective(z, y, g, cfg) + 0.0 * logits.sum()
 
 
 def train_round_dp(
