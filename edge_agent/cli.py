@@ -210,15 +210,14 @@ def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
     from PIL import Image, UnidentifiedImageError
 
     from edge_agent.data import IMAGE_SUFFIXES, DataError, to_nchw_float
+    from protocol.npz import read_npz
 
     if path.is_file() and path.suffix == ".npz":
         try:
-            with np.load(path, allow_pickle=False) as data:
-                return [f"{path.name}[{i}]" for i in range(len(data["x"]))], to_nchw_float(
-                    data["x"], source=str(path)
-                )
-        except (OSError, KeyError, ValueError) as exc:
-            raise UsageError(f"cannot read {path}: {exc}") from exc
+            x = read_npz(path, required=("x",))["x"]
+            return [f"{path.name}[{i}]" for i in range(len(x))], to_nchw_float(x, source=str(path))
+        except ValueError as exc:  # NpzError, or DataError for images of the wrong shape
+            raise UsageError(str(exc)) from None
     files = (
         sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if path.is_dir()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.npz import NpzError, read_npz
+
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -80,14 +82,10 @@ def _map_labels(
 
 def load_npz(path: Path, classes: Sequence[str]) -> LocalData:
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if "x" not in data or "y" not in data:
-                raise DataError(f"{path}: needs arrays x and y, has {sorted(data.files)}")
-            x, y = data["x"], data["y"]
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path}: not a readable .npz: {exc}") from exc
+        data = read_npz(path, required=("x", "y"))
+    except NpzError as exc:
+        raise DataError(str(exc)) from None
+    x, y = data["x"], data["y"]
     if len(x) != len(y):
         raise DataError(f"{path}: {len(x)} images but {len(y)} labels")
     labels, known = _map_labels(list(y), classes, source=str(path))

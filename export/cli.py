@@ -145,13 +145,12 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 def _load_samples(path: Path) -> Any:
     import numpy as np
 
+    from protocol.npz import NpzError, read_npz
+
     try:
-        with np.load(path, allow_pickle=False) as data:
-            x = data["x"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UsageError(
-            f"cannot read samples from {path}: {exc} (need an .npz with an array x)"
-        ) from exc
+        x = read_npz(path, required=("x",))["x"]
+    except NpzError as exc:
+        raise UsageError(f"cannot read samples: {exc}") from None
     if x.ndim != 4:
         raise UsageError(f"{path}: x must be 4-D images, got shape {x.shape}")
     if x.shape[-1] == 3 and x.shape[1] != 3:

@@ -25,6 +25,7 @@ from edge_agent.data import DataError, load_folder
 from fleet.digits5 import CLASSES as DIGIT_CLASSES
 from fleet.digits5 import DOMAINS, domain_data, source
 from protocol.cliutil import UsageError
+from protocol.npz import NpzError, read_npz
 
 SPLITS = ("feature", "label", "feature-label")
 #: 1,797 scikit-learn digits are the stroke source of every digits-5 domain.
@@ -162,41 +163,40 @@ def from_npz(path: Path) -> Partition:
     """Clients from one .npz (``train_x_<i>``, ``train_y_<i>``, ``test_x_<i>``,
     ``test_y_<i>``, optional ``domain_<i>``)."""
     try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from exc
-    with data:
-        n = 0
-        while f"train_x_{n}" in data.files:
-            n += 1
-        if n == 0:
-            raise UsageError(f"{path} holds no train_x_0 (see `edge-fleet run --help`)")
-        clients = []
-        top = 0
-        for i in range(n):
-            keys = [f"train_x_{i}", f"train_y_{i}", f"test_x_{i}", f"test_y_{i}"]
-            missing = [k for k in keys if k not in data.files]
-            if missing:
-                raise UsageError(f"{path}: client {i} lacks {', '.join(missing)}")
-            xs = [_as_nchw_uint8(data[k], key=k) for k in keys[0::2]]
-            ys = [np.asarray(data[k]) for k in keys[1::2]]
-            for k, x, y in zip(keys[1::2], xs, ys, strict=True):
-                if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-                    raise UsageError(f"{k} must be integer labels, one per image")
-                if len(y) and y.min() < 0:
-                    raise UsageError(f"{k} holds negative labels")
-                top = max(top, int(y.max()) + 1 if len(y) else 0)
-            domain = str(data[f"domain_{i}"]) if f"domain_{i}" in data.files else f"client-{i}"
-            clients.append(
-                ClientData(
-                    name=f"client-{i:04d}",
-                    domain=domain,
-                    train_x=xs[0],
-                    train_y=ys[0].astype(np.int64),
-                    test_x=xs[1],
-                    test_y=ys[1].astype(np.int64),
-                )
+        data = read_npz(path)
+    except NpzError as exc:
+        raise UsageError(str(exc)) from None
+    n = 0
+    while f"train_x_{n}" in data:
+        n += 1
+    if n == 0:
+        raise UsageError(f"{path} holds no train_x_0 (see `edge-fleet run --help`)")
+    clients = []
+    top = 0
+    for i in range(n):
+        keys = [f"train_x_{i}", f"train_y_{i}", f"test_x_{i}", f"test_y_{i}"]
+        missing = [k for k in keys if k not in data]
+        if missing:
+            raise UsageError(f"{path}: client {i} lacks {', '.join(missing)}")
+        xs = [_as_nchw_uint8(data[k], key=k) for k in keys[0::2]]
+        ys = [np.asarray(data[k]) for k in keys[1::2]]
+        for k, x, y in zip(keys[1::2], xs, ys, strict=True):
+            if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+                raise UsageError(f"{k} must be integer labels, one per image")
+            if len(y) and y.min() < 0:
+                raise UsageError(f"{k} holds negative labels")
+            top = max(top, int(y.max()) + 1 if len(y) else 0)
+        domain = str(data[f"domain_{i}"]) if f"domain_{i}" in data else f"client-{i}"
+        clients.append(
+            ClientData(
+                name=f"client-{i:04d}",
+                domain=domain,
+                train_x=xs[0],
+                train_y=ys[0].astype(np.int64),
+                test_x=xs[1],
+                test_y=ys[1].astype(np.int64),
             )
+        )
     classes = tuple(str(c) for c in range(top))
     return Partition(tuple(clients), classes, f"{path.name}: {n} clients")
 

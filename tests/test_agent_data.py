@@ -23,7 +23,7 @@ def test_npz_in_either_layout_and_dtype(tmp_path):
 @pytest.mark.parametrize(
     "arrays, message",
     [
-        ({"x": np.zeros((2, 4, 4))}, "needs arrays x and y"),
+        ({"x": np.zeros((2, 4, 4))}, "needs arrays y; has x"),
         ({"x": np.zeros((2, 4, 4)), "y": np.zeros(2)}, "4-D"),
         ({"x": np.full((1, 3, 2, 2), 2.0), "y": np.zeros(1)}, r"\[0, 1\]"),
         ({"x": np.zeros((2, 3, 2, 2)), "y": np.zeros(3)}, "2 images but 3 labels"),

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BIN = Path(sys.executable).parent
@@ -39,6 +40,9 @@ def test_no_command_prints_help_and_fails():
 
 def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
     (tmp_path / "not-a-bundle.txt").write_text("x")
+    (tmp_path / "text.npz").write_text("train_x_0")
+    with (tmp_path / "array.npz").open("wb") as handle:
+        np.save(handle, np.zeros((2, 3, 8, 8), np.float32))  # an .npy under an .npz name
     result = run("edge-fleet", "demo", "--clients", "many")
     assert result.returncode == 2
     assert "invalid int value" in result.stderr
@@ -47,6 +51,8 @@ def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
         (["demo", "--methods", "solo,magic"], "unknown methods magic"),
         (["compare", "--seeds", "0,x"], "--seeds must be integers"),
         (["run", "--data", str(tmp_path / "missing.npz")], "does not exist"),
+        (["run", "--data", str(tmp_path / "text.npz")], "not an .npz archive"),
+        (["run", "--data", str(tmp_path / "array.npz")], "a single .npy array"),
         (["run", "--broker", "http://x"], "--broker must look like mqtt://host:port"),
         (["run", "--bundle", str(tmp_path)], "holds no bundle.json"),
     ]:
