@@ -23,7 +23,14 @@ from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.state import StateDir
-from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
+from edge_agent.train import (
+    CLASSIFIER_FREE,
+    Guidance,
+    LocalModel,
+    embed,
+    make_optimiser,
+    train_round,
+)
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
@@ -35,8 +42,9 @@ log = logging.getLogger(__name__)
 #: prototype (FedPCL 3.3, "Prototype-based Inference"); FedAvg by the *global* model the
 #: round produced, not by a device's locally trained copy (which would be a personalised
 #: variant of FedAvg); the other methods trained with a cross-entropy classifier (Solo,
-#: FedProto, FPL, FedDBP's shared branch) by that classifier. The local prototype and
-#: classifier figures are recorded every round whatever the method.
+#: FedProto, FPL, FedDBP's shared branch) by that classifier. The local prototype figure
+#: is recorded every round whatever the method, the classifier figure for every method
+#: that trains a classifier.
 INFERENCE = {"fedpcl": "prototype", "fedavg": "global"}
 
 #: FedAvg's weights travel as extras named after the model's parameters.
@@ -231,7 +239,9 @@ class Agent:
             # FedAvg's own figure is filled in when the global model arrives (_adopt_global).
             record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
             record["test_accuracy_prototype"] = scores["prototype"]
-            record["test_accuracy_classifier"] = scores["classifier"]
+            record["test_accuracy_classifier"] = (
+                None if cfg.method in CLASSIFIER_FREE else scores["classifier"]
+            )
         self.state.save_round(
             announcement.round,
             model=self.model,

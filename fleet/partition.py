@@ -69,22 +69,62 @@ def dirichlet_label_counts(
 
 
 def _pick(
-    labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator, taken: np.ndarray
+    labels: np.ndarray,
+    counts: np.ndarray,
+    rng: np.random.Generator,
+    taken: np.ndarray,
+    *,
+    exclude: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Indices with ``counts[c]`` samples of each class c, not in ``taken`` when avoidable."""
+    """Indices with ``counts[c]`` samples of each class c: not in ``taken`` when
+    avoidable, and not in ``exclude`` (a client's own training digits, when picking its
+    test split) unless the class has no other digit."""
+    allowed = np.ones(len(labels), bool)
+    if exclude is not None:
+        allowed[exclude] = False
     chosen = []
     for c, k in enumerate(counts):
         if k == 0:
             continue
-        pool = np.flatnonzero((labels == c) & ~taken)
+        pool = np.flatnonzero((labels == c) & ~taken & allowed)
         if len(pool) < k:  # more asked than fresh samples: reuse (rendered anew per client)
-            pool = np.flatnonzero(labels == c)
-            chosen.append(rng.choice(pool, size=k, replace=len(pool) < k))
-        else:
-            chosen.append(rng.choice(pool, size=k, replace=False))
+            pool = np.flatnonzero((labels == c) & allowed)
+            if len(pool) == 0:
+                pool = np.flatnonzero(labels == c)
+        chosen.append(rng.choice(pool, size=k, replace=len(pool) < k))
     out = np.concatenate(chosen) if chosen else np.zeros(0, np.int64)
     taken[out] = True
     return rng.permutation(out)
+
+
+def source_plan(
+    *, clients: int, split: str, seed: int, train: int, test: int, alpha: float, domain: str
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Per client: its domain and the source digits (indices into the 1,797) of its train
+    and test split, before rendering."""
+    _, labels = source()
+    num_classes = len(DIGIT_CLASSES)
+    # Each source digit goes to one client only, whatever the domain (as long as there
+    # are enough): the real Digit-5's domains are separate datasets, so no client may
+    # test on a digit another client trained on in another style. A global model would
+    # otherwise have seen a fifth of every client's test digits.
+    taken = np.zeros(SOURCE_SIZE, bool)
+    plan = []
+    for i in range(clients):
+        rng = np.random.default_rng([seed, i])
+        dom = DOMAINS[i % len(DOMAINS)] if split != "label" else domain
+        if split == "feature":
+            # Same label distribution everywhere: uniform draws over the source.
+            counts_train = rng.multinomial(train, np.full(num_classes, 1 / num_classes))
+        else:
+            counts_train = dirichlet_label_counts(train, num_classes, alpha, rng)
+        # The test split follows the client's own label distribution (a local test set).
+        share = counts_train / counts_train.sum()
+        counts_test = rng.multinomial(test, share)
+        train_idx = _pick(labels, counts_train, rng, taken)
+        test_idx = _pick(labels, counts_test, rng, taken, exclude=train_idx)
+        plan.append((dom, train_idx, test_idx))
+    return plan
 
 
 def digits5(
@@ -106,25 +146,11 @@ def digits5(
         raise UsageError(f"--alpha must be positive, got {alpha}")
     if domain not in DOMAINS:
         raise UsageError(f"--domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
-    _, labels = source()
-    num_classes = len(DIGIT_CLASSES)
     out = []
-    # Each domain's samples are shared out without replacement across the clients on it
-    # (as long as there are enough), so no two clients of a domain hold the same digit.
-    taken = {d: np.zeros(SOURCE_SIZE, bool) for d in DOMAINS}
-    for i in range(clients):
-        rng = np.random.default_rng([seed, i])
-        dom = DOMAINS[i % len(DOMAINS)] if split != "label" else domain
-        if split == "feature":
-            # Same label distribution everywhere: uniform draws over the source.
-            counts_train = rng.multinomial(train, np.full(num_classes, 1 / num_classes))
-        else:
-            counts_train = dirichlet_label_counts(train, num_classes, alpha, rng)
-        # The test split follows the client's own label distribution (a local test set).
-        share = counts_train / counts_train.sum()
-        counts_test = rng.multinomial(test, share)
-        train_idx = _pick(labels, counts_train, rng, taken[dom])
-        test_idx = _pick(labels, counts_test, rng, taken[dom])
+    for i, (dom, train_idx, test_idx) in enumerate(
+        source_plan(clients=clients, split=split, seed=seed, train=train, test=test,
+                    alpha=alpha, domain=domain)
+    ):  # fmt: skip
         x_train, y_train = domain_data(dom, seed=seed * 1000 + 2 * i, indices=train_idx)
         x_test, y_test = domain_data(dom, seed=seed * 1000 + 2 * i + 1, indices=test_idx)
         out.append(

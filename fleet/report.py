@@ -137,15 +137,16 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Every method by both inference rules on each device's own trained head (mean over",
         "seeds, %). The table above uses each method's own rule: FedPCL the nearest local",
-        "prototype, FedAvg its global model, the others their classifier.",
+        "prototype, FedAvg its global model, the others their classifier. FedPCL trains no",
+        "classifier (its head alone, FedPCL Table 4): \"-\".",
         "",
         "| method | nearest local prototype | classifier |",
         "|---|---:|---:|",
     ]
     for name, m in methods.items():
         lines.append(
-            f"| {name} | {100 * m['final_mean_prototype']:.1f} | "
-            f"{100 * m['final_mean_classifier']:.1f} |"
+            f"| {name} | {_cell(m['final_mean_prototype'], 0.0, with_std=False)} | "
+            f"{_cell(m['final_mean_classifier'], 0.0, with_std=False)} |"
         )
     lines += [
         "",

@@ -37,7 +37,9 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     assert agent.handle(announcement(agent.bundle_id, 0)).reason == "republish"
     agent.state.mark_published(0)
     assert agent.handle(announcement(agent.bundle_id, 0)).reason == "already_answered"
-    assert "test_accuracy" in agent.state.snapshot.history[-1]
+    record = agent.state.snapshot.history[-1]
+    assert record["test_accuracy"] == record["test_accuracy_prototype"] is not None
+    assert record["test_accuracy_classifier"] is None  # FedPCL trains no classifier
 
     again = Agent(cfg)  # a restart: the cache is hit, the head and round are restored
     assert again.runtime.samples_processed == 0 and again.resumed

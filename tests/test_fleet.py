@@ -63,6 +63,26 @@ def test_digits5_splits_are_deterministic_and_shaped_as_asked() -> None:
     assert [x.domain for x in both.clients] == list(part.DOMAINS)
 
 
+def test_digits5_clients_never_share_a_source_digit() -> None:
+    # The real Digit-5's domains are separate datasets: no client may test on a digit
+    # that another client (in another style) or itself trained on.
+    def sources(clients: int, split: str) -> list[tuple[set[int], set[int]]]:
+        plan = part.source_plan(
+            clients=clients, split=split, seed=0, train=100, test=100, alpha=0.5, domain="clean"
+        )
+        return [(set(a.tolist()), set(b.tolist())) for _, a, b in plan]
+
+    seen: set[int] = set()
+    for train, test in sources(5, "feature"):
+        assert len(train) == 100 and len(test) == 100 and not (train | test) & seen
+        seen |= train | test
+    # Skewed labels or 40 clients can ask for more digits of a class than there are:
+    # those are reused across clients, but a client's test digits are never its own
+    # training digits.
+    for clients, split in [(40, "feature"), (5, "label"), (5, "feature-label")]:
+        assert all(not train & test for train, test in sources(clients, split)), split
+
+
 def test_digits5_rejects_bad_arguments() -> None:
     with pytest.raises(UsageError, match="--split"):
         part.digits5(clients=2, split="iid", seed=0, train=10, test=5)
@@ -222,7 +242,9 @@ def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
     assert report["methods"]["fedpcl"]["final_mean"] == pytest.approx(
         np.mean(list(run_["final"].values()))
     )
-    assert "| fedpcl |" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    prototype = report["methods"]["fedpcl"]["final_mean_prototype"]
+    assert f"| fedpcl | {100 * prototype:.1f} | - |" in md  # no classifier to score
     for png in ("accuracy_vs_round.png", "accuracy_per_domain.png", "backbone_contribution.png"):
         data = (out / png).read_bytes()
         assert data.startswith(PNG) and len(data) > 5_000
