@@ -12,7 +12,6 @@ accuracy_vs_epsilon.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from edge_agent.privacy.accounting import plan
 from fleet import commands
-from fleet.report import run_summary
+from fleet.report import run_summary, to_json
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
 
@@ -131,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
                 "epsilons": epsilons, "delta": args.delta, "results": results,
                 "label_inference_tv": attacks}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(json.dumps(document, indent=1))
+    (args.out / "report.json").write_text(to_json(document))
     table = markdown(document)
     (args.out / "report.md").write_text(table)
     plot = plot_accuracy_vs_epsilon(document, args.out / "accuracy_vs_epsilon.png")

@@ -165,7 +165,7 @@ def write(
     report: dict[str, Any], out: Path, *, extra_plots: dict[str, Path] | None = None
 ) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (out / "report.json").write_text(to_json(report))
     (out / "report.md").write_text(markdown(report))
     plots = {"accuracy": plot_accuracy(report, out / "accuracy_vs_round.png"),
              "domains": plot_domains(report, out / "accuracy_per_domain.png")}  # fmt: skip
@@ -175,6 +175,22 @@ def write(
         **plots,
         **(extra_plots or {}),
     }
+
+
+def to_json(document: Any) -> str:
+    """Strict JSON: a figure that does not exist (NaN: a method with no classifier, a
+    domain with no client) is null, which every JSON reader accepts; NaN is not JSON."""
+    return json.dumps(_finite(document), indent=1, default=_json_default, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    return value
 
 
 def _json_default(value: Any) -> Any:
