@@ -38,14 +38,14 @@ from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
 
-#: How each method predicts, as its paper evaluates it: FedPCL by the nearest local
-#: prototype (FedPCL 3.3, "Prototype-based Inference"); FedAvg by the *global* model the
-#: round produced, not by a device's locally trained copy (which would be a personalised
-#: variant of FedAvg); the other methods trained with a cross-entropy classifier (Solo,
-#: FedProto, FPL, FedDBP's shared branch) by that classifier. The local prototype figure
-#: is recorded every round whatever the method, the classifier figure for every method
-#: that trains a classifier.
-INFERENCE = {"fedpcl": "prototype", "fedavg": "global"}
+#: How each method predicts: FedPCL by the nearest local prototype (FedPCL 3.3,
+#: "Prototype-based Inference"), and FedProto, the prototype baseline, the same way
+#: (DESIGN.md); FedAvg by the *global* model the round produced, not by a device's
+#: locally trained copy (which would be a personalised variant of FedAvg); the other
+#: methods trained with a cross-entropy classifier (Solo, FPL, FedDBP's shared branch) by
+#: that classifier. The local prototype figure is recorded every round whatever the
+#: method, the classifier figure for every method that trains a classifier.
+INFERENCE = {"fedpcl": "prototype", "fedproto": "prototype", "fedavg": "global"}
 
 #: FedAvg's weights travel as extras named after the model's parameters.
 WEIGHT_PREFIXES = ("head.", "classifier.")

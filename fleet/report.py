@@ -136,9 +136,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Every method by both inference rules on each device's own trained head (mean over",
-        "seeds, %). The table above uses each method's own rule: FedPCL the nearest local",
-        "prototype, FedAvg its global model, the others their classifier. FedPCL trains no",
-        "classifier (its head alone, FedPCL Table 4): \"-\".",
+        f"seeds, %). The table above uses each method's own rule: {_rules(methods)}.",
+        "FedPCL trains no classifier (its head alone, FedPCL Table 4): \"-\".",
         "",
         "| method | nearest local prototype | classifier |",
         "|---|---:|---:|",
@@ -175,6 +174,22 @@ def write(
         **plots,
         **(extra_plots or {}),
     }
+
+
+def _rules(methods: Sequence[str]) -> str:
+    """'fedproto and fedpcl by the nearest local prototype; ...' for the methods shown."""
+    from edge_agent.agent import INFERENCE  # torch: only when a report is written
+
+    rule_of = {m: INFERENCE.get(m, "classifier") for m in methods}
+    names = {"prototype": "the nearest local prototype", "global": "the round's global model",
+             "classifier": "the classifier"}  # fmt: skip
+    parts = []
+    for rule, text in names.items():
+        users = [m for m in methods if rule_of[m] == rule]
+        if users:
+            who = " and ".join([", ".join(users[:-1]), users[-1]] if len(users) > 1 else users)
+            parts.append(f"{who} by {text}")
+    return "; ".join(parts)
 
 
 def to_json(document: Any) -> str:

@@ -176,6 +176,12 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     assert m["bytes_up_per_client_round"] == 100
     table = markdown(doc)
     assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) |" in table
+    assert "own rule: fedpcl by the nearest local prototype." in table
+    both = {"solo": results["fedpcl"], "fedproto": results["fedpcl"], "fedavg": results["fedpcl"]}
+    assert (
+        "own rule: fedproto by the nearest local prototype; fedavg by the round's global model;"
+        " solo by the classifier." in markdown(build_report(both, config={}, partition="toy"))
+    )
 
 
 def test_small_helpers() -> None:
