@@ -83,10 +83,11 @@ class Guidance:
     _targets: dict[tuple[float, bool], losses.ContrastTargets] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # Asked at every step; answered once (a tensor reduction and a sync each time otherwise).
+    has_globals: bool = field(init=False, compare=False)
 
-    @property
-    def has_globals(self) -> bool:
-        return bool(self.global_present.any())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "has_globals", bool(self.global_present.any()))
 
     def fedpcl_targets(self, *, tau: float, include_positive: bool) -> losses.ContrastTargets:
         key = (tau, include_positive)
@@ -293,6 +294,7 @@ def train_round(
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     n = len(y_all)
     total, steps = 0.0, 0
+    params = [p for group in optimiser.param_groups for p in group["params"]]
     model.train()
     for _ in range(cfg.epochs):
         order = torch.randperm(n, generator=generator)
@@ -302,7 +304,8 @@ def train_round(
                 continue  # BatchNorm cannot normalise a single sample
             r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))  # (B, K*d_e)
             loss = loss_fn(model, r, y_all[idx], guidance, cfg)
-            optimiser.zero_grad(set_to_none=True)
+            for p in params:  # zero_grad(set_to_none=True) without its per-call bookkeeping
+                p.grad = None
             loss.backward()
             optimiser.step()
             total += float(loss.detach())
