@@ -133,11 +133,16 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         cells.append(_cell(m["final_mean"], m["final_std"], with_std=several))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    no_classifier = (
+        ['FedPCL trains no classifier (its head alone, FedPCL Table 4): "-".']
+        if "fedpcl" in methods
+        else []
+    )
     lines += [
         "",
         "Every method by both inference rules on each device's own trained head (mean over",
         f"seeds, %). The table above uses each method's own rule: {_rules(methods)}.",
-        "FedPCL trains no classifier (its head alone, FedPCL Table 4): \"-\".",
+        *no_classifier,
         "",
         "| method | nearest local prototype | classifier |",
         "|---|---:|---:|",
@@ -199,6 +204,8 @@ def to_json(document: Any) -> str:
 
 
 def _finite(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        value = asdict(value)
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -7,6 +7,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from edge_agent.train import LocalModel, embed
 from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
-from fleet.report import build_report, markdown
+from fleet.report import build_report, markdown, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
 from protocol.cliutil import UsageError
 
@@ -178,10 +179,22 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) |" in table
     assert "own rule: fedpcl by the nearest local prototype." in table
     both = {"solo": results["fedpcl"], "fedproto": results["fedpcl"], "fedavg": results["fedpcl"]}
+    other = markdown(build_report(both, config={}, partition="toy"))
     assert (
         "own rule: fedproto by the nearest local prototype; fedavg by the round's global model;"
-        " solo by the classifier." in markdown(build_report(both, config={}, partition="toy"))
+        " solo by the classifier." in other
     )
+    assert "FedPCL trains no classifier" in table and "FedPCL trains no classifier" not in other
+    # Figures that do not exist are null: NaN is not JSON, also inside a dataclass.
+    @dataclass(frozen=True)
+    class Setting:
+        alpha: float
+
+    doc["methods"]["fedpcl"]["final_mean_classifier"] = float("nan")
+    doc["config"] = {"split": Setting(alpha=float("inf"))}
+    strict = json.loads(to_json(doc), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert strict["methods"]["fedpcl"]["final_mean_classifier"] is None
+    assert strict["config"] == {"split": {"alpha": None}}
 
 
 def test_small_helpers() -> None:
