@@ -133,16 +133,11 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         cells.append(_cell(m["final_mean"], m["final_std"], with_std=several))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    no_classifier = (
-        ['FedPCL trains no classifier (its head alone, FedPCL Table 4): "-".']
-        if "fedpcl" in methods
-        else []
-    )
     lines += [
         "",
         "Every method by both inference rules on each device's own trained head (mean over",
         f"seeds, %). The table above uses each method's own rule: {_rules(methods)}.",
-        *no_classifier,
+        *_no_classifier(methods),
         "",
         "| method | nearest local prototype | classifier |",
         "|---|---:|---:|",
@@ -197,32 +192,36 @@ def _rules(methods: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
+def _no_classifier(methods: Sequence[str]) -> list[str]:
+    """The note for the methods that train no classifier, if any is shown."""
+    from edge_agent.train import CLASSIFIER_FREE  # torch: only when a report is written
+
+    free = [m for m in methods if m in CLASSIFIER_FREE]
+    return [f'{" and ".join(free)}: no classifier is trained (the head alone): "-".'] if free else []
+
+
 def to_json(document: Any) -> str:
     """Strict JSON: a figure that does not exist (NaN: a method with no classifier, a
     domain with no client) is null, which every JSON reader accepts; NaN is not JSON."""
-    return json.dumps(_finite(document), indent=1, default=_json_default, allow_nan=False)
+    return json.dumps(_plain(document), indent=1, allow_nan=False)
 
 
-def _finite(value: Any) -> Any:
+def _plain(value: Any) -> Any:
+    """JSON's own types: dataclasses as objects, paths as strings, numpy scalars as
+    numbers, and NaN or infinity as null."""
     if hasattr(value, "__dataclass_fields__"):
         value = asdict(value)
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, np.integer):
+        return int(value)
     if isinstance(value, (float, np.floating)):
         return float(value) if math.isfinite(value) else None
     return value
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def pyplot() -> Any:
