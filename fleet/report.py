@@ -107,11 +107,15 @@ def _cell(mean: float, std: float, *, with_std: bool = True) -> str:
     return f"{100 * mean:.1f} ({100 * std:.1f})" if with_std else f"{100 * mean:.1f}"
 
 
+def _seeds(methods: dict[str, Any]) -> list[str]:
+    return sorted({s for m in methods.values() for s in m["runs"]})
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds."""
     methods = report["methods"]
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
-    seeds = sorted({s for m in methods.values() for s in m["runs"]})
+    seeds = _seeds(methods)
     head = ["method", *domains, "mean"]
     several = len(seeds) > 1
     over = f"mean (std) over seeds {', '.join(seeds)}" if several else f"seed {seeds[0]}"
@@ -271,15 +275,18 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
     groups = [*domains, "mean"]
     width = 0.8 / max(1, len(methods))
     x = np.arange(len(groups))
+    seeds = _seeds(methods)
+    several = len(seeds) > 1  # one seed has no spread: no error bars that are always 0
     for i, (name, m) in enumerate(methods.items()):
         values = [m["per_domain"].get(d, math.nan) for d in domains] + [m["final_mean"]]
         errors = [m["per_domain_std"].get(d, 0.0) for d in domains] + [m["final_std"]]
         ax.bar(x + i * width - 0.4 + width / 2, np.array(values) * 100, width,
-               yerr=np.array(errors) * 100, capsize=2, label=name)  # fmt: skip
+               yerr=np.array(errors) * 100 if several else None, capsize=2, label=name)  # fmt: skip
     ax.set_xticks(x, groups)
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.set_title("final accuracy per domain (mean over seeds, bars: std)", fontsize=9)
+    over = "mean over seeds, bars: std" if several else f"seed {seeds[0]}"
+    ax.set_title(f"final accuracy per domain ({over})", fontsize=9)
     return finish(plt, fig, ax, path)
 
 

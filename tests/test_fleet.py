@@ -21,7 +21,7 @@ from edge_agent.train import LocalModel, embed
 from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
-from fleet.report import build_report, markdown, to_json
+from fleet.report import build_report, markdown, plot_domains, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
 from protocol.cliutil import UsageError
 
@@ -185,6 +185,9 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
         " solo by the classifier." in other
     )
     assert "no classifier is trained" in table and "no classifier is trained" not in other
+    # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
+    png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
+    assert png.startswith(PNG) and len(png) > 5_000
     # Figures that do not exist are null: NaN is not JSON, also inside a dataclass.
     @dataclass(frozen=True)
     class Setting:
