@@ -40,14 +40,17 @@ log = logging.getLogger(__name__)
 
 #: How each method predicts: FedPCL by the nearest local prototype (FedPCL 3.3,
 #: "Prototype-based Inference"), and FedProto, the prototype baseline, the same way
-#: (DESIGN.md); FedAvg by the *global* model the round produced, not by a device's
-#: locally trained copy (which would be a personalised variant of FedAvg); the other
-#: methods trained with a cross-entropy classifier (Solo, FPL, FedDBP's shared branch) by
-#: that classifier. The local prototype figure is recorded every round whatever the
-#: method, the classifier figure for every method that trains a classifier.
-INFERENCE = {"fedpcl": "prototype", "fedproto": "prototype", "fedavg": "global"}
+#: (DESIGN.md); FedAvg and FPL (built on FedAvg: its Algorithm 1 outputs the global model)
+#: by the *global* model the round produced, not by a device's locally trained copy (which
+#: would be a personalised variant); Solo and FedDBP (its shared branch) by their
+#: classifier. The local prototype figure is recorded every round whatever the method,
+#: the classifier figure for every method that trains a classifier.
+INFERENCE = {"fedpcl": "prototype", "fedproto": "prototype", "fedavg": "global", "fpl": "global"}
 
-#: FedAvg's weights travel as extras named after the model's parameters.
+#: Methods whose server averages the clients' models (head and classifier) each round.
+AVERAGED = frozenset({"fedavg", "fpl"})
+
+#: Their weights travel as extras named after the model's parameters.
 WEIGHT_PREFIXES = ("head.", "classifier.")
 
 
@@ -276,8 +279,8 @@ class Agent:
         return self.ledger.spent()
 
     def _extras(self, held: np.ndarray, z: np.ndarray) -> dict[str, np.ndarray]:
-        """Method-specific arrays: FedAvg's weights, FedDBP's Fisher channel scores."""
-        if self.cfg.method == "fedavg":
+        """Method-specific arrays: FedAvg's and FPL's weights, FedDBP's Fisher scores."""
+        if self.cfg.method in AVERAGED:
             return self._weights()
         if self.cfg.method == "feddbp":
             scores = losses.fisher_scores(
@@ -297,12 +300,11 @@ class Agent:
         }
 
     def _adopt_global(self, announcement: RoundAnnouncement) -> None:
-        """FedAvg: continue from the announced global model and score it. The score
+        """FedAvg, FPL: continue from the announced global model and score it. The score
         belongs to the round whose updates were averaged into it, the previous one, so
         the last round's figure arrives with the final announcement."""
-        if self.cfg.method != "fedavg" or not announcement.extras:
+        if self.cfg.method not in AVERAGED or not self._load_weights(announcement.extras):
             return
-        self._load_weights(announcement.extras)
         if self.test_features is None or self.test_data is None or announcement.round < 1:
             return
         _, logits = embed(self.model, self.test_features)
@@ -311,7 +313,9 @@ class Agent:
             announcement.round - 1, test_accuracy=accuracy, test_accuracy_global=accuracy
         )
 
-    def _load_weights(self, extras: Any) -> None:
+    def _load_weights(self, extras: Any) -> bool:
+        """Load the announced arrays that fit this model; whether there were any (FPL's
+        announcement always has extras, its cluster prototypes, the weights not always)."""
         state = self.model.state_dict()
         fitting = {
             k: torch.from_numpy(np.array(a, dtype=np.float32))
@@ -320,6 +324,7 @@ class Agent:
         }
         if fitting:
             self.model.load_state_dict(fitting, strict=False)
+        return bool(fitting)
 
     def accuracies(
         self, features: np.ndarray, labels: np.ndarray, protos: np.ndarray, counts: np.ndarray

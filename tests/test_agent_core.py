@@ -1,6 +1,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from edge_agent.agent import Agent
 from protocol import PrototypeUpdate, RoundAnnouncement
@@ -128,9 +129,12 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     assert bad.returncode == 2 and "no such input" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_fedavg_is_scored_by_the_global_model_of_each_round(small_zoo, tmp_path):
-    """FedAvg's accuracy is its global model's on the device's test split (not the
-    device's locally trained copy), filed under the round that produced the model."""
+@pytest.mark.parametrize("method", ["fedavg", "fpl"])
+def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
+    small_zoo, tmp_path, method
+):
+    """FedAvg's and FPL's accuracy is their global model's on the device's test split
+    (not the device's locally trained copy), filed under the round that produced it."""
     import torch
 
     from coordinator.strategies import make_strategy
@@ -138,20 +142,22 @@ def test_fedavg_is_scored_by_the_global_model_of_each_round(small_zoo, tmp_path)
 
     def config(domain: str):  # enough local training that the heads learn something
         cfg = agent_config(tmp_path / domain, small_zoo, agent_id=f"dev-{domain}",
-                           domain=domain, method="fedavg")  # fmt: skip
+                           domain=domain, method=method)  # fmt: skip
         return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=10, lr=1e-2))
 
     agents = [Agent(config(d)) for d in ("clean", "inverted")]
-    strategy = make_strategy("fedavg")
+    strategy = make_strategy(method)
 
     def play(round_: int, extras: dict, *, final: bool = False) -> dict:
         updates = []
         for agent in agents:
             ann = announcement(
-                agent.bundle_id, round_, method="fedavg", extras=extras, params={"final": final}
+                agent.bundle_id, round_, method=method, extras=extras, params={"final": final}
             )
             decision = agent.handle(ann)
             if decision.update is not None:
+                # What the coordinator averages: the device's model after its training.
+                assert set(decision.update.extras) == set(agent._weights())
                 updates.append(decision.update)
         if not updates:
             return {}

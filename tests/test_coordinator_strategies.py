@@ -93,6 +93,15 @@ def test_fpl_unbiased_differs_from_the_plain_mean_when_a_domain_dominates():
     assert abs(result.global_prototypes[0, 0]) < 0.01
 
 
+def test_fpl_averages_the_clients_models_as_fedavg_does():
+    # FPL's Algorithm 1: the global model is the data-size-weighted mean of the clients'.
+    a = update("a", [0], [1], [[1.0, 0.0]], w=[[0.0, 4.0]])
+    b = update("b", [0], [3], [[0.9, 0.1]], w=[[4.0, 0.0]])
+    result = make_strategy("fpl").aggregate([a, b], num_classes=1, dim=2)
+    np.testing.assert_allclose(result.extras["w"], [[3.0, 1.0]])
+    assert set(result.extras) == {"w", "clusters", "cluster_classes"}
+
+
 def test_feddbp_fuses_each_clients_top_channels():
     a = update("a", [0], [1], [[1.0, 2.0, 3.0]], fisher=[[0.9, 0.0, 0.1]])
     b = update("b", [0], [1], [[3.0, 2.0, 1.0]], fisher=[[0.0, 0.1, 0.9]])

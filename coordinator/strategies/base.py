@@ -114,6 +114,30 @@ class Strategy(ABC):
         """Per-class unweighted reduction across clients under the configured robust rule."""
         return agg.combine(protos, counts, rule=self.robust.rule, trim=self.robust.trim)
 
+    def average_weights(
+        self, updates: Sequence[PrototypeUpdate], *, num_classes: int
+    ) -> dict[str, np.ndarray]:
+        """FedAvg's server step on the weight arrays clients send as extras: their
+        sample-count-weighted mean (a coordinate-wise median under ``rule="median"``).
+        Only clients that sent the same array names and shapes as the first are averaged."""
+        if not updates:
+            return {}
+        shapes = {n: a.shape for n, a in updates[0].extras.items()}
+        usable = [u for u in updates if {n: a.shape for n, a in u.extras.items()} == shapes]
+        weights = np.array([float(sum(u.counts)) for u in usable])
+        if self.robust.count_cap is not None:
+            weights = np.minimum(weights, self.robust.count_cap * num_classes)
+        if not shapes or weights.sum() <= 0:
+            return {}
+        averaged = {}
+        for name in sorted(shapes):
+            stack = np.stack([u.extras[name].astype(np.float64) for u in usable])
+            if self.robust.rule == "median":
+                averaged[name] = np.median(stack, axis=0)
+            else:
+                averaged[name] = np.tensordot(weights / weights.sum(), stack, axes=1)
+        return averaged
+
     @abstractmethod
     def aggregate(
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int

@@ -1,8 +1,12 @@
-"""FPL: FINCH cluster prototypes per class and their mean, the unbiased prototype.
+"""FPL: FINCH cluster prototypes per class and their mean, the unbiased prototype, on top
+of FedAvg.
 
 The announcement's global prototypes are the unbiased prototypes (FPL Eq. 6); the cluster
 prototypes travel as extras ``clusters`` (M, d) with ``cluster_classes`` (M,) giving each
-row's class index, which the client's CPCL term contrasts against.
+row's class index, which the client's CPCL term contrasts against. FPL is built on FedAvg
+(its Algorithm 1, server side: the new global model is the data-size-weighted mean of the
+clients' models, and the method is evaluated by that global model), so the clients' head
+and classifier weights are averaged as FedAvg's are and announced beside the clusters.
 """
 
 from __future__ import annotations
@@ -34,10 +38,8 @@ class FPL(Strategy):
             clusters.append(centres)
             owners.append(np.full(centres.shape[0], c, dtype=np.float32))
         classes, rows = globals_of(unbiased, np.asarray(mask.any(axis=0)))
-        extras = {}
+        extras = self.average_weights(updates, num_classes=num_classes)
         if clusters:
-            extras = {
-                "clusters": np.concatenate(clusters).astype(np.float32),
-                "cluster_classes": np.concatenate(owners),
-            }
+            extras["clusters"] = np.concatenate(clusters).astype(np.float32)
+            extras["cluster_classes"] = np.concatenate(owners)
         return Aggregate(global_classes=classes, global_prototypes=rows, extras=extras)
