@@ -14,6 +14,7 @@ from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
+from protocol.settings import parse_value
 
 BIN = Path(sys.executable).parent
 METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
@@ -25,6 +26,27 @@ DATA_HELP = """data:
                     client per folder), or DIR/<domain>/<class>/* (Digit-5, Office-10,
                     DomainNet laid out as folders: one client per domain, 30% for testing)
 """
+
+
+class TrainParams(argparse.Action):
+    """``--train-param KEY=VALUE``, repeatable, gathered into one dict."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        key, sep, raw = str(values).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            parser.error(f"{option_string} expects KEY=VALUE, got {values!r}")
+        if key in ("out_dim", "epochs"):
+            parser.error(f"{option_string} {key}: use --{key.replace('_', '-')}")
+        # A copy: argparse hands every parse the same default dict.
+        params = {**getattr(namespace, self.dest), key: parse_value(raw.strip())}
+        setattr(namespace, self.dest, params)
 
 
 def add_common_options(
@@ -50,6 +72,9 @@ def add_common_options(
     fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
     fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
     fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
+    fl.add_argument("--train-param", action=TrainParams, default={}, metavar="KEY=VALUE",
+                    help="any other key of the agents' [train] table (docs/agent.toml), e.g. "
+                         "tau=0.2, fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
     fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),
                     help="backbone bundle; the zoo is built there if missing (default runs/zoo)")  # fmt: skip
     fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
@@ -140,7 +165,9 @@ def spec_for(
     args: argparse.Namespace, *, method: str, bundle: Path, seed: int, out: Path, **extra: Any
 ) -> RunSpec:
     """One run of a sweep from the shared options. Every run of a sweep shares one feature
-    cache under ``--out``: the backbones see each image once, whatever the method."""
+    cache under ``--out``: the backbones see each image once, whatever the method. A
+    sweep's own train settings (DP-SGD's GroupNorm) win over ``--train-param``."""
+    extra["extra_train"] = {**args.train_param, **extra.get("extra_train", {})}
     return RunSpec(
         method=method,
         rounds=args.rounds,

@@ -68,6 +68,20 @@ class RunSpec:
             raise UsageError("--rounds, --workers and --epochs must be at least 1")
         if self.out_dim < 1:
             raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
+        # The agents build the same table from their TOML file: a bad value fails here,
+        # before a fleet starts, not in every worker process.
+        from edge_agent.train import TrainConfig
+        from protocol.settings import ConfigError, build
+
+        try:
+            build(TrainConfig, train_table(self), prefix="train.")
+        except ConfigError as exc:
+            raise UsageError(f"--train-param {exc}") from None
+
+
+def train_table(spec: RunSpec) -> dict[str, Any]:
+    """The agents' [train] table of a run."""
+    return {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train}
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ def _agent_tables(
             "test": str(test),
             **({"feature_cache": str(spec.feature_cache)} if spec.feature_cache else {}),
         },
-        "train": {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train},
+        "train": train_table(spec),
         # One intra-op thread per session: many agents share a few cores.
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
         **(_privacy_tables(spec, index) if spec.privacy else {}),

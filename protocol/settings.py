@@ -46,6 +46,15 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
 
 
+def parse_value(raw: str) -> Any:
+    """A value given on a command line, read as TOML (``0.2``, ``1e-4``, ``true``,
+    ``"text"``); anything that is not a TOML value (a bare word) is the string itself."""
+    try:
+        return tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def load_config(cls: type[T], path: Path) -> T:
     """Read ``path`` and build ``cls`` from it; every error is a :class:`ConfigError`."""
     data = load_toml(path)

@@ -72,6 +72,11 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
         (["run", "--split", "label", "--alpha", "-1"], "--alpha must be positive"),
         (["privacy", "--epsilons", "-1"], "no privacy plan for epsilon -1"),
         (["privacy", "--delta", "2"], "delta must be in (0, 1)"),
+        (["run", "--train-param", "tau=-1"], "tau and fpl_tau must be positive"),
+        (["compare", "--train-param", "taus=0.2"], "unknown key(s) ['taus']"),
+        (["run", "--train-param", "norm=layer"], "train.norm: 'layer' is not one of"),
+        (["run", "--train-param", "tau"], "expects KEY=VALUE"),
+        (["run", "--train-param", "epochs=3"], "use --epochs"),
     ]:
         result = run("edge-fleet", *argv, "--bundle", str(bundle), "--out", str(tmp_path / "o"))
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
@@ -85,8 +90,17 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
         "edge-fleet", "demo", "--bundle", str(small_zoo), "--out", str(tmp_path),
         "--clients", "2", "--rounds", "2", "--train", "30", "--test", "20",
         "--methods", "solo,fedpcl", "--out-dim", "32", "--no-progress",
+        "--train-param", "tau=0.2", "--train-param", "lr=2e-3",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    # --train-param reaches every agent's configuration and the report.
+    from edge_agent.config import load as load_agent_config
+
+    configs = list(tmp_path.glob("runs/*/*/clients/*/agent.toml"))
+    assert len(configs) == 4  # two methods, two clients
+    for path in configs:
+        train = load_agent_config(path).train
+        assert (train.tau, train.lr, train.out_dim) == (0.2, 2e-3, 32)
     assert "| solo |" in result.stdout and "| fedpcl |" in result.stdout
     for name in ("report.json", "report.md", "accuracy_vs_round.png", "backbone_contribution.png"):
         assert (tmp_path / name).exists()
@@ -94,3 +108,4 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["methods"]) == {"solo", "fedpcl"}
     assert report["config"]["transport"] == "mqtt"
+    assert report["config"]["train_param"] == {"tau": 0.2, "lr": 2e-3}

@@ -4,7 +4,7 @@ import pytest
 
 from coordinator.cli import EXAMPLE
 from coordinator.config import load
-from protocol.settings import ConfigError
+from protocol.settings import ConfigError, parse_value
 
 
 def test_documented_example_loads():
@@ -47,3 +47,11 @@ def test_not_toml_and_missing_file(tmp_path):
         load(write(tmp_path, "fleet = = 1"))
     with pytest.raises(ConfigError, match="file not found"):
         load(tmp_path / "nope.toml")
+
+
+def test_command_line_values_read_as_toml_or_as_a_bare_string():
+    assert parse_value("0.2") == 0.2 and parse_value("1e-4") == 1e-4
+    assert parse_value("3") == 3 and parse_value("true") is True
+    assert parse_value('"quoted"') == "quoted"
+    assert parse_value("group") == "group"  # a bare word is not TOML: the word itself
+    assert parse_value("") == ""
