@@ -42,10 +42,19 @@ log = logging.getLogger(__name__)
 #: "Prototype-based Inference"), and FedProto, the prototype baseline, the same way
 #: (DESIGN.md); FedAvg and FPL (built on FedAvg: its Algorithm 1 outputs the global model)
 #: by the *global* model the round produced, not by a device's locally trained copy (which
-#: would be a personalised variant); Solo and FedDBP (its shared branch) by their
-#: classifier. The local prototype figure is recorded every round whatever the method,
-#: the classifier figure for every method that trains a classifier.
-INFERENCE = {"fedpcl": "prototype", "fedproto": "prototype", "fedavg": "global", "fpl": "global"}
+#: would be a personalised variant); FedDBP by its decision branch's features against the
+#: (personalised) global prototypes its decision loss trains them towards (FedDBP 3.1:
+#: "we employ the decision feature z_d ... to perform prototype-based inference"; no
+#: figure before the first global prototypes); Solo by its classifier. The local prototype
+#: figure is recorded every round whatever the method, the classifier figure for every
+#: method that trains a classifier.
+INFERENCE = {
+    "fedpcl": "prototype",
+    "fedproto": "prototype",
+    "fedavg": "global",
+    "fpl": "global",
+    "feddbp": "decision",
+}
 
 #: Methods whose server averages the clients' models (head and classifier) each round.
 AVERAGED = frozenset({"fedavg", "fpl"})
@@ -238,7 +247,11 @@ class Agent:
             "bytes_down": received_bytes,
         }
         if self.test_features is not None and self.test_data is not None:
-            scores = self.accuracies(self.test_features, self.test_data.labels, protos, counts)
+            scores: dict[str, float | None] = {
+                **self.accuracies(self.test_features, self.test_data.labels, protos, counts)
+            }
+            if cfg.method == "feddbp":
+                scores["decision"] = self.decision_accuracy(guidance)
             # FedAvg's own figure is filled in when the global model arrives (_adopt_global).
             record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
             record["test_accuracy_prototype"] = scores["prototype"]
@@ -325,6 +338,20 @@ class Agent:
         if fitting:
             self.model.load_state_dict(fitting, strict=False)
         return bool(fitting)
+
+    def decision_accuracy(self, guidance: Guidance) -> float | None:
+        """FedDBP's inference on the test split: the nearest (normalised) global prototype
+        to the decision branch's unit-norm features; None before any global prototype."""
+        if self.test_features is None or self.test_data is None or not guidance.has_globals:
+            return None
+        assert self.model.decision is not None  # built with dual=True for feddbp
+        with torch.inference_mode():
+            self.model.eval()
+            z_d = self.model.decision(torch.from_numpy(np.array(self.test_features, np.float32)))
+        protos = torch.nn.functional.normalize(guidance.global_protos, dim=1)
+        # Both sides are unit vectors: the smallest Euclidean distance is the largest dot.
+        pred, _ = predict(z_d, protos, guidance.global_present)
+        return float((pred.numpy() == self.test_data.labels).mean())
 
     def accuracies(
         self, features: np.ndarray, labels: np.ndarray, protos: np.ndarray, counts: np.ndarray

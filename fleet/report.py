@@ -186,6 +186,7 @@ def _rules(methods: Sequence[str]) -> str:
 
     rule_of = {m: INFERENCE.get(m, "classifier") for m in methods}
     names = {"prototype": "the nearest local prototype", "global": "the round's global model",
+             "decision": "its decision branch's nearest global prototype",
              "classifier": "the classifier"}  # fmt: skip
     parts = []
     for rule, text in names.items():

@@ -188,3 +188,43 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
         global_accuracy(a, first) != a.state.snapshot.history[0]["test_accuracy_classifier"]
         for a in agents
     )
+
+
+def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototypes(
+    small_zoo, tmp_path
+):
+    """FedDBP 3.1: prototype-based inference on the decision branch's features, against
+    the personalised global prototypes the coordinator sent this client."""
+    import torch
+
+    cfg = agent_config(tmp_path / "d", small_zoo, agent_id="dev-d", domain="clean",
+                       method="feddbp")  # fmt: skip
+    # On this tiny set the figures stay near chance; what is checked is the rule.
+    agent = Agent(cfg)
+    first = agent.handle(announcement(agent.bundle_id, 0, method="feddbp"))
+    assert first.payload is not None
+    assert agent.state.snapshot.history[-1]["test_accuracy"] is None  # no prototypes yet
+    update = PrototypeUpdate.from_wire(first.payload)
+    # This client's personalised set is its own prototypes; the plain global set is
+    # another set of the same vectors (the classes rolled by one).
+    personal = update.prototypes.astype(np.float32)
+    shared = np.roll(personal, 1, axis=0)
+    agent.handle(
+        announcement(agent.bundle_id, 1, method="feddbp", global_classes=update.classes,
+                     global_prototypes=shared, client_globals={"dev-d": personal})
+    )  # fmt: skip
+    record = agent.state.snapshot.history[-1]
+    assert agent.test_features is not None and agent.test_data is not None
+    assert agent.model.decision is not None
+    labels = agent.test_data.labels
+    with torch.no_grad():
+        agent.model.eval()
+        z_d = agent.model.decision(torch.from_numpy(np.array(agent.test_features))).numpy()
+
+    def nearest(protos: np.ndarray) -> float:  # the paper's Euclidean distance, normalised
+        unit = protos / np.linalg.norm(protos, axis=1, keepdims=True)
+        dist = ((z_d[:, None, :] - unit[None]) ** 2).sum(axis=2)
+        return float(np.mean(np.asarray(update.classes)[dist.argmin(1)] == labels))
+
+    assert record["test_accuracy"] == pytest.approx(nearest(personal))
+    assert nearest(personal) != nearest(shared)  # the test tells the two sets apart

@@ -178,11 +178,12 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     table = markdown(doc)
     assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) |" in table
     assert "own rule: fedpcl by the nearest local prototype." in table
-    both = {"solo": results["fedpcl"], "fedproto": results["fedpcl"], "fedavg": results["fedpcl"]}
+    both = {m: results["fedpcl"] for m in ("solo", "fedproto", "fedavg", "fpl", "feddbp")}
     other = markdown(build_report(both, config={}, partition="toy"))
     assert (
-        "own rule: fedproto by the nearest local prototype; fedavg by the round's global model;"
-        " solo by the classifier." in other
+        "own rule: fedproto by the nearest local prototype; fedavg and fpl by the round's"
+        " global model; feddbp by its decision branch's nearest global prototype; solo by the"
+        " classifier." in other
     )
     assert "no classifier is trained" in table and "no classifier is trained" not in other
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
