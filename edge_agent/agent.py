@@ -252,7 +252,8 @@ class Agent:
             }
             if cfg.method == "feddbp":
                 scores["decision"] = self.decision_accuracy(guidance)
-            # FedAvg's own figure is filled in when the global model arrives (_adopt_global).
+            # FedAvg's and FPL's own figure is filled in when the global model arrives
+            # (_adopt_global); FedDBP's is None until global prototypes exist.
             record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
             record["test_accuracy_prototype"] = scores["prototype"]
             record["test_accuracy_classifier"] = (
