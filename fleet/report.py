@@ -139,8 +139,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Every method by both inference rules on each device's own trained head (mean over",
-        f"seeds, %). The table above uses each method's own rule: {_rules(methods)}.",
+        "Every method by both inference rules on each device's own trained head "
+        f"({'mean over seeds' if several else f'seed {seeds[0]}'}, %).",
+        f"The table above uses each method's own rule: {_rules(methods)}.",
         *_no_classifier(methods),
         "",
         "| method | nearest local prototype | classifier |",

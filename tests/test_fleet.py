@@ -186,6 +186,9 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
         " classifier." in other
     )
     assert "no classifier is trained" in table and "no classifier is trained" not in other
+    assert "(mean over seeds, %)" in table
+    one = markdown(build_report({"fedpcl": {0: results["fedpcl"][0]}}, config={}, partition="t"))
+    assert "seed 0; a domain's cell" in one and "(seed 0, %)" in one and "mean over" not in one
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
     png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5_000
