@@ -103,7 +103,7 @@ class Agent:
         cache.prune(keep_bundle=self.bundle_id)
         self.num_classes = len(cfg.classes)
         with torch.random.fork_rng():
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(cfg.seed if cfg.init_seed is None else cfg.init_seed)
             self.model = LocalModel(
                 in_dim=dim, num_classes=self.num_classes, cfg=cfg.train, dual=cfg.method == "feddbp"
             )

@@ -69,6 +69,9 @@ class AgentConfig:
     method: str = "fedpcl"
     classes: tuple[str, ...] = tuple(str(i) for i in range(10))
     seed: int = 0
+    # The head's starting weights when they should not follow ``seed``: FedAvg and FPL
+    # average the devices' models, which only works if they all started from one.
+    init_seed: int | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)

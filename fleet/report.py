@@ -203,7 +203,9 @@ def _no_classifier(methods: Sequence[str]) -> list[str]:
     from edge_agent.train import CLASSIFIER_FREE  # torch: only when a report is written
 
     free = [m for m in methods if m in CLASSIFIER_FREE]
-    return [f'{" and ".join(free)}: no classifier is trained (the head alone): "-".'] if free else []
+    return (
+        [f'{" and ".join(free)}: no classifier is trained (the head alone): "-".'] if free else []
+    )
 
 
 def to_json(document: Any) -> str:

@@ -131,6 +131,8 @@ def to_toml(tables: dict[str, Any]) -> str:
 def _agent_tables(
     spec: RunSpec, client: ClientData, root: Path, classes: tuple[str, ...], index: int
 ) -> dict[str, Any]:
+    from edge_agent.agent import AVERAGED  # torch: only when a fleet is set up
+
     train, test = client.save(root / "data")
     return {
         "agent_id": client.name,
@@ -140,6 +142,9 @@ def _agent_tables(
         "method": spec.method,
         "classes": list(classes),
         "seed": spec.seed * 100_003 + index,
+        # Averaged models start from one head, as a server-initialised model would; every
+        # other method's devices start apart, as independent devices do.
+        **({"init_seed": spec.seed} if spec.method in AVERAGED else {}),
         "data": {
             "train": str(train),
             "test": str(test),

@@ -7,7 +7,7 @@ import json
 import sqlite3
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +192,7 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
     png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5_000
+
     # Figures that do not exist are null: NaN is not JSON, also inside a dataclass.
     @dataclass(frozen=True)
     class Setting:
@@ -334,3 +335,29 @@ def test_runs_sharing_a_feature_cache_run_the_backbones_once(
     assert results[0].backbone_samples == 2 * (24 + 16)
     assert results[1].backbone_samples == 0
     assert all(a is not None for c in results[1].clients for a in c.accuracy)
+
+
+def test_averaged_models_start_from_one_head_and_the_others_apart(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    from edge_agent.agent import Agent
+
+    partition = part.digits5(clients=2, split="feature", seed=3, train=24, test=16)
+    heads = {}
+    for method in ("fedavg", "fedpcl"):
+        spec = RunSpec(method=method, rounds=1, bundle=small_zoo, out=tmp_path / method, seed=3,
+                       transport="memory", out_dim=32, progress=False,
+                       feature_cache=tmp_path / "feature-cache")  # fmt: skip
+        run(spec, partition)
+        paths = sorted((tmp_path / method).glob("clients/*/agent.toml"))
+        configs = [load_agent_config(path) for path in paths]
+        assert len({c.seed for c in configs}) == 2  # batch order and noise stay per device
+        # Each device's head as it is built, before any training: a fresh state dir.
+        heads[method] = [
+            Agent(replace(c, state_dir=tmp_path / "fresh" / method / c.agent_id)).model.state_dict()
+            for c in configs
+        ]
+    first, second = heads["fedavg"]
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    first, second = heads["fedpcl"]
+    assert not torch.equal(first["head.fc.weight"], second["head.fc.weight"])
