@@ -247,11 +247,9 @@ class Agent:
             "bytes_down": received_bytes,
         }
         if self.test_features is not None and self.test_data is not None:
-            scores: dict[str, float | None] = {
-                **self.accuracies(self.test_features, self.test_data.labels, protos, counts)
-            }
-            if cfg.method == "feddbp":
-                scores["decision"] = self.decision_accuracy(guidance)
+            scores = self.accuracies(
+                self.test_features, self.test_data.labels, protos, counts, guidance
+            )
             # FedAvg's and FPL's own figure is filled in when the global model arrives
             # (_adopt_global); FedDBP's is None until global prototypes exist.
             record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
@@ -340,33 +338,36 @@ class Agent:
             self.model.load_state_dict(fitting, strict=False)
         return bool(fitting)
 
-    def decision_accuracy(self, guidance: Guidance) -> float | None:
-        """FedDBP's inference on the test split: the nearest (normalised) global prototype
-        to the decision branch's unit-norm features; None before any global prototype."""
-        if self.test_features is None or self.test_data is None or not guidance.has_globals:
-            return None
-        assert self.model.decision is not None  # built with dual=True for feddbp
-        with torch.inference_mode():
-            self.model.eval()
-            z_d = self.model.decision(torch.from_numpy(np.array(self.test_features, np.float32)))
-        protos = torch.nn.functional.normalize(guidance.global_protos, dim=1)
-        # Both sides are unit vectors: the smallest Euclidean distance is the largest dot.
-        pred, _ = predict(z_d, protos, guidance.global_present)
-        return float((pred.numpy() == self.test_data.labels).mean())
-
     def accuracies(
-        self, features: np.ndarray, labels: np.ndarray, protos: np.ndarray, counts: np.ndarray
-    ) -> dict[str, float]:
-        """Test accuracy by nearest local prototype and by the linear classifier."""
+        self,
+        features: np.ndarray,
+        labels: np.ndarray,
+        protos: np.ndarray,
+        counts: np.ndarray,
+        guidance: Guidance,
+    ) -> dict[str, float | None]:
+        """Test accuracy by nearest local prototype and by the linear classifier; with a
+        decision branch (FedDBP), also by that branch's features against the nearest of
+        the normalised global prototypes (None before there are any)."""
         z, logits = embed(self.model, features)
         pred, _ = predict(
             torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0)
         )
-        return {
+        scores: dict[str, float | None] = {
             "prototype": float((pred.numpy() == labels).mean()),
             "classifier": float((logits.argmax(1) == labels).mean()),
         }
-
+        if self.model.decision is not None:
+            scores["decision"] = None
+            if guidance.has_globals:
+                with torch.inference_mode():  # embed left the model in eval mode
+                    z_d = self.model.decision(torch.from_numpy(np.array(features, np.float32)))
+                unit = torch.nn.functional.normalize(guidance.global_protos, dim=1)
+                # Both sides are unit vectors: the nearest in Euclidean distance is the
+                # one with the largest dot product.
+                pred_d, _ = predict(z_d, unit, guidance.global_present)
+                scores["decision"] = float((pred_d.numpy() == labels).mean())
+        return scores
 
 def cache_features(
     cache: FeatureCache, bundle_id: str, data: data_mod.LocalData, runtime: BackboneRuntime
