@@ -3,12 +3,77 @@ L2-normalised so every embedding ``z`` has norm 1."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 Norm = Literal["batch", "group"]
+
+
+class InputMajorLinear(nn.Module):
+    """``nn.Linear`` (``y = x W^T + b``, same initialisation, same state dict) whose weight
+    is held transposed in memory: a contiguous (in, out) parameter ``weight_t``.
+
+    Why: autograd computes the weight's gradient in the parameter's layout. For nn.Linear's
+    (out, in) that is the GEMM ``g^T x``; for (in, out) it is ``x^T g``, and with a batch of
+    32 MKL runs the second 2.5x faster (176 vs 441 us for 32 x 1536 -> 256 on the 2-core
+    development machine). The head's first layer is the largest cost of a training step on
+    cached features. Fused Adam needs contiguous parameters, so a transposed *view* of an
+    nn.Linear weight would not do: it copies every tensor in and out at every step.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        reference = nn.Linear(in_features, out_features)  # its initialisation, its RNG draws
+        self.weight_t = nn.Parameter(reference.weight.detach().t().contiguous())
+        self.bias = nn.Parameter(reference.bias.detach().clone())
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The (out, in) weight of nn.Linear, as a view."""
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight_t)
+
+    # State dicts keep nn.Linear's keys and (out, in) layout: saved agent states, averaged
+    # FedAvg weights and anything else reading ``fc.weight`` see one format.
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        weight = self.weight_t.t()
+        destination[prefix + "weight"] = weight if keep_vars else weight.detach().contiguous()
+        destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        weight = state_dict.pop(prefix + "weight", None)
+        if weight is not None:
+            if tuple(weight.shape) != (self.out_features, self.in_features):
+                error_msgs.append(
+                    f"size mismatch for {prefix}weight: copying a param with shape "
+                    f"{tuple(weight.shape)}, the shape in current model is "
+                    f"{(self.out_features, self.in_features)}."
+                )
+                return
+            state_dict[prefix + "weight_t"] = weight.t()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # Report a missing weight under the name the state dict uses.
+        missing_keys[:] = [
+            prefix + "weight" if k == prefix + "weight_t" else k for k in missing_keys
+        ]
 
 
 class ProjectionHead(nn.Module):
@@ -21,7 +86,7 @@ class ProjectionHead(nn.Module):
         super().__init__()
         if in_dim < 1 or out_dim < 1:
             raise ValueError(f"in_dim and out_dim must be positive, got {in_dim}, {out_dim}")
-        self.fc = nn.Linear(in_dim, out_dim)
+        self.fc = InputMajorLinear(in_dim, out_dim)
         self.norm: nn.Module
         if norm == "batch":
             self.norm = nn.BatchNorm1d(out_dim)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent.head import predict
+from edge_agent.head import InputMajorLinear, predict
 from edge_agent.train import (
     LOSSES,
     Guidance,
@@ -72,3 +72,50 @@ def test_guidance_scatters_announced_rows_into_class_slots():
 def test_config_is_checked():
     with pytest.raises(ValueError):
         TrainConfig(batch_size=1)
+
+
+def test_input_major_linear_is_nn_linear_with_a_transposed_weight():
+    torch.manual_seed(3)
+    reference = torch.nn.Linear(6, 4)
+    torch.manual_seed(3)
+    layer = InputMajorLinear(6, 4)  # the same initialisation from the same seed
+    x = torch.randn(5, 6)
+    assert torch.equal(layer.state_dict()["weight"], reference.weight.detach())
+    assert torch.allclose(layer(x), reference(x), atol=1e-6)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert layer.weight_t.grad is not None and reference.weight.grad is not None
+    assert torch.allclose(layer.weight_t.grad.t(), reference.weight.grad, atol=1e-5)
+    # The point of the layout: the gradient arrives contiguous in (in, out).
+    assert layer.weight_t.grad.shape == (6, 4) and layer.weight_t.grad.is_contiguous()
+
+    other = InputMajorLinear(6, 4)
+    other.load_state_dict(reference.state_dict())  # nn.Linear's state dict loads
+    assert torch.allclose(other(x), reference(x), atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight.*\(4, 5\).*\(4, 6\)"):
+        other.load_state_dict({"weight": torch.zeros(4, 5), "bias": torch.zeros(4)})
+    with pytest.raises(RuntimeError, match=r'Missing key.*"weight"'):
+        other.load_state_dict({"bias": torch.zeros(4)})
+
+
+def test_input_major_linear_per_sample_gradients_match_one_backward_per_sample():
+    from opacus import GradSampleModule
+
+    from edge_agent.privacy.dpsgd import _register_grad_samplers
+
+    _register_grad_samplers()
+    assert GradSampleModule.GRAD_SAMPLERS.get(InputMajorLinear) is not None  # not vmap's
+    torch.manual_seed(0)
+    layer = InputMajorLinear(3, 2)
+    x = torch.randn(4, 3, requires_grad=True)  # (Opacus's hooks warn on inputs without)
+    wrapped = GradSampleModule(layer, loss_reduction="sum", force_functorch=False)
+    wrapped(x).tanh().sum().backward()
+    # Opacus leaves each parameter's per-sample gradients in its ``grad_sample``.
+    per_weight, per_bias = (vars(p)["grad_sample"] for p in (layer.weight_t, layer.bias))
+    for i in range(len(x)):
+        single = InputMajorLinear(3, 2)
+        single.load_state_dict(layer.state_dict())
+        single(x[i : i + 1].detach()).tanh().sum().backward()
+        assert single.weight_t.grad is not None and single.bias.grad is not None
+        assert torch.allclose(per_weight[i], single.weight_t.grad, atol=1e-6)
+        assert torch.allclose(per_bias[i], single.bias.grad, atol=1e-6)

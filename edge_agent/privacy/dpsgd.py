@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edge_agent.head import InputMajorLinear
 from edge_agent.train import (
     Guidance,
     LocalModel,
@@ -32,6 +33,22 @@ from edge_agent.train import (
 )
 
 _WRAPPERS: weakref.WeakKeyDictionary[LocalModel, Any] = weakref.WeakKeyDictionary()
+
+
+def _register_grad_samplers() -> None:
+    """Per-sample gradients of the head's first layer in closed form, as Opacus has them for
+    nn.Linear (without this Opacus would fall back to vmap over the layer)."""
+    from opacus.grad_sample import register_grad_sampler
+
+    @register_grad_sampler(InputMajorLinear)
+    def _input_major_linear(
+        layer: InputMajorLinear, activations: list[torch.Tensor], backprops: torch.Tensor
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        x = activations[0].to(backprops.dtype)  # (B, in); backprops (B, out)
+        return {
+            layer.weight_t: torch.einsum("ni,no->nio", x, backprops),  # (B, in, out)
+            layer.bias: backprops,
+        }
 
 
 def _per_sample_loss(
@@ -78,6 +95,7 @@ def train_round_dp(
     # module that was wrapped and released before.
     wrapped = _WRAPPERS.get(model)
     if wrapped is None:
+        _register_grad_samplers()
         wrapped = _WRAPPERS[model] = GradSampleModule(model, loss_reduction="mean")
     dp_opt = DPOptimizer(
         optimiser,
