@@ -28,6 +28,7 @@ from edge_agent.train import (
     Guidance,
     LocalModel,
     embed,
+    in_batches,
     make_optimiser,
     train_round,
 )
@@ -360,14 +361,14 @@ class Agent:
         if self.model.decision is not None:
             scores["decision"] = None
             if guidance.has_globals:
-                with torch.inference_mode():  # embed left the model in eval mode
-                    z_d = self.model.decision(torch.from_numpy(np.array(features, np.float32)))
+                (z_d,) = in_batches(self.model.decision, features)  # eval mode: embed set it
                 unit = torch.nn.functional.normalize(guidance.global_protos, dim=1)
                 # Both sides are unit vectors: the nearest in Euclidean distance is the
                 # one with the largest dot product.
-                pred_d, _ = predict(z_d, unit, guidance.global_present)
+                pred_d, _ = predict(torch.from_numpy(z_d), unit, guidance.global_present)
                 scores["decision"] = float((pred_d.numpy() == labels).mean())
         return scores
+
 
 def cache_features(
     cache: FeatureCache, bundle_id: str, data: data_mod.LocalData, runtime: BackboneRuntime

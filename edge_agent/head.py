@@ -30,11 +30,6 @@ class InputMajorLinear(nn.Module):
         self.bias = nn.Parameter(reference.bias.detach().clone())
         self.in_features, self.out_features = in_features, out_features
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The (out, in) weight of nn.Linear, as a view."""
-        return self.weight_t.t()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, x, self.weight_t)
 

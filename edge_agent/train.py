@@ -332,14 +332,24 @@ def embed(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(z, logits) of every sample in eval mode."""
     model.eval()
-    zs, ls = [], []
+    z, logits = in_batches(model, features, batch=batch)
+    return z, logits
+
+
+@torch.inference_mode()
+def in_batches(
+    fn: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, ...]],
+    features: np.ndarray,
+    *,
+    batch: int = 512,
+) -> tuple[np.ndarray, ...]:
+    """``fn``'s output(s) for every row of ``features``, ``batch`` rows at a time, each
+    batch copied off the memmap as float32."""
+    parts: list[tuple[torch.Tensor, ...]] = []
     for i in range(0, len(features), batch):
-        z, logits = model(
-            torch.from_numpy(np.array(features[i : i + batch], dtype=np.float32))
-        )  # copy off the memmap
-        zs.append(z.numpy())
-        ls.append(logits.numpy())
-    return np.concatenate(zs), np.concatenate(ls)
+        out = fn(torch.from_numpy(np.array(features[i : i + batch], dtype=np.float32)))
+        parts.append(out if isinstance(out, tuple) else (out,))
+    return tuple(np.concatenate([p[k].numpy() for p in parts]) for k in range(len(parts[0])))
 
 
 def prototypes_of(
