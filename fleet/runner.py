@@ -274,9 +274,16 @@ def _run_memory(
                 if manager.poll() is None:
                     raise RuntimeError(f"round {announcement.round} did not close")
                 bar.update()
+                _log_round(spec, announcement.round + 1)
     finally:
         store.close()
     return peak_self_mb(), runtime.samples_processed
+
+
+def _log_round(spec: RunSpec, done: int) -> None:
+    # Progress bars are off when stderr is no terminal (CI, journald, a test); this line
+    # (shown with --log-level INFO) tells such a reader how far the run is.
+    log.info("%s: round %d of %d closed", spec.method, done, spec.rounds)
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
@@ -366,8 +373,9 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             alive = _liveness(procs, logs, memory.sample)
             with _progress(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
+            log.info("%s: %d agents online", spec.method, len(configs))
             with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
-                watcher.wait_rounds(spec.rounds, bar, alive)
+                watcher.wait_rounds(spec.rounds, bar, alive, lambda r: _log_round(spec, r))
             watcher.wait_finished(alive)
             memory.sample()
             if coordinator.wait(timeout=60) != 0:
@@ -482,9 +490,20 @@ class _Watcher:
 
         self._wait(lambda: len(self.online) >= self.expected, tick, alive)
 
-    def wait_rounds(self, rounds: int, bar: Any, alive: Callable[[], None]) -> None:
+    def wait_rounds(
+        self, rounds: int, bar: Any, alive: Callable[[], None], closed: Callable[[int], None]
+    ) -> None:
+        """Until round ``rounds`` is announced; ``closed(n)`` once for each n rounds done."""
+
+        reported = 0  # not bar.n: a disabled tqdm counts nothing
+
         def tick() -> None:
-            bar.update(min(rounds, max(0, self.round)) - bar.n)
+            nonlocal reported
+            done = min(rounds, max(0, self.round))
+            for n in range(reported + 1, done + 1):
+                closed(n)
+            reported = max(reported, done)
+            bar.update(done - bar.n)
 
         self._wait(lambda: self.round >= rounds, tick, alive)
 

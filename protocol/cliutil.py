@@ -2,7 +2,8 @@
 
 It lives here because ``protocol`` is the one package every entry point already imports.
 A user mistake is reported as one ``error:`` line and exit status 2, never a traceback;
-Ctrl-C exits with 130. Only entry points configure logging.
+Ctrl-C exits with 130 and SIGTERM with 143, both after the ``finally`` blocks have stopped
+whatever the command started. Only entry points configure logging.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from protocol.settings import ConfigError
 from protocol.version import package_version
@@ -42,6 +46,40 @@ class JsonFormatter(logging.Formatter):
 class UsageError(Exception):
     """A mistake in what the user asked for: bad path, bad option value, missing file.
     A bad configuration file (:class:`~protocol.settings.ConfigError`) is reported the same way."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt.
+
+    Why: Python's default SIGTERM action ends the process on the spot, skipping every
+    ``finally``; a command that started processes (a fleet's broker, coordinator and
+    workers) would leave them running when stopped by ``kill``, ``timeout`` or a CI job's
+    cancellation. Services that handle SIGTERM themselves (protocol.lifecycle) install
+    their own handler while they run.
+    """
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # One is enough: a second SIGTERM must not cut the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+@contextmanager
+def _terminate_like_ctrl_c() -> Iterator[None]:
+    """Route SIGTERM to :class:`Terminated` while the command runs, unless the process was
+    told to ignore it or this is not the main thread (where Python allows no handlers)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def make_parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
@@ -87,10 +125,14 @@ def run(
         parser.print_help()
         return 2
     try:
-        return handlers[command](args)
+        with _terminate_like_ctrl_c():
+            return handlers[command](args)
     except (UsageError, ConfigError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{parser.prog}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130

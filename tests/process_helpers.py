@@ -17,16 +17,25 @@ class LoggedProcess:
     """``BIN/<script> *args``; stderr lines are collected for :meth:`wait_for`."""
 
     def __init__(
-        self, script: str, args: Sequence[str], *, env: Mapping[str, str] | None = None
+        self,
+        script: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        new_session: bool = False,
     ) -> None:
+        # new_session: the process leads a process group of its own, as a terminal's
+        # foreground job does, so a test can signal the group the way Ctrl-C does.
         self.proc = subprocess.Popen(
             [str(BIN / script), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         self.lines: list[str] = []
+        self._eof = False
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -36,15 +45,22 @@ class LoggedProcess:
             with self._cond:
                 self.lines.append(line)
                 self._cond.notify_all()
+        with self._cond:  # stderr closed: the process is gone, no line will come
+            self._eof = True
+            self._cond.notify_all()
 
     def wait_for(self, text: str, *, after: int = 0, timeout: float = 60.0) -> int:
         """Block until a line after index ``after`` contains ``text``; the new line count."""
         with self._cond:
-            found = self._cond.wait_for(
-                lambda: any(text in line for line in self.lines[after:]), timeout=timeout
-            )
-            if not found:
-                raise TimeoutError(f"no log line {text!r}; got:\n{''.join(self.lines[-20:])}")
+            def seen() -> bool:
+                return any(text in line for line in self.lines[after:])
+
+            self._cond.wait_for(lambda: seen() or self._eof, timeout=timeout)
+            if not seen():
+                why = "the process closed stderr" if self._eof else f"none in {timeout} s"
+                raise TimeoutError(
+                    f"no log line {text!r} ({why}); got:\n{''.join(self.lines[-20:])}"
+                )
             return len(self.lines)
 
     def signal(self, signum: int) -> None:

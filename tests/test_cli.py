@@ -1,12 +1,17 @@
 """The four console scripts as a user runs them from the virtual environment."""
 
 import json
+import logging
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from protocol import cliutil
+from protocol.cliutil import make_parser
 
 BIN = Path(sys.executable).parent
 SCRIPTS = ["edge-export", "edge-agent", "edge-coordinator", "edge-fleet"]
@@ -109,3 +114,35 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     assert set(report["methods"]) == {"solo", "fedpcl"}
     assert report["config"]["transport"] == "mqtt"
     assert report["config"]["train_param"] == {"tau": 0.2, "lr": 2e-3}
+
+
+@pytest.fixture
+def root_logging():
+    """cliutil.run configures the root logger as an entry point does; put it back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_sigterm_runs_the_commands_clean_up_once_and_exits_143(root_logging, capsys):
+    parser = make_parser("demo-cli", "a command that is sent SIGTERM")
+    parser.add_subparsers(dest="command").add_parser("work")
+    steps: list[str] = []
+
+    def work(args: object) -> int:
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            steps.append("went on after SIGTERM")
+        finally:
+            # A second SIGTERM (an impatient supervisor) must not cut the clean-up short.
+            signal.raise_signal(signal.SIGTERM)
+            steps.append("cleaned up")
+        return 0
+
+    assert cliutil.run(parser, ["work"], handlers={"work": work}) == 128 + signal.SIGTERM
+    assert steps == ["cleaned up"]
+    assert "demo-cli: terminated" in capsys.readouterr().err
+    # The default comes back: the handler belongs to the command's run, not the process.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

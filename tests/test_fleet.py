@@ -3,7 +3,10 @@ Mosquitto, the embedded amqtt broker and the in-memory transport."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +27,7 @@ from fleet.amqtt_broker import AmqttBroker
 from fleet.report import build_report, markdown, plot_domains, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
 from protocol.cliutil import UsageError
+from tests.process_helpers import LoggedProcess
 
 BIN = Path(sys.executable).parent
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -288,6 +292,39 @@ def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
     memory = run(spec, partition)
     for record in memory.clients:
         assert list(record.accuracy) == pytest.approx(run_["accuracy"][record.name], abs=1e-9)
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize(
+    ("how", "status"),
+    [("ctrl-c", 128 + signal.SIGINT), ("sigterm", 128 + signal.SIGTERM)],
+)
+def test_a_stopped_fleet_leaves_no_process_behind(
+    small_zoo: Path, tmp_path: Path, how: str, status: int
+) -> None:
+    """Ctrl-C reaches the terminal's whole foreground group (edge-fleet, Mosquitto, the
+    coordinator, the workers); `kill` or `timeout` sends SIGTERM to edge-fleet alone.
+    Either way the run stops everything it started before it exits."""
+    argv = ["--log-level", "INFO", "run", "--transport", "mqtt", "--clients", "2",
+            "--rounds", "500", "--train", "20", "--test", "10", "--out-dim", "16",
+            "--bundle", str(small_zoo), "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    fleet = LoggedProcess("edge-fleet", argv, new_session=True)
+    try:
+        fleet.wait_for("round 2 of 500 closed", timeout=120)
+        group = os.getpgid(fleet.proc.pid)
+        if how == "ctrl-c":
+            os.killpg(group, signal.SIGINT)
+        else:
+            fleet.signal(signal.SIGTERM)
+        assert fleet.proc.wait(timeout=90) == status
+        fleet.wait_for("interrupted" if how == "ctrl-c" else "terminated", timeout=10)
+        # edge-fleet waits for each process it started, so none may be left in its group.
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+    finally:
+        fleet.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(fleet.proc.pid, signal.SIGKILL)  # whatever a failure left running
 
 
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
