@@ -11,6 +11,8 @@ import contextlib
 import logging
 import random
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -30,6 +32,25 @@ from protocol.transport import backoff_delay, make_client, network_thread_alive
 from protocol.version import package_version
 
 log = logging.getLogger(__name__)
+
+
+def wait_acknowledged(
+    info: mqtt.MQTTMessageInfo, *, timeout: float, stopping: Callable[[], bool]
+) -> bool:
+    """Whether the broker acknowledged ``info`` within ``timeout`` seconds.
+
+    Gives up early once ``stopping()`` holds: a broker stopped together with the agent (a
+    fleet's Ctrl-C, a host shutting down) never answers, and a stop must not sit out the
+    timeout. An unacknowledged update is not lost: it stays unmarked and is republished.
+    Raises what ``wait_for_publish`` raises for a message that cannot be sent.
+    """
+    deadline = time.monotonic() + timeout
+    while not info.is_published() and not stopping():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        info.wait_for_publish(timeout=min(0.25, remaining))
+    return info.is_published()
 
 
 class AgentService:
@@ -178,19 +199,22 @@ class AgentService:
             update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload, qos=1
         )
         try:
-            info.wait_for_publish(timeout=self.publish_timeout)
+            acknowledged = wait_acknowledged(
+                info, timeout=self.publish_timeout, stopping=lambda: self._stop
+            )
         except (RuntimeError, ValueError) as exc:
+            acknowledged, why = False, str(exc)
+        else:
+            why = "stopping" if self._stop else f"no answer in {self.publish_timeout:g} s"
+        if not acknowledged:
             log.warning(
                 "round %d: update not acknowledged yet (%s); kept for republishing",
                 announcement.round,
-                exc,
+                why,
             )
             return
-        if info.is_published():
-            self.agent.state.mark_published(announcement.round)
-            log.info(
-                "round %d: update published (%d bytes)", announcement.round, len(decision.payload)
-            )
+        self.agent.state.mark_published(announcement.round)
+        log.info("round %d: update published (%d bytes)", announcement.round, len(decision.payload))
 
     def _shutdown(self) -> None:
         self._stop = True

@@ -7,6 +7,7 @@ so a laptop without Mosquitto still runs a fleet. Both bind to a free loopback p
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
+
+from fleet import tether
 
 #: Mosquitto's default of 1000 queued messages per client silently drops a burst of
 #: updates from a large fleet; every config this project writes raises it.
@@ -103,6 +106,20 @@ class ManagedBroker:
         self.stop()
 
 
+def _keep_identity() -> str:
+    """A ``user`` line naming whoever runs this process.
+
+    Started as root, Mosquitto otherwise switches to the user ``mosquitto``. That change of
+    credentials would cancel its tether (the kernel clears a parent-death signal on any
+    credential change), and a private broker has nobody else to be: its files lie in a
+    directory this process made.
+    """
+    try:
+        return f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
+    except KeyError:  # a uid with no passwd entry (some containers): Mosquitto's default
+        return ""
+
+
 class MosquittoBroker(ManagedBroker):
     """A private Mosquitto on a free loopback port, stopped on exit.
 
@@ -159,6 +176,7 @@ class MosquittoBroker(ManagedBroker):
             "max_inflight_messages 0\n"
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\n"
+            f"{_keep_identity()}"
             f"{self._extra}"
         )
 
@@ -168,7 +186,8 @@ class MosquittoBroker(ManagedBroker):
         conf.write_text(self.config_text())
         log = self.log_path.open("wb")
         self._process = subprocess.Popen(
-            [self._binary, "-c", str(conf)],
+            # Tethered: a SIGKILLed owner (test runner, edge-fleet) leaves no broker behind.
+            tether.command(os.getpid(), [self._binary, "-c", str(conf)]),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
 from protocol.cliutil import UsageError
@@ -348,7 +349,10 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             watcher = _Watcher(host, port, expected=len(configs))
             procs.append(
                 _spawn(
-                    [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
+                    tether.command(
+                        os.getpid(),
+                        [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
+                    ),
                     logs / "coordinator.log",
                 )
             )
@@ -359,6 +363,7 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                         {
                             "bundle": str(spec.bundle),
                             "configs": [str(c) for c in configs[w::workers]],
+                            "parent": os.getpid(),
                         }
                     )
                 )

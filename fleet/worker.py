@@ -3,7 +3,8 @@
 ``python -m fleet.worker SPEC.json`` where the spec names the bundle and the agents'
 TOML files. Every agent gets its own :class:`~edge_agent.service.AgentService` (its own paho client and thread); all share one
 set of ONNX Runtime sessions and one torch thread, so a hundred agents fit on two cores.
-SIGTERM or SIGINT stops every agent cleanly (offline status published) and exits 0.
+SIGTERM or SIGINT stops every agent cleanly (offline status published) and exits 0; so
+does the death of the fleet process named in the spec (``parent``), however it dies.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from fleet.tether import tether
 
 log = logging.getLogger("fleet.worker")
 
@@ -36,6 +39,9 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if "parent" in spec and not tether(int(spec["parent"])):
+        log.warning("the fleet process that started this worker is gone: not starting")
+        return 1
 
     import torch
 

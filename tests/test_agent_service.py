@@ -176,3 +176,32 @@ def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(sma
             assert agent.stop() == 0
     finally:
         agent.close()
+
+
+def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
+    import paho.mqtt.client as mqtt
+
+    from edge_agent.service import wait_acknowledged
+
+    asked = Counter[str]()
+
+    def stop_on_third_question() -> bool:
+        asked["stopping"] += 1
+        return asked["stopping"] >= 3
+
+    acknowledged = mqtt.MQTTMessageInfo(1)
+    acknowledged._set_as_published()  # what paho's network thread does on PUBACK
+    assert wait_acknowledged(acknowledged, timeout=30, stopping=stop_on_third_question)
+    assert asked["stopping"] == 0  # no waiting at all
+
+    # A broker that never answers: the stop request ends the wait at once (the third
+    # question), not after the 30 s timeout; the update is reported unacknowledged.
+    unanswered = mqtt.MQTTMessageInfo(2)
+    assert not wait_acknowledged(unanswered, timeout=30, stopping=stop_on_third_question)
+    assert asked["stopping"] == 3
+    assert not wait_acknowledged(unanswered, timeout=0.01, stopping=lambda: False)
+
+    refused = mqtt.MQTTMessageInfo(3)
+    refused.rc = mqtt.MQTT_ERR_QUEUE_SIZE
+    with pytest.raises(ValueError, match="ERR_QUEUE_SIZE"):
+        wait_acknowledged(refused, timeout=30, stopping=lambda: False)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -294,6 +296,59 @@ def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
         assert list(record.accuracy) == pytest.approx(run_["accuracy"][record.name], abs=1e-9)
 
 
+def _long_fleet(bundle: Path, tmp_path: Path) -> LoggedProcess:
+    """A 2-agent MQTT fleet of 500 rounds, leading a process group of its own."""
+    argv = ["--log-level", "INFO", "run", "--transport", "mqtt", "--clients", "2",
+            "--rounds", "500", "--train", "20", "--test", "10", "--out-dim", "16",
+            "--bundle", str(bundle), "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    return LoggedProcess("edge-fleet", argv, new_session=True)
+
+
+def _group_members(group: int) -> dict[int, str]:
+    """pid -> command line of the live (not zombie) processes of a process group."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # exited while we looked
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == group and state != "Z":
+            members[int(entry.name)] = cmdline
+    return members
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_fleet_process_takes_its_children_with_it(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    """SIGKILL (the OOM killer, kill -9) runs no clean-up: the broker, the coordinator and
+    the workers notice their parent's death themselves and exit."""
+    fleet = _long_fleet(small_zoo, tmp_path)
+    group = fleet.proc.pid
+    try:
+        fleet.wait_for("round 2 of 500 closed", timeout=120)
+        children = {p: c for p, c in _group_members(group).items() if p != fleet.proc.pid}
+        kinds = " ".join(children.values())
+        assert "mosquitto" in kinds and "edge-coordinator" in kinds and "fleet.worker" in kinds
+        # A pidfd becomes readable when its process ends: an event to wait on, not a poll.
+        fds = {pid: os.pidfd_open(pid) for pid in children}
+        fleet.kill()
+        deadline = time.monotonic() + 60
+        for pid, fd in fds.items():
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            os.close(fd)
+            assert ready, f"{children[pid]} outlived the fleet process"
+    finally:
+        fleet.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)  # whatever a failure left running
+
+
 @pytest.mark.broker
 @pytest.mark.parametrize(
     ("how", "status"),
@@ -305,10 +360,7 @@ def test_a_stopped_fleet_leaves_no_process_behind(
     """Ctrl-C reaches the terminal's whole foreground group (edge-fleet, Mosquitto, the
     coordinator, the workers); `kill` or `timeout` sends SIGTERM to edge-fleet alone.
     Either way the run stops everything it started before it exits."""
-    argv = ["--log-level", "INFO", "run", "--transport", "mqtt", "--clients", "2",
-            "--rounds", "500", "--train", "20", "--test", "10", "--out-dim", "16",
-            "--bundle", str(small_zoo), "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
-    fleet = LoggedProcess("edge-fleet", argv, new_session=True)
+    fleet = _long_fleet(small_zoo, tmp_path)
     try:
         fleet.wait_for("round 2 of 500 closed", timeout=120)
         group = os.getpgid(fleet.proc.pid)
