@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from fleet import report as report_mod
 from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
+from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
@@ -89,6 +89,12 @@ def add_common_options(
         "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest sweep under --out after a crash or Ctrl-C: runs that "
+        "finished are read back, the others run again from round 0",
+    )
 
 
 def add_parsers(sub: Any) -> None:
@@ -198,7 +204,7 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
     first = check_options(args, method=methods[0], seed=seeds[0])
     bundle = ensure_bundle(args.bundle, args.zoo_size)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}
     description = ""
     for seed in seeds:
@@ -207,12 +213,13 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
         description = partition.description.replace(f", seed {seed}", "")
         for method in methods:
             spec = spec_for(args, method=method, bundle=bundle, seed=seed,
-                            out=args.out / "runs" / stamp / f"{method}-seed{seed}")  # fmt: skip
-            result = run_fleet(spec, partition)
+                            out=sweep / f"{method}-seed{seed}")  # fmt: skip
+            result, resumed = run_or_resume(spec, partition, run=run_fleet)
             results[method][seed] = result
             final = report_mod.run_summary(result)["final_mean"]
-            print(f"{method:>9} seed {seed}: final mean accuracy {final:.3f} "
-                  f"({result.wall_seconds:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
+            how = "read back" if resumed else f"{result.wall_seconds:.0f} s"
+            print(f"{method:>9} seed {seed}: final mean accuracy {final:.3f} ({how})",
+                  file=sys.stderr, flush=True)  # fmt: skip
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("command", "log_format", "log_level")}  # fmt: skip
     config.update(methods=methods, seeds=seeds, bundle=str(bundle))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from edge_agent.privacy.accounting import plan
 from fleet import commands
 from fleet.report import run_summary, to_json
+from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
 
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     for eps in epsilons:  # an impossible privacy plan fails now, not after the zoo is built
         _plan(eps, args, samples=min(len(c.train_y) for c in first.clients))
     bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
     for split in splits:
@@ -115,10 +115,11 @@ def main(args: argparse.Namespace) -> int:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
                 spec = commands.spec_for(
                     args, method=method, bundle=bundle, seed=seed,
-                    out=args.out / "runs" / stamp / split / f"{slug}-seed{seed}",
+                    out=sweep / split / f"{slug}-seed{seed}",
                     extra_train=train, privacy=privacy,
                 )  # fmt: skip
-                final = run_summary(run_fleet(spec, partition))["final_mean"]
+                result, _ = run_or_resume(spec, partition, run=run_fleet)
+                final = run_summary(result)["final_mean"]
                 rows.setdefault(name, []).append(final)
                 print(
                     f"{split:>13} seed {seed}: {name:<34} {final:.3f}", file=sys.stderr, flush=True

@@ -36,6 +36,7 @@ from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
 from protocol.cliutil import UsageError
+from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,8 @@ def _run_memory(
                     raise RuntimeError(f"round {announcement.round} did not close")
                 bar.update()
                 _log_round(spec, announcement.round + 1)
+                # Durability tests stop a sweep here, mid-run, as a crash would.
+                crash_point(f"fleet:{spec.method}:round_closed")
     finally:
         store.close()
     return peak_self_mb(), runtime.samples_processed

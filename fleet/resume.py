@@ -1,0 +1,136 @@
+"""Sweeps that survive a crash: each finished run leaves ``result.json`` in its folder, and
+``--resume`` reads those back instead of running them again.
+
+A sweep of six methods x three seeds, or a privacy sweep, is many runs; a crash, a
+Ctrl-C or a reboot in the last one should cost that run, not the sweep. A run counts as
+finished only when its ``result.json`` exists (written atomically, last) and was made with
+the same settings, data and bundle; anything else in its folder is a run cut short, and is
+removed and run again from round 0 (agents and coordinator restart together, so nothing is
+counted twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.partition import Partition
+from fleet.runner import ClientRecord, RunResult, RunSpec
+from protocol.cliutil import UsageError
+
+log = logging.getLogger(__name__)
+
+RESULT = "result.json"
+# Settings that change how a run is carried out but not what it computes.
+_NOT_IN_KEY = frozenset({"out", "progress", "workers", "broker", "feature_cache"})
+
+
+def sweep_dir(out: Path, *, resume: bool) -> Path:
+    """A new time-stamped folder for a sweep's runs, or with ``resume`` the newest one."""
+    runs = out / "runs"
+    if not resume:
+        return runs / time.strftime("%Y%m%d-%H%M%S")
+    earlier = sorted(p for p in runs.glob("*") if p.is_dir()) if runs.is_dir() else []
+    if not earlier:
+        raise UsageError(f"--resume: no earlier sweep under {runs}")
+    return earlier[-1]
+
+
+def fingerprint(spec: RunSpec, partition: Partition) -> str:
+    """What a run's result depends on: its settings, every array of its data, the bundle."""
+    digest = hashlib.blake2b(digest_size=16)
+    settings = {
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in dataclasses.asdict(spec).items()
+        if k not in _NOT_IN_KEY
+    }
+    settings["bundle"] = _bundle_id(spec.bundle)
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    digest.update(json.dumps(partition.classes).encode())
+    for client in partition.clients:
+        digest.update(f"{client.name}|{client.domain}".encode())
+        for array in (client.train_x, client.train_y, client.test_x, client.test_y):
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
+
+
+def _bundle_id(path: Path) -> str:
+    # The manifest names every file by hash: the same manifest is the same backbones.
+    try:
+        return hashlib.blake2b((path / "bundle.json").read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        return str(path)
+
+
+def save(result: RunResult, key: str) -> Path:
+    document = {
+        "key": key,
+        "clients": [dataclasses.asdict(c) for c in result.clients],
+        "round_seconds": list(result.round_seconds),
+        "peak_mb": result.peak_mb,
+        "wall_seconds": result.wall_seconds,
+        "backbone_samples": result.backbone_samples,
+    }
+    path = result.spec.out / RESULT
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(document))
+    with partial.open("rb") as handle:
+        os.fsync(handle.fileno())
+    partial.replace(path)  # atomic: a crash leaves the old state or the whole file
+    return path
+
+
+def load(spec: RunSpec, key: str) -> RunResult | None:
+    """The finished run in ``spec.out`` if it was made with ``key``; otherwise None."""
+    try:
+        document = json.loads((spec.out / RESULT).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("key") != key:
+        return None
+    try:
+        clients = tuple(_record(c) for c in document["clients"])
+        return RunResult(
+            spec=spec,
+            clients=clients,
+            round_seconds=tuple(document["round_seconds"]),
+            peak_mb=float(document["peak_mb"]),
+            wall_seconds=float(document["wall_seconds"]),
+            backbone_samples=document["backbone_samples"],
+        )
+    except (KeyError, TypeError):
+        return None  # an older or damaged record: run again
+
+
+def _record(fields: dict[str, Any]) -> ClientRecord:
+    lists = {k: tuple(v) for k, v in fields.items() if isinstance(v, list)}
+    return ClientRecord(**{**fields, **lists})
+
+
+def run_or_resume(
+    spec: RunSpec, partition: Partition, *, run: Callable[[RunSpec, Partition], RunResult]
+) -> tuple[RunResult, bool]:
+    """(result, True) for a run finished earlier with the same key; else run it, from a
+    clean folder, and record it: (result, False)."""
+    key = fingerprint(spec, partition)
+    earlier = load(spec, key)
+    if earlier is not None:
+        log.info("%s: finished earlier, read back from %s", spec.out.name, spec.out / RESULT)
+        return earlier, True
+    if spec.out.exists():
+        log.info("%s: cut short or made with other settings; running it again", spec.out.name)
+        shutil.rmtree(spec.out)
+    result = run(spec, partition)
+    save(result, key)
+    return result, False
