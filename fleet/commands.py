@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,17 +143,27 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def ensure_bundle(path: Path, size: str) -> Path:
+    """``path`` if it holds a bundle; else the zoo, built there once.
+
+    The zoo is built in a staging folder beside ``path`` and moved into place when it is
+    whole: a build cut short (Ctrl-C in the minutes it takes) leaves no half-written
+    bundle at ``path`` for the next run to trip over, and the next run starts it afresh.
+    """
     if (path / "bundle.json").exists():
         return path
     if path.exists() and any(path.iterdir()):
         raise UsageError(f"{path} exists but holds no bundle.json")
+    staging = path.with_name(f".{path.name}.building")
+    if staging.exists():
+        shutil.rmtree(staging)  # what an interrupted build left
     print(f"building the {size} backbone zoo in {path} (once) ...", file=sys.stderr, flush=True)
     done = subprocess.run(
-        [str(BIN / "edge-export"), "zoo", "--out", str(path), "--size", size],
+        [str(BIN / "edge-export"), "zoo", "--out", str(staging), "--size", size],
         stdout=subprocess.DEVNULL,
     )
     if done.returncode != 0:
         raise UsageError(f"building the zoo failed (exit {done.returncode})")
+    staging.replace(path)  # onto nothing or an empty folder: atomic
     return path
 
 

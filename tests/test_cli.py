@@ -156,3 +156,19 @@ def test_sigterm_runs_the_commands_clean_up_once_and_exits_143(root_logging, cap
     assert "demo-cli: terminated" in capsys.readouterr().err
     # The default comes back: the handler belongs to the command's run, not the process.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
+    from export import bundle as bundle_mod
+    from fleet.commands import ensure_bundle
+
+    target = tmp_path / "zoo"
+    staging = tmp_path / ".zoo.building"
+    staging.mkdir()
+    (staging / "letters.fp32.onnx").write_bytes(b"half of a file")  # a build cut short
+    assert ensure_bundle(target, "small") == target
+    assert not staging.exists()
+    bundle = bundle_mod.load(target)  # checks every file's hash: a whole bundle
+    assert [m.name for m in bundle.members] == ["letters", "shapes", "fontdigits"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo"]
+    assert ensure_bundle(target, "small") == target  # built once
