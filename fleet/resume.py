@@ -15,15 +15,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from edge_agent.features import fingerprint as data_fingerprint
+from edge_agent.state import atomic_write
+from export import bundle as bundle_mod
+from export.errors import BundleError
 from fleet.partition import Partition
 from fleet.runner import ClientRecord, RunResult, RunSpec
 from protocol.cliutil import UsageError
@@ -48,29 +49,24 @@ def sweep_dir(out: Path, *, resume: bool) -> Path:
 
 def fingerprint(spec: RunSpec, partition: Partition) -> str:
     """What a run's result depends on: its settings, every array of its data, the bundle."""
-    digest = hashlib.blake2b(digest_size=16)
+    # The data by the agent's own fingerprint (the feature cache's key), the backbones by
+    # the bundle's id.
     settings = {
         k: str(v) if isinstance(v, Path) else v
         for k, v in dataclasses.asdict(spec).items()
         if k not in _NOT_IN_KEY
     }
-    settings["bundle"] = _bundle_id(spec.bundle)
-    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    digest.update(json.dumps(partition.classes).encode())
-    for client in partition.clients:
-        digest.update(f"{client.name}|{client.domain}".encode())
-        for array in (client.train_x, client.train_y, client.test_x, client.test_y):
-            digest.update(f"{array.dtype}{array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).data)
-    return digest.hexdigest()
-
-
-def _bundle_id(path: Path) -> str:
-    # The manifest names every file by hash: the same manifest is the same backbones.
     try:
-        return hashlib.blake2b((path / "bundle.json").read_bytes(), digest_size=16).hexdigest()
-    except OSError:
-        return str(path)
+        settings["bundle"] = bundle_mod.load(spec.bundle, check_hashes=False).id
+    except BundleError as exc:
+        raise UsageError(str(exc)) from exc
+    data = [
+        [c.name, c.domain, data_fingerprint(c.train_x, c.train_y),
+         data_fingerprint(c.test_x, c.test_y)]
+        for c in partition.clients
+    ]  # fmt: skip
+    document = {"settings": settings, "classes": partition.classes, "data": data}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def save(result: RunResult, key: str) -> Path:
@@ -83,11 +79,7 @@ def save(result: RunResult, key: str) -> Path:
         "backbone_samples": result.backbone_samples,
     }
     path = result.spec.out / RESULT
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(document))
-    with partial.open("rb") as handle:
-        os.fsync(handle.fileno())
-    partial.replace(path)  # atomic: a crash leaves the old state or the whole file
+    atomic_write(path, json.dumps(document).encode())  # a crash leaves none or all of it
     return path
 
 
