@@ -26,6 +26,9 @@ class LoggedProcess:
     ) -> None:
         # new_session: the process leads a process group of its own, as a terminal's
         # foreground job does, so a test can signal the group the way Ctrl-C does.
+        # A foreground job also takes SIGINT by default even when the test runner was
+        # started in the background (where the shell sets it to ignored, and children
+        # inherit that).
         self.proc = subprocess.Popen(
             [str(BIN / script), *args],
             stdout=subprocess.DEVNULL,
@@ -33,6 +36,7 @@ class LoggedProcess:
             text=True,
             env={**os.environ, **(env or {})},
             start_new_session=new_session,
+            preexec_fn=_take_sigint if new_session else None,
         )
         self.lines: list[str] = []
         self._eof = False
@@ -85,3 +89,7 @@ def agent_process(config: Path, *, env: Mapping[str, str] | None = None) -> Logg
 
 def coordinator_process(config: Path, *, env: Mapping[str, str] | None = None) -> LoggedProcess:
     return LoggedProcess("edge-coordinator", ["run", "--config", str(config)], env=env)
+
+
+def _take_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
