@@ -14,7 +14,7 @@ from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
-from protocol.cliutil import UsageError
+from protocol.cliutil import CommandFailed, UsageError
 from protocol.settings import parse_value
 
 BIN = Path(sys.executable).parent
@@ -162,7 +162,7 @@ def ensure_bundle(path: Path, size: str) -> Path:
         stdout=subprocess.DEVNULL,
     )
     if done.returncode != 0:
-        raise UsageError(f"building the zoo failed (exit {done.returncode})")
+        raise CommandFailed(f"building the zoo failed (exit {done.returncode})")
     staging.replace(path)  # onto nothing or an empty folder: atomic
     return path
 

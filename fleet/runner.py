@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
-from protocol.cliutil import UsageError
+from protocol.cliutil import CommandFailed, UsageError
 from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
     try:
         broker.start()
     except BrokerError as exc:
-        raise UsageError(str(exc)) from exc
+        raise CommandFailed(str(exc)) from exc
     try:
         pid = broker.pid if isinstance(broker, MosquittoBroker) else None
         yield broker.address.host, broker.address.port, pid
@@ -378,22 +378,26 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                 )
             coordinator = procs[0]
             memory.pids += [p.pid for p in procs]
-            alive = _liveness(procs, logs, memory.sample)
+            named = {"the coordinator": (procs[0], logs / "coordinator.log")}
+            named |= {f"worker {w}": (p, logs / f"worker-{w}.log") for w, p in enumerate(procs[1:])}
+            alive = _liveness(named, memory.sample)
             with _progress(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
             log.info("%s: %d agents online", spec.method, len(configs))
             with _progress(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
                 watcher.wait_rounds(spec.rounds, bar, alive, lambda r: _log_round(spec, r))
-            watcher.wait_finished(alive)
+            # The coordinator exits by itself once it has announced the last round.
+            del named["the coordinator"]
+            watcher.wait_finished(_liveness(named, memory.sample))
             memory.sample()
             if coordinator.wait(timeout=60) != 0:
-                raise UsageError(f"the coordinator failed; see {logs / 'coordinator.log'}")
+                raise CommandFailed(f"the coordinator failed; see {logs / 'coordinator.log'}")
             watcher.close()
         finally:
             _stop_all(procs)
     for w, proc in enumerate(procs[1:]):
         if proc.returncode != 0:  # a worker stops with 0 after SIGTERM
-            raise UsageError(f"a worker did not stop cleanly; see {logs / f'worker-{w}.log'}")
+            raise CommandFailed(f"a worker did not stop cleanly; see {logs / f'worker-{w}.log'}")
     return memory.peak_mb
 
 
@@ -405,14 +409,25 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
 
 
 def _liveness(
-    procs: list[subprocess.Popen[bytes]], logs: Path, sample: Callable[[], None]
+    named: dict[str, tuple[subprocess.Popen[bytes], Path]],
+    sample: Callable[[], None],
+    *,
+    grace_s: float = 5.0,
 ) -> Callable[[], None]:
+    """A check that raises :class:`CommandFailed` once any of ``named`` (what to call it ->
+    (process, its log)) has exited: without it a dead coordinator or worker would leave the
+    fleet waiting out the no-progress limit. An exit counts after ``grace_s``: the
+    coordinator ends right after announcing the last round, and that message may still be
+    on its way to the watcher."""
+    exited: dict[str, float] = {}
+
     def check() -> None:
         sample()
-        for proc in procs[1:]:  # the coordinator exits by itself after the last round
-            if proc.poll() is not None:
-                raise UsageError(
-                    f"a fleet process exited early (status {proc.returncode}); see the logs in {logs}"
+        now = time.monotonic()
+        for name, (proc, log_path) in named.items():
+            if proc.poll() is not None and now - exited.setdefault(name, now) >= grace_s:
+                raise CommandFailed(
+                    f"{name} exited early (status {proc.returncode}); see {log_path}"
                 )
 
     return check
@@ -490,7 +505,7 @@ class _Watcher:
             if now != seen:
                 seen, stalled_since = now, time.monotonic()
             elif time.monotonic() - stalled_since > 1800:
-                raise UsageError("the fleet made no progress for 30 minutes")
+                raise CommandFailed("the fleet made no progress for 30 minutes")
 
     def wait_online(self, bar: Any, alive: Callable[[], None]) -> None:
         def tick() -> None:
@@ -536,7 +551,7 @@ def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float)
         try:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError) as exc:
-            raise UsageError(f"no record of {client.name}: {exc}") from exc
+            raise CommandFailed(f"no record of {client.name}: {exc}") from exc
         by_round = {h["round"]: h for h in state.get("history", [])}
         rows = [by_round.get(r, {}) for r in range(spec.rounds)]
         records.append(

@@ -1,8 +1,10 @@
 """Conventions shared by the four console scripts.
 
 It lives here because ``protocol`` is the one package every entry point already imports.
-A user mistake is reported as one ``error:`` line and exit status 2, never a traceback;
-Ctrl-C exits with 130 and SIGTERM with 143, both after the ``finally`` blocks have stopped
+A user mistake is reported as one ``error:`` line and exit status 2, never a traceback; a
+failure at run time that the command could only report (a process it started died, a
+broker would not start) as one ``error:`` line and exit status 1, so a script can tell
+"fix the command" from "look at the logs and retry". Ctrl-C exits with 130 and SIGTERM with 143, both after the ``finally`` blocks have stopped
 whatever the command started. Only entry points configure logging.
 """
 
@@ -46,6 +48,11 @@ class JsonFormatter(logging.Formatter):
 class UsageError(Exception):
     """A mistake in what the user asked for: bad path, bad option value, missing file.
     A bad configuration file (:class:`~protocol.settings.ConfigError`) is reported the same way."""
+
+
+class CommandFailed(Exception):
+    """The command was well formed but something it ran failed: a child process exited,
+    a broker did not start. The message says where to look (a log file)."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -130,6 +137,9 @@ def run(
     except (UsageError, ConfigError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    except CommandFailed as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     except Terminated:
         print(f"{parser.prog}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM

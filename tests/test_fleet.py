@@ -379,6 +379,40 @@ def test_a_stopped_fleet_leaves_no_process_behind(
             os.killpg(fleet.proc.pid, signal.SIGKILL)  # whatever a failure left running
 
 
+@pytest.mark.broker
+@pytest.mark.parametrize(
+    ("victim", "name", "log_file"),
+    [
+        ("edge-coordinator", "the coordinator", "coordinator.log"),
+        ("worker-1.json", "worker 1", "worker-1.log"),
+    ],
+)
+def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
+    small_zoo: Path, tmp_path: Path, victim: str, name: str, log_file: str
+) -> None:
+    """The OOM killer takes the coordinator or a worker mid-run: edge-fleet says which and
+    where its log is, exits 1 (a failure, not a usage error: 2), and stops the rest.
+    Before, a dead coordinator left the fleet waiting out its 30-minute no-progress limit."""
+    fleet = _long_fleet(small_zoo, tmp_path)
+    group = fleet.proc.pid
+    try:
+        fleet.wait_for("round 2 of 500 closed", timeout=120)
+        (pid,) = [p for p, command in _group_members(group).items() if victim in command]
+        os.kill(pid, signal.SIGKILL)
+        assert fleet.proc.wait(timeout=90) == 1
+        fleet.wait_for(f"{name} exited early", timeout=10)
+        (line,) = [x for x in fleet.lines if "exited early" in x]
+        assert line.startswith(f"edge-fleet: error: {name} exited early (status -9); see ")
+        assert line.rstrip().endswith(f"/logs/{log_file}")
+        assert not any("Traceback" in x for x in fleet.lines)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+    finally:
+        fleet.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)  # whatever a failure left running
+
+
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
     partition = part.digits5(clients=2, split="label", seed=1, train=30, test=20)
     with AmqttBroker() as broker:
