@@ -15,10 +15,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from fleet.tether import tether
+from protocol.lifecycle import SignalDispatch
 
 log = logging.getLogger("fleet.worker")
 
@@ -32,17 +32,19 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     services: list[Any] = []
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:  # in the dispatch thread
         stop.set()
-        for service in services:
+        for service in list(services):
             service.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if "parent" in spec and not tether(int(spec["parent"])):
-        log.warning("the fleet process that started this worker is gone: not starting")
-        return 1
+    with SignalDispatch({signal.SIGTERM: on_signal, signal.SIGINT: on_signal}):
+        if "parent" in spec and not tether(int(spec["parent"])):
+            log.warning("the fleet process that started this worker is gone: not starting")
+            return 1
+        return _host(spec, stop, services)
 
+
+def _host(spec: dict[str, Any], stop: threading.Event, services: list[Any]) -> int:
     import torch
 
     from edge_agent.agent import Agent
@@ -63,6 +65,8 @@ def main(argv: list[str]) -> int:
         threads.append(thread)
     log.info("worker hosts %d agents", len(services))
     stop.wait()
+    for service in services:  # one started as the stop came in was not in the list yet
+        service.stop()
     for thread in threads:
         thread.join(timeout=60)
     log.info("worker stopped %d agents", len(services))

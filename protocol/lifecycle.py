@@ -9,15 +9,19 @@ One loop serves both the agent and the coordinator:
 - READY=1 once the service is built and about to serve; the broker need not be reachable
   yet (a device that boots offline must not fail its start-up timeout).
 - WATCHDOG=1 at half of ``WatchdogSec`` while the service reports itself healthy.
+
+Signals are acted on by a thread of ours (:class:`SignalDispatch`), not in a Python signal
+handler: see there why.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Callable
-from types import FrameType
+from collections.abc import Callable, Mapping
+from types import FrameType, TracebackType
 from typing import Protocol, TypeVar
 
 from protocol.sdnotify import Notifier, Watchdog
@@ -34,6 +38,68 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
     def healthy(self) -> bool: ...
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """The Python-level handler: only there so the C handler (which feeds the wakeup fd)
+    replaces the default action."""
+
+
+class SignalDispatch:
+    """While entered, the given signals call their action in a dispatch thread.
+
+    Why not act in a Python signal handler: a signal sent to a process (``kill``, systemd
+    stopping a unit, a terminal's Ctrl-C) may be taken by any of its threads, and the
+    kernel prefers one that is running, such as paho's network thread. CPython's C
+    handler then only flags it; the Python handler waits for the main thread to execute
+    bytecode, which a main thread blocked on a lock with no timeout never does (a fleet
+    worker sat out a Ctrl-C that way until it was killed a minute later). And a handler
+    that does run interrupts the main thread wherever it is, possibly inside
+    ``Event.wait`` holding the event's non-reentrant lock, so setting that event from the
+    handler deadlocks. Here the C handler writes the signal number to a pipe
+    (``signal.set_wakeup_fd``), whichever thread took it, and a thread of ours reads it
+    and runs the action like any other thread would.
+
+    Must be entered from the main thread (``set_wakeup_fd``'s rule); one per process.
+    """
+
+    def __init__(self, actions: Mapping[int, Callable[[int], None]]) -> None:
+        self._actions = dict(actions)
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> SignalDispatch:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd's requirement
+        self._thread = threading.Thread(target=self._dispatch, name="signals", daemon=True)
+        self._thread.start()
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._previous = {sig: signal.signal(sig, _ignore) for sig in self._actions}
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._write)  # the dispatch thread reads end-of-file and returns
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        os.close(self._read)
+
+    def _dispatch(self) -> None:
+        while data := os.read(self._read, 64):
+            for signum in data:
+                action = self._actions.get(signum)
+                if action is not None:
+                    try:
+                        action(signum)
+                    except Exception:  # a failed action must not end signal handling
+                        log.exception("handling %s failed", signal.Signals(signum).name)
 
 
 class CannotServe(Exception):
@@ -62,28 +128,25 @@ def serve(
     stop_requested = threading.Event()
     current: list[Service] = [service]
 
-    def on_stop(signum: int, frame: FrameType | None) -> None:
+    def on_stop(signum: int) -> None:
         log.info("%s: %s received, stopping cleanly", name, signal.Signals(signum).name)
         reload_requested.clear()
         stop_requested.set()
         notifier.stopping()
         current[0].stop()
 
-    def on_reload(signum: int, frame: FrameType | None) -> None:
+    def on_reload(signum: int) -> None:
         log.info("%s: SIGHUP received, reloading the configuration", name)
         reload_requested.set()
         notifier.reloading()
         current[0].stop()
 
-    previous = {
-        sig: signal.signal(sig, handler)
-        for sig, handler in (
-            (signal.SIGTERM, on_stop),
-            (signal.SIGINT, on_stop),
-            (signal.SIGHUP, on_reload),
-        )
+    actions: dict[int, Callable[[int], None]] = {
+        signal.SIGTERM: on_stop,
+        signal.SIGINT: on_stop,
+        signal.SIGHUP: on_reload,
     }
-    try:
+    with SignalDispatch(actions):
         while not stop_requested.is_set():
             watchdog = Watchdog(notifier=notifier, healthy=current[0].healthy)
             watchdog.start()
@@ -105,6 +168,3 @@ def serve(
             except (ConfigError, CannotServe) as exc:
                 log.error("%s: reload refused, keeping the running configuration: %s", name, exc)
                 current[0] = make(cfg)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
