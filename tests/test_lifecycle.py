@@ -45,7 +45,7 @@ def _until_main_blocks_in_a_lock(timeout: float = 10.0) -> None:
     """Until the main thread sits in ``Condition.wait``'s ``waiter.acquire(...)``: while
     this thread holds the GIL, that means blocked on the lock, where no signal handler
     runs until the lock or the wait's timeout wakes it."""
-    main = threading.main_thread().ident
+    main = threading.main_thread().ident or 0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         frame = sys._current_frames().get(main)
