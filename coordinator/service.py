@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.transport import make_client, network_thread_alive
+from protocol.transport import make_client, network_thread_alive, wait_acknowledged
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,10 @@ class CoordinatorService:
                 qos=1,
                 retain=True,
             )
-            info.wait_for_publish(timeout=5)
+            # Not waited for once the connection is gone: a broker stopping together with
+            # the coordinator (a fleet's Ctrl-C) never answers, and the announcement is
+            # republished at the next start anyway.
+            with contextlib.suppress(RuntimeError, ValueError):
+                wait_acknowledged(info, timeout=5, stopping=lambda: not self.client.is_connected())
         self.client.disconnect()
         self.client.loop_stop()

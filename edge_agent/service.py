@@ -11,8 +11,6 @@ import contextlib
 import logging
 import random
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -28,29 +26,15 @@ from protocol import (
     status_topic,
     update_topic,
 )
-from protocol.transport import backoff_delay, make_client, network_thread_alive
+from protocol.transport import (
+    backoff_delay,
+    make_client,
+    network_thread_alive,
+    wait_acknowledged,
+)
 from protocol.version import package_version
 
 log = logging.getLogger(__name__)
-
-
-def wait_acknowledged(
-    info: mqtt.MQTTMessageInfo, *, timeout: float, stopping: Callable[[], bool]
-) -> bool:
-    """Whether the broker acknowledged ``info`` within ``timeout`` seconds.
-
-    Gives up early once ``stopping()`` holds: a broker stopped together with the agent (a
-    fleet's Ctrl-C, a host shutting down) never answers, and a stop must not sit out the
-    timeout. An unacknowledged update is not lost: it stays unmarked and is republished.
-    Raises what ``wait_for_publish`` raises for a message that cannot be sent.
-    """
-    deadline = time.monotonic() + timeout
-    while not info.is_published() and not stopping():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        info.wait_for_publish(timeout=min(0.25, remaining))
-    return info.is_published()
 
 
 class AgentService:
@@ -222,7 +206,11 @@ class AgentService:
             info = self.client.publish(
                 self._status_topic, self._status(AgentState.OFFLINE, "shutdown"), qos=1, retain=True
             )
+            # A broker stopping together with the agent (a fleet's Ctrl-C) never answers:
+            # stop waiting once the connection is gone; the will says "offline" anyway.
             with contextlib.suppress(RuntimeError, ValueError):
-                info.wait_for_publish(timeout=5)
+                wait_acknowledged(
+                    info, timeout=5, stopping=lambda: not self.client.is_connected()
+                )
         self.client.disconnect()
         self.client.loop_stop()

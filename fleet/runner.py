@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,9 @@ from urllib.parse import urlparse
 from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
-from protocol.cliutil import CommandFailed, UsageError
+from protocol.cliutil import CommandFailed, Terminated, UsageError
 from protocol.faults import crash_point
+from protocol.lifecycle import SignalDispatch
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +329,56 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         broker.stop()
 
 
+class _StopRequest:
+    """Ctrl-C and SIGTERM during an MQTT run, taken as a request that the run acts on at
+    its next check (about once a second) instead of as an exception raised wherever the
+    main thread happens to be.
+
+    Why: a KeyboardInterrupt raised inside ``Popen.poll`` between its taking and its
+    releasing of the process's wait lock leaves the lock taken for good, and the clean-up's
+    ``Popen.wait`` then blocks forever (seen: an ``edge-fleet`` hung after Ctrl-C, its
+    Mosquitto a zombie). Signals the process was told to ignore stay ignored.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def actions(self) -> dict[int, Callable[[int], None]]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # no signal handling off the main thread
+        return {
+            sig: self._record
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not signal.SIG_IGN
+        }
+
+    def _record(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        if self.signum == signal.SIGTERM:
+            raise Terminated
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+
 def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+    stop = _StopRequest()
+    actions = stop.actions()
+    try:
+        with SignalDispatch(actions) if actions else nullcontext():
+            peak = _run_mqtt_fleet(spec, agents, coord, stop)
+    except Exception:
+        stop.check()  # processes that ended on the same Ctrl-C: report the stop itself
+        raise
+    stop.check()  # a request after the last check still stops the command (a sweep)
+    return peak
+
+
+def _run_mqtt_fleet(
+    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any], stop: _StopRequest
+) -> float:
     bin_dir = Path(sys.executable).parent
     logs = spec.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -380,7 +430,7 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
             memory.pids += [p.pid for p in procs]
             named = {"the coordinator": (procs[0], logs / "coordinator.log")}
             named |= {f"worker {w}": (p, logs / f"worker-{w}.log") for w, p in enumerate(procs[1:])}
-            alive = _liveness(named, memory.sample)
+            alive = _liveness(named, memory.sample, stop.check)
             with _progress(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
             log.info("%s: %d agents online", spec.method, len(configs))
@@ -388,7 +438,7 @@ def _run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
                 watcher.wait_rounds(spec.rounds, bar, alive, lambda r: _log_round(spec, r))
             # The coordinator exits by itself once it has announced the last round.
             del named["the coordinator"]
-            watcher.wait_finished(_liveness(named, memory.sample))
+            watcher.wait_finished(_liveness(named, memory.sample, stop.check))
             memory.sample()
             if coordinator.wait(timeout=60) != 0:
                 raise CommandFailed(f"the coordinator failed; see {logs / 'coordinator.log'}")
@@ -411,6 +461,7 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
 def _liveness(
     named: dict[str, tuple[subprocess.Popen[bytes], Path]],
     sample: Callable[[], None],
+    stop_check: Callable[[], None],
     *,
     grace_s: float = 5.0,
 ) -> Callable[[], None]:
@@ -418,10 +469,11 @@ def _liveness(
     (process, its log)) has exited: without it a dead coordinator or worker would leave the
     fleet waiting out the no-progress limit. An exit counts after ``grace_s``: the
     coordinator ends right after announcing the last round, and that message may still be
-    on its way to the watcher."""
+    on its way to the watcher. ``stop_check`` raises for a Ctrl-C or SIGTERM received."""
     exited: dict[str, float] = {}
 
     def check() -> None:
+        stop_check()
         sample()
         now = time.monotonic()
         for name, (proc, log_path) in named.items():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,3 +110,22 @@ def make_client(
     if will is not None:
         client.will_set(will[0], will[1], qos=1, retain=True)
     return client
+
+
+def wait_acknowledged(
+    info: mqtt.MQTTMessageInfo, *, timeout: float, stopping: Callable[[], bool]
+) -> bool:
+    """Whether the broker acknowledged ``info`` within ``timeout`` seconds.
+
+    Gives up early once ``stopping()`` holds: a broker stopped together with the client (a
+    fleet's Ctrl-C, a host shutting down) never answers, and a stop must not sit out the
+    timeout. The agent republishes an update left unacknowledged. Raises what
+    ``wait_for_publish`` raises for a message that cannot be sent.
+    """
+    deadline = time.monotonic() + timeout
+    while not info.is_published() and not stopping():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        info.wait_for_publish(timeout=min(0.25, remaining))
+    return info.is_published()
