@@ -28,7 +28,7 @@ from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
 from fleet.report import build_report, markdown, plot_domains, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
-from protocol.cliutil import UsageError
+from protocol.cliutil import Terminated, UsageError
 from tests.process_helpers import LoggedProcess
 
 BIN = Path(sys.executable).parent
@@ -411,6 +411,29 @@ def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
         fleet.close()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)  # whatever a failure left running
+
+
+def test_a_stop_request_is_raised_at_the_runs_next_check_as_the_signal_it_was() -> None:
+    from fleet.runner import _StopRequest
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup
+    try:
+        assert set(_StopRequest().actions()) == {signal.SIGTERM}  # ignored stays ignored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stop = _StopRequest()
+    stop.check()  # nothing asked: no exception
+    actions = stop.actions()
+    assert set(actions) == {signal.SIGINT, signal.SIGTERM}
+    actions[signal.SIGTERM](signal.SIGTERM)
+    actions[signal.SIGINT](signal.SIGINT)  # the first request decides
+    with pytest.raises(Terminated):
+        stop.check()
+    interrupted = _StopRequest()
+    interrupted.actions()[signal.SIGINT](signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        interrupted.check()
+    assert caught.type is KeyboardInterrupt
 
 
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
