@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Mapping
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Protocol, TypeVar
 
 from protocol.sdnotify import Notifier, Watchdog
@@ -77,12 +77,7 @@ class SignalDispatch:
         self._previous = {sig: signal.signal(sig, _ignore) for sig in self._actions}
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         signal.set_wakeup_fd(self._previous_fd)
