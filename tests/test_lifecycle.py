@@ -80,12 +80,12 @@ def test_signals_run_their_action_in_the_dispatch_thread_and_handlers_come_back(
         taken.append((signum, threading.current_thread().name))
         done.set()
 
-    before = signal.getsignal(signal.SIGUSR1), signal.set_wakeup_fd(-1)
-    signal.set_wakeup_fd(before[1])
+    handler_before = signal.getsignal(signal.SIGUSR1)
+    fd_before = signal.set_wakeup_fd(-1)  # reading it means replacing it: put it back
+    signal.set_wakeup_fd(fd_before)
     with SignalDispatch({signal.SIGUSR1: action}):
         signal.raise_signal(signal.SIGUSR1)
         assert done.wait(10)
     assert taken == [(signal.SIGUSR1, "signals")]
-    assert signal.getsignal(signal.SIGUSR1) == before[0]
-    assert signal.set_wakeup_fd(-1) == before[1]  # the previous wakeup fd is back
-    signal.set_wakeup_fd(before[1])
+    assert signal.getsignal(signal.SIGUSR1) == handler_before
+    assert signal.set_wakeup_fd(fd_before) == fd_before  # the previous wakeup fd is back
