@@ -8,10 +8,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
 from protocol.cliutil import UsageError, make_parser, run
+
+if TYPE_CHECKING:
+    from edge_agent.service import AgentService
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "agent.toml"
 
@@ -130,13 +134,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from edge_agent.agent import Agent
-    from edge_agent.data import DataError
-    from edge_agent.service import AgentService
-    from export.errors import BundleError
     from protocol.lifecycle import CannotServe, serve
 
     def make(cfg: AgentConfig) -> AgentService:
+        # Imported once the configuration has loaded: torch takes seconds to import, and a
+        # mistake in the file should be reported without that wait.
+        from edge_agent.agent import Agent
+        from edge_agent.data import DataError
+        from edge_agent.service import AgentService
+        from export.errors import BundleError
+
         try:
             agent = Agent(cfg)
         except (BundleError, DataError, ValueError) as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge_agent.train import LOSSES, TrainConfig
+from edge_agent.train_config import METHODS, TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
 from protocol.settings import load_config
@@ -80,9 +80,9 @@ class AgentConfig:
     def __post_init__(self) -> None:
         validate_id(self.agent_id, field="agent_id")
         validate_id(self.fleet, field="fleet")
-        if self.method not in LOSSES:
+        if self.method not in METHODS:
             raise ValueError(
-                f"method {self.method!r} is not supported on the agent; use one of {', '.join(sorted(LOSSES))}"
+                f"method {self.method!r} is not supported on the agent; use one of {', '.join(sorted(METHODS))}"
             )
         if self.privacy.mechanism == "dp" and self.train.norm != "group":
             raise ValueError(

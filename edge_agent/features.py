@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.state import fsync_dir
+from protocol.files import fsync_dir
 
 Extractor = Callable[[np.ndarray], np.ndarray]
 

@@ -3,12 +3,12 @@ L2-normalised so every embedding ``z`` has norm 1."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-Norm = Literal["batch", "group"]
+from edge_agent.train_config import Norm
 
 
 class InputMajorLinear(nn.Module):

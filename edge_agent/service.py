@@ -209,8 +209,6 @@ class AgentService:
             # A broker stopping together with the agent (a fleet's Ctrl-C) never answers:
             # stop waiting once the connection is gone; the will says "offline" anyway.
             with contextlib.suppress(RuntimeError, ValueError):
-                wait_acknowledged(
-                    info, timeout=5, stopping=lambda: not self.client.is_connected()
-                )
+                wait_acknowledged(info, timeout=5, stopping=lambda: not self.client.is_connected())
         self.client.disconnect()
         self.client.loop_stop()

@@ -16,7 +16,6 @@ Layout::
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,24 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (the directory entry itself must reach disk)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
+from protocol.files import atomic_write
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:

@@ -16,37 +16,9 @@ import torch
 from torch import nn
 
 from edge_agent import losses
-from edge_agent.head import Norm, ProjectionHead, local_prototypes
+from edge_agent.head import ProjectionHead, local_prototypes
+from edge_agent.train_config import TrainConfig
 from protocol import RoundAnnouncement
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Paper defaults (FedPCL 5.1): Adam, lr 1e-3, weight decay 1e-4, batch 32, E = 1."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    tau: float = 0.07
-    fpl_tau: float = 0.02
-    include_positive: bool = False
-    lam: float = 1.0
-    out_dim: int = 256
-    norm: Norm = "batch"
-    # FedDBP's loss weights (its paper: 1.0, 10.0, 1.0) for the decision-branch CE, the
-    # shared-branch L2 alignment and the decision-branch contrast.
-    dbp_lambda1: float = 1.0
-    dbp_lambda2: float = 10.0
-    dbp_lambda3: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 2:
-            raise ValueError(
-                "epochs must be >= 1 and batch_size >= 2 (BatchNorm needs two samples)"
-            )
-        if self.lr <= 0 or self.tau <= 0 or self.fpl_tau <= 0:
-            raise ValueError("lr, tau and fpl_tau must be positive")
 
 
 class LocalModel(nn.Module):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from export import architectures, quantize, render
-from export.bundle import Bundle
-from export.onnx_io import INPUT_NAME, export_onnx
+from export.bundle import INPUT_NAME, Bundle
+from export.onnx_io import export_onnx
 from export.runtime import CPU, choose_providers, quiet_threads
 from protocol.benchutil import seconds_per_call
 

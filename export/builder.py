@@ -12,9 +12,9 @@ import onnx
 
 from export import bundle as bundle_mod
 from export import quantize
-from export.bundle import Bundle, Member
+from export.bundle import INPUT_NAME, Bundle, Member
 from export.errors import BundleError, ExportError
-from export.onnx_io import INPUT_NAME, OPSET, compare, export_onnx, onnx_info, torch_features
+from export.onnx_io import OPSET, compare, export_onnx, onnx_info, torch_features
 from export.runtime import preprocess
 from export.sources import Loaded
 from protocol.version import package_version

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,12 @@ from typing import Any
 import numpy as np
 
 from export.errors import BundleError
+from protocol.files import atomic_write
 
 MANIFEST = "bundle.json"
 FORMAT = 1
+#: The input name of every backbone in a bundle (the runtime feeds images by it).
+INPUT_NAME = "input"
 
 
 def sha256_file(path: Path) -> str:
@@ -118,11 +120,7 @@ def write_manifest(
         "backbones": [m.to_json() for m in members],
         **(extra or {}),
     }
-    tmp = path / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    with tmp.open("rb") as handle:
-        os.fsync(handle.fileno())
-    tmp.replace(path / MANIFEST)
+    atomic_write(path / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return Bundle(path=path, id=ident, members=tuple(members), extra=extra or {})
 
 

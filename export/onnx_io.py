@@ -11,10 +11,10 @@ import onnx
 import torch
 from torch import nn
 
+from export.bundle import INPUT_NAME
 from export.errors import ExportError
 
 OPSET = 17
-INPUT_NAME = "input"
 OUTPUT_NAME = "features"
 
 

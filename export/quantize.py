@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 import onnx
 
-from export.onnx_io import INPUT_NAME
+from export.bundle import INPUT_NAME
 
 Precision = Literal["fp32", "fp16", "int8"]
 

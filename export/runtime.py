@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 
 from export import bundle as bundle_mod
-from export.bundle import Bundle, Member
+from export.bundle import INPUT_NAME, Bundle, Member
 from export.errors import BundleError
-from export.onnx_io import INPUT_NAME
 
 log = logging.getLogger(__name__)
 

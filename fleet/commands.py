@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edge_agent.train_config import METHODS
 from fleet import report as report_mod
 from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
 from fleet.resume import run_or_resume, sweep_dir
@@ -18,7 +19,6 @@ from protocol.cliutil import CommandFailed, UsageError
 from protocol.settings import parse_value
 
 BIN = Path(sys.executable).parent
-METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
 DATA_HELP = """data:
   digits-5 (default) is built locally from scikit-learn's bundled digits and photos.
   --data FILE.npz   train_x_<i>, train_y_<i>, test_x_<i>, test_y_<i> (x uint8 or float32

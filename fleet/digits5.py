@@ -15,10 +15,15 @@ Deterministic for a seed.
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where the images are made, not here: edge-fleet imports this module
+# for its option checks and --help, which should not wait seconds for torch.
 
 DOMAINS = ("clean", "inverted", "photo", "colour", "lowres")
 CLASSES = tuple(str(d) for d in range(10))
@@ -27,7 +32,9 @@ CLASSES = tuple(str(d) for d in range(10))
 @cache
 def source() -> tuple[np.ndarray, np.ndarray]:
     """The 1,797 stroke images (N, 1, 32, 32) and their labels, shared by every domain."""
+    import torch
     from sklearn.datasets import load_digits
+    from torch import nn
 
     digits = load_digits()
     images = torch.from_numpy(digits.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8)
@@ -43,6 +50,9 @@ def _photos() -> tuple[np.ndarray, ...]:
 
 
 def _rotate(x: torch.Tensor, degrees: np.ndarray) -> torch.Tensor:
+    import torch
+    from torch import nn
+
     theta = np.deg2rad(degrees)
     cos, sin = np.cos(theta), np.sin(theta)
     mats = torch.tensor(
@@ -55,6 +65,9 @@ def _rotate(x: torch.Tensor, degrees: np.ndarray) -> torch.Tensor:
 
 def render(domain: str, strokes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """(N, 3, 32, 32) float32 in [0, 1] of ``strokes`` (N, 1, 32, 32) in ``domain``."""
+    import torch
+    from torch import nn
+
     n = len(strokes)
     s = strokes
     if domain == "clean":

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.features import fingerprint as data_fingerprint
-from edge_agent.state import atomic_write
 from export import bundle as bundle_mod
 from export.errors import BundleError
 from fleet.partition import Partition
 from fleet.runner import ClientRecord, RunResult, RunSpec
 from protocol.cliutil import UsageError
+from protocol.files import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from edge_agent.train_config import TrainConfig
 from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
 from protocol.cliutil import CommandFailed, Terminated, UsageError
 from protocol.faults import crash_point
 from protocol.lifecycle import SignalDispatch
+from protocol.settings import ConfigError, build
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +75,6 @@ class RunSpec:
             raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
         # The agents build the same table from their TOML file: a bad value fails here,
         # before a fleet starts, not in every worker process.
-        from edge_agent.train import TrainConfig
-        from protocol.settings import ConfigError, build
-
         try:
             build(TrainConfig, train_table(self), prefix="train.")
         except ConfigError as exc:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.config import AgentConfig, DataSettings
-from edge_agent.train import TrainConfig
+from edge_agent.train_config import TrainConfig
 from fleet.digits5 import domain_data
 from protocol.transport import MqttSettings
 

@@ -56,6 +56,7 @@ class LoggedProcess:
     def wait_for(self, text: str, *, after: int = 0, timeout: float = 60.0) -> int:
         """Block until a line after index ``after`` contains ``text``; the new line count."""
         with self._cond:
+
             def seen() -> bool:
                 return any(text in line for line in self.lines[after:])
 

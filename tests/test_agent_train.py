@@ -7,13 +7,13 @@ from edge_agent.train import (
     LOSSES,
     Guidance,
     LocalModel,
-    TrainConfig,
     embed,
     loss_for,
     make_optimiser,
     prototypes_of,
     train_round,
 )
+from edge_agent.train_config import METHODS, TrainConfig
 from tests import factories
 
 
@@ -22,6 +22,12 @@ def blobs(n: int, seed: int, *, classes: int = 4, dim: int = 20):
     centres = np.random.default_rng(99).normal(size=(classes, dim)) * 2
     y = rng.integers(0, classes, size=n)
     return (centres[y] + rng.normal(size=(n, dim))).astype(np.float32), y
+
+
+def test_every_method_name_has_an_objective():
+    # Configurations are checked against METHODS without importing torch; a name there
+    # without an objective would pass the check and fail at the first round.
+    assert sorted(LOSSES) == sorted(METHODS)
 
 
 @pytest.mark.parametrize("method", sorted(LOSSES))

@@ -25,8 +25,8 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_many(argvs: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
-    """``run`` for each argv, four at a time: each start imports torch for seconds, and
-    the cases are independent."""
+    """``run`` for each argv, four at a time: each is a new interpreter, and the cases are
+    independent."""
     with ThreadPoolExecutor(max_workers=4) as pool:
         return list(pool.map(lambda argv: run(*argv), argvs))
 
@@ -36,6 +36,24 @@ def test_help_works(script):
     result = run(script, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: {script}")
+
+
+def test_option_checks_and_help_do_not_import_torch():
+    # Importing torch costs seconds (more on a Jetson): --help, a usage error or a
+    # misspelt config must not wait for it. Every command line's module, as its console
+    # script loads it, plus what checks a fleet's options and an agent's config file.
+    code = (
+        "import sys\n"
+        "import coordinator.cli, edge_agent.cli, export.cli, fleet.cli\n"
+        "from edge_agent.config import AgentConfig\n"
+        "from fleet.runner import RunSpec\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

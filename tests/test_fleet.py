@@ -323,9 +323,7 @@ def _group_members(group: int) -> dict[int, str]:
 
 @pytest.mark.broker
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_killed_fleet_process_takes_its_children_with_it(
-    small_zoo: Path, tmp_path: Path
-) -> None:
+def test_a_killed_fleet_process_takes_its_children_with_it(small_zoo: Path, tmp_path: Path) -> None:
     """SIGKILL (the OOM killer, kill -9) runs no clean-up: the broker, the coordinator and
     the workers notice their parent's death themselves and exit."""
     fleet = _long_fleet(small_zoo, tmp_path)

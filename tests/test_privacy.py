@@ -21,7 +21,7 @@ from edge_agent.config import AgentConfig, PrivacySettings
 from edge_agent.privacy import accounting as acc
 from edge_agent.privacy.ledger import Ledger, LedgerError
 from edge_agent.privacy.mechanisms import MechanismParams, release_dp, release_none, release_paper
-from edge_agent.train import TrainConfig
+from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config

@@ -27,10 +27,10 @@ from edge_agent.train import (
     Guidance,
     LocalModel,
     RoundMetrics,
-    TrainConfig,
     fedpcl_objective,
     loss_for,
 )
+from edge_agent.train_config import TrainConfig
 
 _WRAPPERS: weakref.WeakKeyDictionary[LocalModel, Any] = weakref.WeakKeyDictionary()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.privacy.accounting import Event, epsilon
-from edge_agent.state import atomic_write
+from protocol.files import atomic_write
 
 
 @dataclass(frozen=True)
