@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from protocol.files import atomic_write
 
@@ -156,6 +157,8 @@ class StateDir:
         path = self.root / "head.npz"
         if not path.exists():
             return False
+        import torch  # here, not at the top: `edge-agent status` reads this folder without it
+
         with np.load(path, allow_pickle=False) as data:
             state = {k: torch.from_numpy(data[k]) for k in data.files}
         try:

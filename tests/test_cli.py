@@ -40,12 +40,14 @@ def test_help_works(script):
 
 def test_option_checks_and_help_do_not_import_torch():
     # Importing torch costs seconds (more on a Jetson): --help, a usage error or a
-    # misspelt config must not wait for it. Every command line's module, as its console
-    # script loads it, plus what checks a fleet's options and an agent's config file.
+    # misspelt config must not wait for it, nor `edge-agent status`. Every command line's
+    # module, as its console script loads it, plus what checks a fleet's options, reads an
+    # agent's config file and its state folder.
     code = (
         "import sys\n"
         "import coordinator.cli, edge_agent.cli, export.cli, fleet.cli\n"
         "from edge_agent.config import AgentConfig\n"
+        "from edge_agent.state import StateDir\n"
         "from fleet.runner import RunSpec\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx')))\n"
     )
