@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.cliutil import UsageError, make_parser, run
+from protocol.cliutil import UsageError, check_output_folder, make_parser, run
 
 EPILOG = """\
 examples:
@@ -114,8 +114,7 @@ def _progress(desc: str, total: int) -> Any:
 def _prepare_out(out: Path, force: bool) -> None:
     if (out / "bundle.json").exists() and not force:
         raise UsageError(f"{out} already holds a bundle; pass --force to overwrite it")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a directory")
+    check_output_folder(out, option="--out")
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
-from protocol.cliutil import CommandFailed, UsageError
+from protocol.cliutil import CommandFailed, UsageError, check_output_folder
 from protocol.settings import parse_value
 
 BIN = Path(sys.executable).parent
@@ -206,6 +206,7 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     """Everything a sweep's options can get wrong (broker URL, run settings, data), checked
     before the zoo is built, which takes minutes the first time. Returns the partition of
     ``seed``, which the sweep then reuses."""
+    check_output_folder(args.out, option="--out")
     if args.broker:
         parse_broker_url(args.broker)
     spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)

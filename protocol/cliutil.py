@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from protocol.settings import ConfigError
 from protocol.version import package_version
@@ -113,11 +115,23 @@ def make_parser(prog: str, description: str, epilog: str | None = None) -> argpa
     return parser
 
 
+def check_output_folder(path: Path, *, option: str) -> None:
+    """Raise a usage error now if ``path`` cannot become a folder to write in, rather than
+    fail minutes into the work that would fill it."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} exists and is not a folder")
+    nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not nearest.is_dir():
+        raise UsageError(f"{option} {path}: {nearest} is not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: no permission to write in {nearest}")
+
+
 def run(
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None,
     *,
-    handlers: dict[str, Callable[[argparse.Namespace], int]],
+    handlers: Mapping[str, Callable[[argparse.Namespace], int]],
 ) -> int:
     """Parse ``argv``, dispatch on the ``command`` attribute, and map errors to exit codes."""
     args = parser.parse_args(argv)
@@ -140,6 +154,14 @@ def run(
         return 2
     except CommandFailed as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.filename is None:
+            raise  # not about a file the user named or the command wrote: a bug to see whole
+        # A disk that filled up, a folder without write permission: the user can act on
+        # the path and the reason; the traceback is kept for --log-level DEBUG.
+        logging.getLogger(__name__).debug("file error", exc_info=True)
+        print(f"{parser.prog}: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except Terminated:
         print(f"{parser.prog}: terminated", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The four console scripts as a user runs them from the virtual environment."""
 
+import argparse
 import json
 import logging
 import signal
@@ -96,6 +97,8 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
     # The bundle folder does not exist: any of these reaching the zoo build would start
     # minutes of training and create the folder.
     bundle = tmp_path / "zoo"
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("not a folder")
     cases = [
         (["run", "--rounds", "0"], "--rounds"),
         (["run", "--out-dim", "0"], "--out-dim must be at least 1"),
@@ -108,10 +111,12 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
         (["run", "--train-param", "norm=layer"], "train.norm: 'layer' is not one of"),
         (["run", "--train-param", "tau"], "expects KEY=VALUE"),
         (["run", "--train-param", "epochs=3"], "use --epochs"),
+        (["compare", "--out", str(a_file)], "exists and is not a folder"),
+        (["run", "--out", str(a_file / "o")], f"{a_file} is not a folder"),
     ]
     results = run_many(
-        [["edge-fleet", *argv, "--bundle", str(bundle), "--out", str(tmp_path / "o")]
-         for argv, _ in cases]
+        [["edge-fleet", argv[0], "--bundle", str(bundle), "--out", str(tmp_path / "o"),
+          *argv[1:]] for argv, _ in cases]
     )  # fmt: skip
     for (argv, message), result in zip(cases, results, strict=True):
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
@@ -176,6 +181,27 @@ def test_sigterm_runs_the_commands_clean_up_once_and_exits_143(root_logging, cap
     assert "demo-cli: terminated" in capsys.readouterr().err
     # The default comes back: the handler belongs to the command's run, not the process.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_file_error_is_one_line_naming_the_file_and_exit_1(root_logging, capsys):
+    parser = make_parser("demo-cli", "a command whose disk is full")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("full")
+    sub.add_parser("bug")
+
+    def full(args: argparse.Namespace) -> int:
+        raise OSError(28, "No space left on device", "/data/report.json")
+
+    def bug(args: argparse.Namespace) -> int:
+        raise OSError("no file involved")
+
+    handlers = {"full": full, "bug": bug}
+    assert cliutil.run(parser, ["full"], handlers=handlers) == 1
+    err = capsys.readouterr().err
+    assert err == "demo-cli: error: /data/report.json: No space left on device\n"
+    # An OSError naming no file is not a user's to fix: it surfaces whole.
+    with pytest.raises(OSError, match="no file involved"):
+        cliutil.run(parser, ["bug"], handlers=handlers)
 
 
 def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
