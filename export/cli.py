@@ -19,6 +19,8 @@ examples:
       --backbone name=r18,arch=resnet18,weights=resnet18.pth,mean=0.485/0.456/0.406,std=0.229/0.224/0.225
   edge-export bench bundles/zoo --json
 
+"""
+SPECS = """\
 backbone specs (--backbone, comma-separated key=value):
   name=ID               required; letters, digits, - _ .
   arch=NAME             a built-in architecture (see `edge-export archs`), random weights unless
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = make_parser(
         "edge-export",
         "Export frozen backbones to ONNX bundles for ProtoFleet agents.",
-        epilog=EPILOG,
+        epilog=EPILOG + SPECS,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -56,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zoo.add_argument("--force", action="store_true", help="overwrite an existing bundle in --out")
 
-    bundle = sub.add_parser("bundle", help="build a bundle from your own backbones")
+    bundle = sub.add_parser(
+        "bundle",
+        help="build a bundle from your own backbones",
+        epilog=SPECS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bundle.add_argument("--out", type=Path, required=True, help="bundle directory to create")
     bundle.add_argument(
         "--backbone",

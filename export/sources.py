@@ -18,6 +18,10 @@ from protocol import validate_id
 KINDS = ("arch", "torchscript", "factory", "onnx")
 
 
+#: The keys of a ``--backbone`` spec, as `edge-export bundle --help` lists them.
+SPEC_KEYS = ("name", "arch", "weights", "torchscript", "factory", "onnx", "input", "mean", "std")
+
+
 @dataclass(frozen=True)
 class Source:
     """One backbone to put in a bundle.
@@ -62,7 +66,10 @@ class Source:
         for part in filter(None, text.split(",")):
             key, sep, value = part.partition("=")
             if not sep:
-                raise ExportError(f"backbone spec {text!r}: {part!r} is not key=value")
+                raise ExportError(
+                    f"backbone spec {text!r}: {part!r} is not key=value (for example "
+                    "name=mine,onnx=model.onnx; see `edge-export bundle --help`)"
+                )
             key = key.strip()
             if key in ("weights", "torchscript", "onnx"):
                 fields[key] = Path(value).expanduser()
@@ -78,7 +85,9 @@ class Source:
                     )
                 fields[key] = tuple(_number(p, key, float) for p in parts)
             else:
-                raise ExportError(f"backbone spec {text!r}: unknown key {key!r}")
+                raise ExportError(
+                    f"backbone spec {text!r}: unknown key {key!r}; known: {', '.join(SPEC_KEYS)}"
+                )
         if "name" not in fields:
             raise ExportError(f"backbone spec {text!r}: name= is required")
         return cls(**fields)
@@ -88,7 +97,8 @@ def _number(value: str, key: str, kind: type) -> Any:
     try:
         return kind(value)
     except ValueError:
-        raise ExportError(f"{key}={value!r} is not a {kind.__name__}") from None
+        what = "a whole number" if kind is int else "a number"
+        raise ExportError(f"{key}={value!r} is not {what}") from None
 
 
 @dataclass

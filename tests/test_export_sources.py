@@ -105,15 +105,28 @@ def test_torchscript_factory_and_onnx_sources(tmp_path):
         ("name=a", "exactly one of"),
         ("name=a,arch=cnn32,onnx=x.onnx", "exactly one of"),
         ("name=a,weights=w.pt", "weights= needs arch="),
-        ("name=a,arch=cnn32,input=big", "not a int"),
+        ("name=a,arch=cnn32,input=big", "'big' is not a whole number"),
+        ("name=a,arch=cnn32,std=1/x/1", "'x' is not a number"),
         ("name=a/b,arch=cnn32", "may only contain"),
-        ("name=a,colour=red", "unknown key"),
+        ("name=a,colour=red", "unknown key 'colour'; known: name, arch, weights, torchscript"),
+        ("a.onnx", "is not key=value .for example name=mine,onnx=model.onnx"),
         ("name=a,arch=cnn32,mean=0.5", "three values"),
     ],
 )
 def test_bad_backbone_specs_are_explained(spec, message):
     with pytest.raises(Exception, match=message):
         Source.parse(spec)
+
+
+def test_bundle_help_lists_every_spec_key(capsys):
+    from export.cli import build_parser
+    from export.sources import SPEC_KEYS
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bundle", "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: edge-export bundle")
+    assert [k for k in SPEC_KEYS if f"{k}=" not in text] == []
 
 
 def test_missing_files_are_explained(tmp_path):
