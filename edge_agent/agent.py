@@ -297,7 +297,7 @@ class Agent:
             return self._weights()
         if self.cfg.method == "feddbp":
             scores = losses.fisher_scores(
-                self.model.classifier,
+                self.model.logits,
                 torch.from_numpy(z),
                 torch.from_numpy(self.train_data.labels),
                 self.num_classes,

@@ -7,6 +7,7 @@ A sample whose own class has no prototype contributes nothing to a prototype ter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -250,7 +251,10 @@ def feddbp_decision_loss(
 
 
 def fisher_scores(
-    classifier: nn.Module, z: torch.Tensor, y: torch.Tensor, num_classes: int
+    classifier: Callable[[torch.Tensor], torch.Tensor],
+    z: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
 ) -> torch.Tensor:
     """FedDBP Eq. 8: per class, the mean over its samples of the squared gradient of
     ``log p(y | z)`` with respect to each channel of ``z``. Returns (C, d); a class without

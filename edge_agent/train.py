@@ -31,6 +31,7 @@ class LocalModel(nn.Module):
         super().__init__()
         self.head = ProjectionHead(in_dim=in_dim, out_dim=cfg.out_dim, norm=cfg.norm)
         self.classifier = nn.Linear(cfg.out_dim, num_classes)
+        self.bounded = cfg.classifier == "bounded"
         # FedDBP's decision branch; ``head`` is then its shared branch.
         self.decision = (
             ProjectionHead(in_dim=in_dim, out_dim=cfg.out_dim, norm=cfg.norm) if dual else None
@@ -38,7 +39,15 @@ class LocalModel(nn.Module):
 
     def forward(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.head(r)  # (B, out_dim), unit norm
-        return z, self.classifier(z)  # logits (B, C)
+        return z, self.logits(z)  # (B, C)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        out = self.classifier(z)
+        if self.bounded:
+            # Outside the Linear module: Opacus pairs the module's output gradient with
+            # its input, which must stay the Linear layer's own.
+            out = nn.functional.normalize(nn.functional.relu(out), dim=1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -202,7 +211,7 @@ def _feddbp(
     z_s, logits_s = model(r)
     z_d = model.decision(r)
     loss = nn.functional.cross_entropy(logits_s, y) + cfg.dbp_lambda1 * nn.functional.cross_entropy(
-        model.classifier(z_d), y
+        model.logits(z_d), y
     )
     if g.has_globals:
         loss = loss + cfg.dbp_lambda2 * losses.prototype_distance(  # Eq. 3

@@ -14,6 +14,7 @@ from typing import Literal
 METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
 
 Norm = Literal["batch", "group"]
+Classifier = Literal["linear", "bounded"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class TrainConfig:
     lam: float = 1.0
     out_dim: int = 256
     norm: Norm = "batch"
+    # The cross-entropy methods' classifier on z: "linear" is FedPCL Table 7's FC(256, C).
+    # "bounded" passes its output through ReLU and L2 normalisation before the softmax:
+    # every logit lies in [0, 1], so no prediction can be confident and cross-entropy
+    # keeps pulling. A weaker baseline, kept to show how much of a comparison between
+    # prototype methods and cross-entropy ones rests on the classifier (docs/fleet.md).
+    classifier: Classifier = "linear"
     # FedDBP's loss weights (its paper: 1.0, 10.0, 1.0) for the decision-branch CE, the
     # shared-branch L2 alignment and the decision-branch contrast.
     dbp_lambda1: float = 1.0

@@ -75,7 +75,8 @@ def add_common_options(
     fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
     fl.add_argument("--train-param", action=TrainParams, default={}, metavar="KEY=VALUE",
                     help="any other key of the agents' [train] table (docs/agent.toml), e.g. "
-                         "tau=0.2, fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
+                         "tau=0.2, fpl_tau=0.07, lr=1e-4, norm=group, classifier=bounded; "
+                         "repeatable")  # fmt: skip
     fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),
                     help="backbone bundle; the zoo is built there if missing (default runs/zoo)")  # fmt: skip
     fl.add_argument("--zoo-size", choices=["small", "full"], default="full",

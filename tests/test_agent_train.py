@@ -58,6 +58,39 @@ def test_every_method_learns_separable_features(method):
     assert (pred.numpy() == yt).mean() > 0.9
 
 
+def test_bounded_classifier_logits_by_hand():
+    # W z = (3, -1, 4): ReLU gives (3, 0, 4), L2 normalisation (0.6, 0, 0.8).
+    model = LocalModel(in_dim=4, num_classes=3, cfg=TrainConfig(out_dim=2, classifier="bounded"))
+    with torch.no_grad():
+        model.classifier.weight.copy_(torch.tensor([[3.0, 0.0], [-1.0, 0.0], [4.0, 0.0]]))
+        model.classifier.bias.zero_()
+    z = torch.tensor([[1.0, 0.0]])
+    assert torch.allclose(model.logits(z), torch.tensor([[0.6, 0.0, 0.8]]))
+    linear = LocalModel(in_dim=4, num_classes=3, cfg=TrainConfig(out_dim=2))
+    linear.classifier.load_state_dict(model.classifier.state_dict())
+    assert torch.allclose(linear.logits(z), torch.tensor([[3.0, -1.0, 4.0]]))
+    # The state dict, which FedAvg averages and the state folder keeps, is the Linear's.
+    assert set(model.state_dict()) == set(linear.state_dict())
+
+
+@pytest.mark.parametrize("method", ["solo", "feddbp"])
+def test_a_bounded_classifier_still_learns(method):
+    torch.manual_seed(0)
+    cfg = TrainConfig(out_dim=16, epochs=2, classifier="bounded")
+    x, y = blobs(256, 1)
+    xt, yt = blobs(256, 2)
+    model = LocalModel(in_dim=20, num_classes=4, cfg=cfg, dual=method == "feddbp")
+    opt = make_optimiser(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        train_round(
+            model, opt, x, y, method=method, guidance=Guidance.empty(4, 16), cfg=cfg,
+            generator=gen,
+        )  # fmt: skip
+    _, logits = embed(model, xt)
+    assert (logits.argmax(1) == yt).mean() > 0.9
+
+
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="no local objective for method 'fedsgd'"):
         loss_for("fedsgd")
