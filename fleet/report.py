@@ -111,6 +111,31 @@ def _seeds(methods: dict[str, Any]) -> list[str]:
     return sorted({s for m in methods.values() for s in m["runs"]})
 
 
+def settings(config: dict[str, Any]) -> str:
+    """What shaped the figures besides the data, so that two reports can be told apart
+    without their JSON: '30 rounds, 1 local epoch per round, ...', or ''."""
+    parts = []
+    if "rounds" in config:
+        parts.append(f"{config['rounds']} rounds")
+    if "epochs" in config:
+        parts.append(
+            f"{config['epochs']} local epoch{'' if config['epochs'] == 1 else 's'} per round"
+        )
+    if "out_dim" in config:
+        parts.append(f"head output {config['out_dim']}")
+    if "transport" in config:
+        parts.append(f"{config['transport']} transport")
+    if note := train_note(config):
+        parts.append(note)
+    return ", ".join(parts)
+
+
+def train_note(config: dict[str, Any]) -> str:
+    """The ``--train-param`` settings of a run ('train: classifier=bounded, tau=0.2'), or ''."""
+    params = config.get("train_param") or {}
+    return "train: " + ", ".join(f"{k}={v}" for k, v in sorted(params.items())) if params else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds."""
     methods = report["methods"]
@@ -124,6 +149,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Final test accuracy (%) of each client on its own test split, {over}; a "
         "domain's cell averages its clients.",
+        *([f"Settings: {line}."] if (line := settings(report.get("config", {}))) else []),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
@@ -255,7 +281,8 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy (%)")
-    ax.set_title(report["partition"], fontsize=9)
+    note = train_note(report.get("config", {}))
+    ax.set_title(report["partition"] + (f"; {note}" if note else ""), fontsize=9)
     return finish(plt, fig, ax, path)
 
 
@@ -290,7 +317,8 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(0, 100)
     over = "mean over seeds, bars: std" if several else f"seed {seeds[0]}"
-    ax.set_title(f"final accuracy per domain ({over})", fontsize=9)
+    note = train_note(report.get("config", {}))
+    ax.set_title(f"final accuracy per domain ({over})" + (f"; {note}" if note else ""), fontsize=9)
     return finish(plt, fig, ax, path)
 
 

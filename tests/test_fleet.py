@@ -195,6 +195,14 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     assert "(mean over seeds, %)" in table
     one = markdown(build_report({"fedpcl": {0: results["fedpcl"][0]}}, config={}, partition="t"))
     assert "seed 0; a domain's cell" in one and "(seed 0, %)" in one and "mean over" not in one
+    assert "Settings:" not in table  # no configuration given, nothing to state
+    config = {"rounds": 2, "epochs": 3, "out_dim": 32, "transport": "memory",
+              "train_param": {"tau": 0.2, "classifier": "bounded"}}  # fmt: skip
+    stated = markdown(build_report(results, config=config, partition="toy"))
+    assert (
+        "Settings: 2 rounds, 3 local epochs per round, head output 32, memory transport, "
+        "train: classifier=bounded, tau=0.2." in stated
+    )
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
     png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5_000
