@@ -18,7 +18,7 @@ from typing import Any
 
 from edge_agent.privacy.accounting import plan
 from fleet import commands
-from fleet.report import run_summary, to_json
+from fleet.report import run_summary, settings, to_json
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
@@ -96,22 +96,22 @@ def main(args: argparse.Namespace) -> int:
             first_run = split == splits[0] and seed == seeds[0]
             partition = first if first_run else commands.partition_for(args, seed)
             samples = min(len(c.train_y) for c in partition.clients)
-            settings: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+            arms: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
                 ("solo (no privacy)", "solo", {}, {}),
                 ("fedpcl (no privacy)", "fedpcl", {}, {}),
             ]
             for noise, scale, p in paper:
-                settings.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
+                arms.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
                                  {"mechanism": "paper", "paper_noise": noise,
                                   "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
             for eps in epsilons:
                 chosen = _plan(eps, args, samples=samples)
-                settings.append((f"fedpcl dp eps={eps:g}", "fedpcl",
+                arms.append((f"fedpcl dp eps={eps:g}", "fedpcl",
                                  {"mechanism": "dp", "epsilon": eps, "delta": args.delta,
                                   "sgd_noise_multiplier": chosen.sgd_noise_multiplier,
                                   "release_noise_multiplier": chosen.release_noise_multiplier},
                                  {"norm": "group"}))  # fmt: skip
-            for name, method, privacy, train in settings:
+            for name, method, privacy, train in arms:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
                 spec = commands.spec_for(
                     args, method=method, bundle=bundle, seed=seed,
@@ -179,6 +179,7 @@ def markdown(document: dict[str, Any]) -> str:
         f"# Privacy on digits-5 (delta {document['delta']:g} for the whole run)",
         "",
         "Final mean test accuracy (%) over the clients.",
+        *([f"Settings: {line}."] if (line := settings(document.get("config", {}))) else []),
         "",
         "| setting | " + " | ".join(f"{s} shift" for s in splits) + " |",
         "|---|" + "---:|" * len(splits),

@@ -471,7 +471,9 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     attack = report["label_inference_tv"]["label"]
     assert attack["no noise"] == 0.0 and attack["dp eps=8"] > 0.05
     assert (tmp_path / "accuracy_vs_epsilon.png").read_bytes().startswith(PNG)
-    assert "| fedpcl dp eps=8 |" in (tmp_path / "report.md").read_text()
+    table = (tmp_path / "report.md").read_text()
+    assert "| fedpcl dp eps=8 |" in table
+    assert "Settings: 2 rounds, 1 local epoch per round, head output 32, memory transport." in table
 
 
 def test_runs_sharing_a_feature_cache_run_the_backbones_once(
