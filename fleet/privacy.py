@@ -102,15 +102,15 @@ def main(args: argparse.Namespace) -> int:
             ]
             for noise, scale, p in paper:
                 arms.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
-                                 {"mechanism": "paper", "paper_noise": noise,
-                                  "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
+                             {"mechanism": "paper", "paper_noise": noise,
+                              "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
             for eps in epsilons:
                 chosen = _plan(eps, args, samples=samples)
                 arms.append((f"fedpcl dp eps={eps:g}", "fedpcl",
-                                 {"mechanism": "dp", "epsilon": eps, "delta": args.delta,
-                                  "sgd_noise_multiplier": chosen.sgd_noise_multiplier,
-                                  "release_noise_multiplier": chosen.release_noise_multiplier},
-                                 {"norm": "group"}))  # fmt: skip
+                             {"mechanism": "dp", "epsilon": eps, "delta": args.delta,
+                              "sgd_noise_multiplier": chosen.sgd_noise_multiplier,
+                              "release_noise_multiplier": chosen.release_noise_multiplier},
+                             {"norm": "group"}))  # fmt: skip
             for name, method, privacy, train in arms:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
                 spec = commands.spec_for(
