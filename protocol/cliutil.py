@@ -3,8 +3,8 @@
 It lives here because ``protocol`` is the one package every entry point already imports.
 A user mistake is reported as one ``error:`` line and exit status 2, never a traceback; a
 failure at run time that the command could only report (a process it started died, a
-broker would not start) as one ``error:`` line and exit status 1, so a script can tell
-"fix the command" from "look at the logs and retry". Ctrl-C exits with 130 and SIGTERM
+broker would not start, a file could not be written) as one ``error:`` line and exit
+status 1, so a script can tell "fix the command" from "look at the logs and retry". Ctrl-C exits with 130 and SIGTERM
 with 143, both after the ``finally`` blocks have stopped whatever the command started.
 Only entry points configure logging.
 """
