@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.transport import make_client, network_thread_alive, wait_acknowledged
+from protocol.transport import close_with_last_word, make_client, network_thread_alive
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +140,9 @@ class CoordinatorService:
 
     def _shutdown(self) -> None:
         # Let the last retained announcement reach the broker before disconnecting.
-        if self._connected.is_set():
-            info = self.client.publish(
-                round_topic(self.config.fleet),
-                self.manager.announcement.to_wire(),
-                qos=1,
-                retain=True,
-            )
-            # Not waited for once the connection is gone: a broker stopping together with
-            # the coordinator (a fleet's Ctrl-C) never answers, and the announcement is
-            # republished at the next start anyway.
-            with contextlib.suppress(RuntimeError, ValueError):
-                wait_acknowledged(info, timeout=5, stopping=lambda: not self.client.is_connected())
-        self.client.disconnect()
-        self.client.loop_stop()
+        close_with_last_word(
+            self.client,
+            round_topic(self.config.fleet),
+            self.manager.announcement.to_wire(),
+            connected=self._connected.is_set(),
+        )

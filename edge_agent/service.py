@@ -7,7 +7,6 @@ offline for three rounds answers the current one, not the backlog.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import threading
@@ -28,6 +27,7 @@ from protocol import (
 )
 from protocol.transport import (
     backoff_delay,
+    close_with_last_word,
     make_client,
     network_thread_alive,
     wait_acknowledged,
@@ -202,13 +202,9 @@ class AgentService:
 
     def _shutdown(self) -> None:
         self._stop = True
-        if self.client.is_connected():
-            info = self.client.publish(
-                self._status_topic, self._status(AgentState.OFFLINE, "shutdown"), qos=1, retain=True
-            )
-            # A broker stopping together with the agent (a fleet's Ctrl-C) never answers:
-            # stop waiting once the connection is gone; the will says "offline" anyway.
-            with contextlib.suppress(RuntimeError, ValueError):
-                wait_acknowledged(info, timeout=5, stopping=lambda: not self.client.is_connected())
-        self.client.disconnect()
-        self.client.loop_stop()
+        close_with_last_word(
+            self.client,
+            self._status_topic,
+            self._status(AgentState.OFFLINE, "shutdown"),
+            connected=self.client.is_connected(),
+        )

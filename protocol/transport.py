@@ -6,6 +6,7 @@ msgpack; the agent and the coordinator both call :func:`make_client`.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import ssl
 import time
@@ -129,3 +130,21 @@ def wait_acknowledged(
             break
         info.wait_for_publish(timeout=min(0.25, remaining))
     return info.is_published()
+
+
+def close_with_last_word(
+    client: mqtt.Client, topic: str, payload: bytes, *, connected: bool, timeout: float = 5.0
+) -> None:
+    """Publish a last retained message if ``connected``, wait for the broker to take it,
+    then disconnect and stop the network thread.
+
+    The wait ends early once the connection is gone: a broker stopping together with the
+    client (a fleet's Ctrl-C) never answers, and what is lost is restated anyway (the
+    agent's will says "offline", the coordinator republishes its round at the next start).
+    """
+    if connected:
+        info = client.publish(topic, payload, qos=1, retain=True)
+        with contextlib.suppress(RuntimeError, ValueError):
+            wait_acknowledged(info, timeout=timeout, stopping=lambda: not client.is_connected())
+    client.disconnect()
+    client.loop_stop()

@@ -439,7 +439,7 @@ def test_a_stop_request_is_raised_at_the_runs_next_check_as_the_signal_it_was() 
     interrupted.actions()[signal.SIGINT](signal.SIGINT)
     with pytest.raises(KeyboardInterrupt) as caught:
         interrupted.check()
-    assert caught.type is KeyboardInterrupt
+    assert caught.type is KeyboardInterrupt  # not its subclass Terminated
 
 
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
