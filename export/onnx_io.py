@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from google.protobuf.message import DecodeError
 from torch import nn
 
 from export.bundle import INPUT_NAME
@@ -59,7 +60,12 @@ def export_onnx(
 
 def onnx_info(path: Path) -> tuple[tuple[int, ...], int, int]:
     """(input shape without batch, output dim, opset) read from an ONNX file."""
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as exc:
+        # A truncated download or a file that is not ONNX at all: a user's mistake,
+        # not a bug, so it gets a line, not protobuf's traceback.
+        raise ExportError(f"{path.name}: not an ONNX model ({exc})") from exc
     if len(model.graph.input) != 1 or len(model.graph.output) != 1:
         raise ExportError(f"{path.name}: a backbone needs exactly one input and one output")
 

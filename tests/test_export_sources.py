@@ -98,6 +98,15 @@ def test_torchscript_factory_and_onnx_sources(tmp_path):
     assert builder.verify(tmp_path / "b2")["ok"]
 
 
+def test_a_file_that_is_not_onnx_is_refused_with_its_name(tmp_path):
+    truncated = tmp_path / "half.onnx"
+    cnn = architectures.build("cnn32").eval()
+    torch.onnx.export(cnn, (torch.zeros(1, 3, 32, 32),), str(truncated), dynamo=False)
+    truncated.write_bytes(truncated.read_bytes()[:1000])  # an interrupted copy
+    with pytest.raises(ExportError, match="half.onnx: not an ONNX model"):
+        load(Source(name="x", onnx=truncated))
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
