@@ -103,7 +103,7 @@ def test_a_file_that_is_not_onnx_is_refused_with_its_name(tmp_path):
     cnn = architectures.build("cnn32").eval()
     torch.onnx.export(cnn, (torch.zeros(1, 3, 32, 32),), str(truncated), dynamo=False)
     truncated.write_bytes(truncated.read_bytes()[:1000])  # an interrupted copy
-    with pytest.raises(ExportError, match="half.onnx: not an ONNX model"):
+    with pytest.raises(ExportError, match=r"half\.onnx: not an ONNX model"):
         load(Source(name="x", onnx=truncated))
 
 
