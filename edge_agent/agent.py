@@ -16,7 +16,7 @@ import torch
 from edge_agent import data as data_mod
 from edge_agent import losses
 from edge_agent.config import AgentConfig
-from edge_agent.features import FeatureCache
+from edge_agent.features import FeatureCache, LoggedProgress
 from edge_agent.head import local_prototypes, predict
 from edge_agent.privacy.accounting import Event, per_part_sigma, release_event
 from edge_agent.privacy.dpsgd import train_round_dp
@@ -93,15 +93,23 @@ class Agent:
             if cfg.data.test
             else None
         )
-        cache = FeatureCache(cfg.data.feature_cache or self.state.cache_dir)
+        cache = FeatureCache(
+            cfg.data.feature_cache or self.state.cache_dir, shared=cfg.data.shared_feature_cache
+        )
         dim = self.runtime.feature_dim
-        self.features = cache_features(cache, self.bundle_id, self.train_data, self.runtime)
+        self.features = cache_features(
+            cache, self.bundle_id, self.train_data, self.runtime, what="training data"
+        )
         self.test_features = (
-            cache_features(cache, self.bundle_id, self.test_data, self.runtime)
+            cache_features(cache, self.bundle_id, self.test_data, self.runtime, what="test data")
             if self.test_data is not None
             else None
         )
         cache.prune(keep_bundle=self.bundle_id)
+        if not cache.shared:
+            # What the data was before it changed: its rows are copied by now.
+            for name in cache.drop_unserved():
+                log.info("feature cache: dropped %s (superseded data)", name)
         self.num_classes = len(cfg.classes)
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed if cfg.init_seed is None else cfg.init_seed)
@@ -371,10 +379,20 @@ class Agent:
 
 
 def cache_features(
-    cache: FeatureCache, bundle_id: str, data: data_mod.LocalData, runtime: BackboneRuntime
+    cache: FeatureCache,
+    bundle_id: str,
+    data: data_mod.LocalData,
+    runtime: BackboneRuntime,
+    *,
+    what: str,
 ) -> np.ndarray:
     return cache.features(
-        bundle_id, data.images, runtime.extract, dim=runtime.feature_dim, labels=data.labels
+        bundle_id,
+        data.images,
+        runtime.extract,
+        dim=runtime.feature_dim,
+        labels=data.labels,
+        progress=LoggedProgress(log, what=what, total=len(data)),
     )
 
 

@@ -23,6 +23,10 @@ class DataSettings:
     # Where backbone features are cached; default <state_dir>/cache. Entries are keyed by
     # bundle and data fingerprint, so agents (or runs) on the same data may share one.
     feature_cache: Path | None = None
+    # True when other agents use the same feature_cache (a simulated fleet): the agent then
+    # leaves their entries alone. A private cache reuses the rows of samples it has seen
+    # when the data set changes, and drops the superseded entries.
+    shared_feature_cache: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,12 @@
 
 Features ``r_x`` (N, K*d_e) of a data set are stored as a memory-mapped ``.npy`` keyed by
 the bundle id and a fingerprint of the data, so a second epoch, a second round or a
-restart reads them back instead of running the backbones. Entries of other bundles are
-dropped when a new bundle is used (features of different backbones never mix).
+restart reads them back instead of running the backbones. Beside each entry a ``.keys``
+file holds one digest per sample: when a device's data set changes (new images collected,
+some deleted, a label fixed), a private cache copies the rows of the samples it has seen
+and runs the backbones on the new ones only, then drops the superseded entry. Entries of
+other bundles are dropped when a new bundle is used (features of different backbones
+never mix).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,9 +40,30 @@ def fingerprint(images: np.ndarray, labels: np.ndarray | None = None) -> str:
     return digest.hexdigest()
 
 
+KEY_BYTES = 16
+
+
+def row_keys(images: np.ndarray) -> np.ndarray:
+    """(N, 16) uint8: a digest of each sample's bytes, shape and dtype; the name under which
+    its features are found again when the data set around it changes."""
+    head = json.dumps([list(images.shape[1:]), str(images.dtype)]).encode()
+    keys = np.empty((len(images), KEY_BYTES), dtype=np.uint8)
+    for i, row in enumerate(images):
+        digest = hashlib.blake2b(head, digest_size=KEY_BYTES)
+        digest.update(np.ascontiguousarray(row).tobytes())
+        keys[i] = np.frombuffer(digest.digest(), dtype=np.uint8)
+    return keys
+
+
 class FeatureCache:
-    def __init__(self, root: Path) -> None:
+    """``shared``: other agents use ``root`` too (the agents of a simulated fleet). A
+    shared cache neither borrows rows from nor removes the entries of data sets other than
+    the one asked for; a private one (the default, ``<state_dir>/cache``) does both."""
+
+    def __init__(self, root: Path, *, shared: bool = False) -> None:
         self.root = root
+        self.shared = shared
+        self.served: set[str] = set()  # entry names handed out by this object
         root.mkdir(parents=True, exist_ok=True)
 
     def path(self, bundle_id: str, data_fingerprint: str) -> Path:
@@ -56,9 +82,58 @@ class FeatureCache:
         removed = []
         for npy in self.root.glob("*.npy"):
             if not npy.name.startswith(keep_bundle[:16] + "-"):
-                npy.unlink()
+                _remove_entry(npy)
                 removed.append(npy.name)
         return removed
+
+    def drop_unserved(self) -> list[str]:
+        """Delete the entries this object did not serve (data sets that have changed since
+        they were cached), key files without an entry and writes a crash cut short; returns
+        the removed entries' names. Only for a private cache, once every data set of its
+        agent has been served."""
+        if self.shared:
+            raise RuntimeError("a shared feature cache is not pruned by one of its users")
+        removed = []
+        for npy in self.root.glob("*.npy"):
+            if npy.name not in self.served:
+                _remove_entry(npy)
+                removed.append(npy.name)
+        for stray in [*self.root.glob("*.partial"), *self.root.glob("*.keys")]:
+            if stray.suffix == ".partial" or not stray.with_suffix(".npy").exists():
+                stray.unlink(missing_ok=True)
+        return removed
+
+    def _donors(
+        self, bundle_id: str, dim: int, keys: np.ndarray
+    ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """Which samples (by row) earlier entries of this bundle already hold: a mask over
+        the rows of ``keys`` and, per entry, (its features, rows here, rows there)."""
+        have = np.zeros(len(keys), dtype=bool)
+        if not len(keys):
+            return have, []
+        wanted = {key.tobytes(): i for i, key in enumerate(keys)}
+        found = []
+        for npy in sorted(self.root.glob(f"{bundle_id[:16]}-*.npy")):
+            key_file = npy.with_suffix(".keys")
+            if not key_file.exists():
+                continue
+            try:
+                old_keys = np.load(key_file)
+                old = np.load(npy, mmap_mode="r")
+            except (OSError, ValueError):
+                continue  # unreadable: that entry simply cannot lend its rows
+            if old.shape[1:] != (dim,) or old_keys.shape != (len(old), KEY_BYTES):
+                continue
+            here, there = [], []
+            for j, key in enumerate(old_keys):
+                i = wanted.get(key.tobytes())
+                if i is not None and not have[i]:
+                    have[i] = True
+                    here.append(i)
+                    there.append(j)
+            if here:
+                found.append((old, np.asarray(here), np.asarray(there)))
+        return have, found
 
     def features(
         self,
@@ -72,22 +147,36 @@ class FeatureCache:
         progress: Any = None,
     ) -> np.ndarray:
         """The cached features of ``images``, computing (in batches, straight to disk) only
-        on a miss. The result is a read-only memory map."""
+        what no entry holds. The result is a read-only memory map."""
         target = self.path(bundle_id, fingerprint(images, labels))
         if target.exists():
             cached = np.load(target, mmap_mode="r")
             if cached.shape == (len(images), dim):
+                self.served.add(target.name)
                 return cached
-            target.unlink()  # a stale or foreign file under our name: recompute
+            _remove_entry(target)  # a stale or foreign file under our name: recompute
         self.prune(keep_bundle=bundle_id)
+        # A shared cache's entries are never borrowed from: no keys to compute or keep.
+        keys = None if self.shared else row_keys(images)
+        have, donors = (
+            (np.zeros(len(images), dtype=bool), [])
+            if keys is None
+            else self._donors(bundle_id, dim, keys)
+        )
         tmp = target.with_name(target.name + ".partial")
         try:
             out = np.lib.format.open_memmap(
                 tmp, mode="w+", dtype=np.float32, shape=(len(images), dim)
             )
-            for start in range(0, len(images), batch):
-                chunk = extract(images[start : start + batch])
-                out[start : start + len(chunk)] = chunk
+            for old, here, there in donors:
+                out[here] = old[there]
+            todo = np.flatnonzero(~have)
+            for start in range(0, len(todo), batch):
+                rows = todo[start : start + batch]
+                # Contiguous rows (the usual case: nothing cached) as a view, not a copy.
+                whole = rows[-1] - rows[0] == len(rows) - 1
+                chunk = extract(images[rows[0] : rows[-1] + 1] if whole else images[rows])
+                out[rows] = chunk
                 if progress is not None:
                     progress.update(len(chunk))
             out.flush()
@@ -97,6 +186,48 @@ class FeatureCache:
             raise
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
+        # The keys go first: an entry without keys only loses the ability to lend rows.
+        if keys is not None:
+            _write_keys(target.with_suffix(".keys"), keys)
         tmp.replace(target)  # atomic: a crash leaves either no entry or a complete one
         fsync_dir(self.root)
+        self.served.add(target.name)
         return np.load(target, mmap_mode="r")
+
+
+class LoggedProgress:
+    """Progress of a long backbone pass as log lines (a service has no terminal): one line
+    every ``every_s`` seconds, so a first start on a large data set does not look hung."""
+
+    def __init__(self, log: Any, *, what: str, total: int, every_s: float = 30.0) -> None:
+        self.log, self.what, self.total, self.every_s = log, what, total, every_s
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            self.log.info(
+                "%s: backbones ran on %d of %d samples (%.0f/s)",
+                self.what,
+                self.done,
+                self.total,
+                rate,
+            )
+
+
+def _write_keys(path: Path, keys: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with tmp.open("wb") as handle:
+        np.save(handle, keys)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+
+
+def _remove_entry(npy: Path) -> None:
+    npy.unlink(missing_ok=True)
+    npy.with_suffix(".keys").unlink(missing_ok=True)

@@ -150,7 +150,11 @@ def _agent_tables(
         "data": {
             "train": str(train),
             "test": str(test),
-            **({"feature_cache": str(spec.feature_cache)} if spec.feature_cache else {}),
+            **(
+                {"feature_cache": str(spec.feature_cache), "shared_feature_cache": True}
+                if spec.feature_cache
+                else {}
+            ),
         },
         "train": train_table(spec),
         # One intra-op thread per session: many agents share a few cores.

@@ -49,6 +49,27 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     assert again.handle(announcement(again.bundle_id, 1)).reason == "answered"
 
 
+def test_a_restart_on_grown_data_runs_the_backbones_on_the_new_samples_only(small_zoo, tmp_path):
+    from tests.agent_helpers import digits_npz
+
+    cfg = agent_config(tmp_path / "g", small_zoo, agent_id="dev-g", domain="clean")
+    Agent(cfg)
+    old = np.load(cfg.data.train)
+    extra = np.load(digits_npz(tmp_path, "clean", start=500, count=30))
+    grown = tmp_path / "grown.npz"
+    np.savez(
+        grown, x=np.concatenate([old["x"], extra["x"]]), y=np.concatenate([old["y"], extra["y"]])
+    )
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=grown))
+    again = Agent(cfg)
+    assert again.runtime.samples_processed == 30
+    fresh = again.runtime.extract(again.train_data.images[-40:])
+    np.testing.assert_allclose(again.features[-40:], fresh, rtol=1e-5, atol=1e-5)
+    # The cache holds the current training and test sets, nothing superseded.
+    cached = sorted(p.name for p in (cfg.state_dir / "cache").glob("*.npy"))
+    assert len(cached) == 2 and len(again.features) == 150
+
+
 def test_mismatched_announcements_are_ignored(small_zoo, tmp_path):
     agent = Agent(agent_config(tmp_path / "b", small_zoo, agent_id="dev-b", domain="inverted"))
     ann = announcement(agent.bundle_id, 0)

@@ -67,3 +67,70 @@ def test_cache_with_the_real_runtime(small_zoo, tmp_path):
     again = cache.features(runtime.bundle.id, images, runtime.extract, dim=runtime.feature_dim)
     assert runtime.samples_processed == 12
     np.testing.assert_allclose(again, runtime.extract(images[:12]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_data_set_runs_the_backbones_on_its_new_samples_only(tmp_path):
+    rng = np.random.default_rng(2)
+    seen = rng.random((10, 3, 4, 4), dtype=np.float32)
+    cache = FeatureCache(tmp_path)
+    cache.features("b" * 64, seen, Counting(), dim=3, labels=np.arange(10) % 2)
+    # A day later: two samples deleted, five collected, the order changed.
+    new = rng.random((5, 3, 4, 4), dtype=np.float32)
+    grown = np.concatenate([seen[[7, 0, 3, 9, 1, 2, 8, 4]], new])[rng.permutation(13)]
+    later, extract = FeatureCache(tmp_path), Counting()
+    feats = later.features("b" * 64, grown, extract, dim=3)
+    assert extract.calls == 5
+    np.testing.assert_array_equal(feats, Counting()(grown))
+    assert len(later.entries()) == 2  # until the agent says which entries it still uses
+    assert later.drop_unserved() != [] and [e["shape"] for e in later.entries()] == [[13, 3]]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".keys", ".npy"]
+
+
+def test_relabelled_data_reuses_every_row(tmp_path):
+    images = np.random.default_rng(3).random((6, 3, 4, 4), dtype=np.float32)
+    cache, extract = FeatureCache(tmp_path), Counting()
+    cache.features("b" * 64, images, extract, dim=3, labels=np.zeros(6, np.int64))
+    again = cache.features("b" * 64, images, extract, dim=3, labels=np.ones(6, np.int64))
+    assert extract.calls == 6  # the first pass only
+    np.testing.assert_array_equal(again, Counting()(images))
+
+
+def test_rows_of_another_bundle_are_never_borrowed(tmp_path):
+    images = np.random.default_rng(4).random((6, 3, 4, 4), dtype=np.float32)
+    FeatureCache(tmp_path).features("a" * 64, images, Counting(), dim=3)
+    extract = Counting()
+    FeatureCache(tmp_path).features("c" * 64, images[:4], extract, dim=3)
+    assert extract.calls == 4
+
+
+def test_a_shared_cache_neither_borrows_nor_prunes_other_data(tmp_path):
+    rng = np.random.default_rng(5)
+    mine, theirs = rng.random((2, 6, 3, 4, 4), dtype=np.float32)
+    FeatureCache(tmp_path, shared=True).features("b" * 64, theirs, Counting(), dim=3)
+    shared, extract = FeatureCache(tmp_path, shared=True), Counting()
+    shared.features("b" * 64, np.concatenate([mine, theirs[:2]]), extract, dim=3)
+    assert extract.calls == 8
+    with pytest.raises(RuntimeError, match="shared"):
+        shared.drop_unserved()
+    assert len(shared.entries()) == 2
+
+
+def test_drop_unserved_clears_what_a_crash_left(tmp_path):
+    cache = FeatureCache(tmp_path)
+    cache.features("b" * 64, np.ones((2, 3, 2, 2), np.float32), Counting(), dim=3)
+    (tmp_path / "x.npy.partial").write_bytes(b"half")
+    (tmp_path / "gone.keys").write_bytes(b"orphan")
+    cache.drop_unserved()
+    assert len(cache.entries()) == 1
+    assert not (tmp_path / "x.npy.partial").exists() and not (tmp_path / "gone.keys").exists()
+
+
+def test_progress_is_logged_for_a_long_backbone_pass(caplog):
+    import logging
+
+    from edge_agent.features import LoggedProgress
+
+    progress = LoggedProgress(logging.getLogger("t"), what="training data", total=10, every_s=0)
+    with caplog.at_level(logging.INFO, logger="t"):
+        progress.update(4)
+    assert "training data: backbones ran on 4 of 10 samples" in caplog.text
