@@ -87,24 +87,28 @@ class Agent:
         self.runtime = runtime
         self.state.reset_for_bundle(runtime.bundle.id)
         self.bundle_id = self.runtime.bundle.id
-        self.train_data = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
-        self.test_data = (
-            data_mod.load(cfg.data.test, cfg.classes, size=cfg.data.image_size)
-            if cfg.data.test
-            else None
-        )
         cache = FeatureCache(
             cfg.data.feature_cache or self.state.cache_dir, shared=cfg.data.shared_feature_cache
         )
         dim = self.runtime.feature_dim
+        # Only the labels outlive this: the backbones are done with the images once their
+        # features are cached, and a large data set's pixels (12 kB a sample at 32 x 32)
+        # would otherwise sit in a small device's memory for the agent's whole life.
+        train = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
         self.features = cache_features(
-            cache, self.bundle_id, self.train_data, self.runtime, what="training data"
+            cache, self.bundle_id, train, self.runtime, what="training data"
         )
-        self.test_features = (
-            cache_features(cache, self.bundle_id, self.test_data, self.runtime, what="test data")
-            if self.test_data is not None
-            else None
-        )
+        self.train_labels = train.labels
+        del train
+        self.test_features: np.ndarray | None = None
+        self.test_labels: np.ndarray | None = None
+        if cfg.data.test:
+            test = data_mod.load(cfg.data.test, cfg.classes, size=cfg.data.image_size)
+            self.test_features = cache_features(
+                cache, self.bundle_id, test, self.runtime, what="test data"
+            )
+            self.test_labels = test.labels
+            del test
         cache.prune(keep_bundle=self.bundle_id)
         if not cache.shared:
             # What the data was before it changed: its rows are copied by now.
@@ -132,7 +136,7 @@ class Agent:
         log.info(
             "agent %s: %d training samples, bundle %s, %s",
             cfg.agent_id,
-            len(self.train_data),
+            len(self.train_labels),
             self.bundle_id[:12],
             "resumed head" if self.resumed else "new head",
         )
@@ -195,11 +199,11 @@ class Agent:
                 privacy.epsilon,
             )
             return Decision("budget_exhausted")
-        log.info("round %d: training on %d samples", announcement.round, len(self.train_data))
+        log.info("round %d: training on %d samples", announcement.round, len(self.train_labels))
         guidance = Guidance.from_announcement(
             announcement, client=cfg.agent_id, dim=cfg.train.out_dim
         )
-        args = (self.model, self.optimiser, self.features, self.train_data.labels)
+        args = (self.model, self.optimiser, self.features, self.train_labels)
         common: dict[str, Any] = {"method": cfg.method, "guidance": guidance, "cfg": cfg.train,
                   "generator": self.generator}  # fmt: skip
         if dp:
@@ -215,14 +219,14 @@ class Agent:
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
         z, _ = embed(self.model, self.features)
-        labels = torch.from_numpy(self.train_data.labels)
+        labels = torch.from_numpy(self.train_labels)
         protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
         # The exact local prototypes stay on the device for inference; what leaves it is
         # the mechanism's release.
         protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
         release = MECHANISMS[privacy.mechanism](
-            z, self.train_data.labels, self.num_classes, self._mechanism_params(), self.noise_rng
+            z, self.train_labels, self.num_classes, self._mechanism_params(), self.noise_rng
         )
         spent = None
         if dp:
@@ -255,10 +259,8 @@ class Agent:
             "bytes_up": len(payload),
             "bytes_down": received_bytes,
         }
-        if self.test_features is not None and self.test_data is not None:
-            scores = self.accuracies(
-                self.test_features, self.test_data.labels, protos, counts, guidance
-            )
+        if self.test_features is not None and self.test_labels is not None:
+            scores = self.accuracies(self.test_features, self.test_labels, protos, counts, guidance)
             # FedAvg's and FPL's own figure is filled in when the global model arrives
             # (_adopt_global); FedDBP's is None until global prototypes exist.
             record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
@@ -289,7 +291,7 @@ class Agent:
         """One round's spend: its DP-SGD steps and its release. Before training, the
         steps are the planned ones (q = batch / samples, ceil(samples / batch) per epoch)."""
         p, t = self.cfg.privacy, self.cfg.train
-        n = len(self.train_data)
+        n = len(self.train_labels)
         if q is None or steps is None:
             q, steps = min(1.0, t.batch_size / n), t.epochs * math.ceil(n / t.batch_size)
         s = per_part_sigma(p.release_noise_multiplier)
@@ -307,7 +309,7 @@ class Agent:
             scores = losses.fisher_scores(
                 self.model.logits,
                 torch.from_numpy(z),
-                torch.from_numpy(self.train_data.labels),
+                torch.from_numpy(self.train_labels),
                 self.num_classes,
             )
             return {"fisher": scores.numpy()[held].astype(np.float32)}
@@ -326,10 +328,10 @@ class Agent:
         the last round's figure arrives with the final announcement."""
         if self.cfg.method not in AVERAGED or not self._load_weights(announcement.extras):
             return
-        if self.test_features is None or self.test_data is None or announcement.round < 1:
+        if self.test_features is None or self.test_labels is None or announcement.round < 1:
             return
         _, logits = embed(self.model, self.test_features)
-        accuracy = float((logits.argmax(1) == self.test_data.labels).mean())
+        accuracy = float((logits.argmax(1) == self.test_labels).mean())
         self.state.amend_round(
             announcement.round - 1, test_accuracy=accuracy, test_accuracy_global=accuracy
         )

@@ -347,7 +347,7 @@ def backbone_contribution(
         cfg_path = result.spec.out / "clients" / client.name / "agent.toml"
         agent = Agent(load_agent_config(cfg_path), runtime=runtime)
         feats = np.asarray(agent.features, dtype=np.float32)
-        labels = torch.from_numpy(agent.train_data.labels)
+        labels = torch.from_numpy(agent.train_labels)
         n_cls = agent.num_classes
         full, counts = local_prototypes(
             torch.from_numpy(embed(agent.model, feats)[0]), labels, n_cls

@@ -3,6 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from edge_agent import data as data_mod
 from edge_agent.agent import Agent
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
@@ -29,7 +30,7 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     first = agent.handle(announcement(agent.bundle_id, 0))
     assert first.reason == "answered" and first.payload is not None
     update = PrototypeUpdate.from_wire(first.payload)
-    labels = agent.train_data.labels
+    labels = agent.train_labels
     assert update.counts == tuple(int((labels == c).sum()) for c in update.classes)
     assert sum(update.counts) == 120 and update.prototypes.shape == (len(update.classes), 32)
     np.testing.assert_allclose(
@@ -63,7 +64,7 @@ def test_a_restart_on_grown_data_runs_the_backbones_on_the_new_samples_only(smal
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=grown))
     again = Agent(cfg)
     assert again.runtime.samples_processed == 30
-    fresh = again.runtime.extract(again.train_data.images[-40:])
+    fresh = again.runtime.extract(data_mod.load(grown, cfg.classes).images[-40:])
     np.testing.assert_allclose(again.features[-40:], fresh, rtol=1e-5, atol=1e-5)
     # The cache holds the current training and test sets, nothing superseded.
     cached = sorted(p.name for p in (cfg.state_dir / "cache").glob("*.npy"))
@@ -188,9 +189,9 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
     def global_accuracy(agent: Agent, weights: dict) -> float:
         model = LocalModel(in_dim=agent.runtime.feature_dim, num_classes=10, cfg=agent.cfg.train)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
-        assert agent.test_features is not None and agent.test_data is not None
+        assert agent.test_features is not None and agent.test_labels is not None
         _, logits = embed(model, agent.test_features)
-        return float((logits.argmax(1) == agent.test_data.labels).mean())
+        return float((logits.argmax(1) == agent.test_labels).mean())
 
     first = play(0, {})
     for agent in agents:  # round 0's global model is not known yet
@@ -235,9 +236,9 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
                      global_prototypes=shared, client_globals={"dev-d": personal})
     )  # fmt: skip
     record = agent.state.snapshot.history[-1]
-    assert agent.test_features is not None and agent.test_data is not None
+    assert agent.test_features is not None and agent.test_labels is not None
     assert agent.model.decision is not None
-    labels = agent.test_data.labels
+    labels = agent.test_labels
     with torch.no_grad():
         agent.model.eval()
         z_d = agent.model.decision(torch.from_numpy(np.array(agent.test_features))).numpy()
