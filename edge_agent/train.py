@@ -291,6 +291,10 @@ def train_round(
             optimiser.step()
             total += float(loss.detach())
             steps += 1
+    for p in params:
+        # The last step's gradients would otherwise sit in memory until the next round:
+        # a head's worth per agent, 0.9 GB over a 1,000-device fleet in one process.
+        p.grad = None
     return RoundMetrics(
         loss=total / max(steps, 1), samples=n, steps=steps, seconds=time.perf_counter() - start
     )

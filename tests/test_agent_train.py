@@ -53,6 +53,7 @@ def test_every_method_learns_separable_features(method):
             local_present=present[None],
         )
     assert metrics.samples == 256 and metrics.steps == 2 * 8 and np.isfinite(metrics.loss)
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == []  # freed
     z, _ = embed(model, xt)
     pred, _ = predict(torch.from_numpy(z), torch.from_numpy(protos), present)
     assert (pred.numpy() == yt).mean() > 0.9
