@@ -16,6 +16,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 from protocol.files import atomic_write
+
+log = logging.getLogger(__name__)
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -163,7 +166,11 @@ class StateDir:
             state = {k: torch.from_numpy(data[k]) for k in data.files}
         try:
             model.load_state_dict(state, strict=True)
-        except RuntimeError:
+        except RuntimeError as exc:
+            # Said, not silent: an edited [train] out_dim or method leaves the saved head
+            # unusable, and an operator should know why training starts over.
+            detail = " ".join(str(exc).split())
+            log.warning("%s does not fit the configured head, starting a new one: %s", path, detail)
             return False
         return True
 

@@ -50,6 +50,17 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     assert again.handle(announcement(again.bundle_id, 1)).reason == "answered"
 
 
+def test_a_saved_head_that_no_longer_fits_is_replaced_with_a_warning(small_zoo, tmp_path, caplog):
+    cfg = agent_config(tmp_path / "w", small_zoo, agent_id="dev-w", domain="clean")
+    first = Agent(cfg)
+    assert first.handle(announcement(first.bundle_id, 0)).reason == "answered"
+    wider = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dim=64))
+    with caplog.at_level("WARNING", logger="edge_agent.state"):
+        agent = Agent(wider)
+    assert not agent.resumed and agent.last_round == 0
+    assert "does not fit the configured head" in caplog.text and "size mismatch" in caplog.text
+
+
 def test_a_restart_on_grown_data_runs_the_backbones_on_the_new_samples_only(small_zoo, tmp_path):
     from tests.agent_helpers import digits_npz
 
