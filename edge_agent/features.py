@@ -72,9 +72,10 @@ class FeatureCache:
     def entries(self) -> list[dict[str, Any]]:
         out = []
         for npy in sorted(self.root.glob("*.npy")):
-            arr = np.load(npy, mmap_mode="r")
+            arr = _load(npy)
             bundle, _, data = npy.stem.partition("-")
-            out.append({"file": npy.name, "bundle": bundle, "data": data, "shape": list(arr.shape)})
+            shape = None if arr is None else list(arr.shape)  # None: damaged, to be recomputed
+            out.append({"file": npy.name, "bundle": bundle, "data": data, "shape": shape})
         return out
 
     def prune(self, *, keep_bundle: str) -> list[str]:
@@ -117,10 +118,8 @@ class FeatureCache:
             key_file = npy.with_suffix(".keys")
             if not key_file.exists():
                 continue
-            try:
-                old_keys = np.load(key_file)
-                old = np.load(npy, mmap_mode="r")
-            except (OSError, ValueError):
+            old_keys, old = _load(key_file, mmap=False), _load(npy)
+            if old_keys is None or old is None:
                 continue  # unreadable: that entry simply cannot lend its rows
             if old.shape[1:] != (dim,) or old_keys.shape != (len(old), KEY_BYTES):
                 continue
@@ -150,11 +149,11 @@ class FeatureCache:
         what no entry holds. The result is a read-only memory map."""
         target = self.path(bundle_id, fingerprint(images, labels))
         if target.exists():
-            cached = np.load(target, mmap_mode="r")
-            if cached.shape == (len(images), dim):
+            cached = _load(target)
+            if cached is not None and cached.shape == (len(images), dim):
                 self.served.add(target.name)
                 return cached
-            _remove_entry(target)  # a stale or foreign file under our name: recompute
+            _remove_entry(target)  # damaged, stale or foreign file under our name: recompute
         self.prune(keep_bundle=bundle_id)
         # A shared cache's entries are never borrowed from: no keys to compute or keep.
         keys = None if self.shared else row_keys(images)
@@ -217,6 +216,15 @@ class LoggedProgress:
                 self.total,
                 rate,
             )
+
+
+def _load(path: Path, *, mmap: bool = True) -> np.ndarray | None:
+    """A cache file's array, or None when it cannot be read (cut short or emptied by a
+    failing disk, not an array): a damaged file costs its recomputation, not the agent."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
 
 
 def _write_keys(path: Path, keys: np.ndarray) -> None:

@@ -58,6 +58,42 @@ def test_an_interrupted_write_leaves_no_entry(tmp_path):
     assert FeatureCache(tmp_path).entries() == []
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b"",  # emptied
+        lambda b: b[: len(b) // 2],  # cut short mid-data
+        lambda b: b[:20],  # cut short mid-header
+        lambda b: b"not an array at all",
+    ],
+    ids=["empty", "half", "header", "garbage"],
+)
+def test_a_damaged_entry_is_recomputed_and_shown_as_damaged(tmp_path, damage):
+    images = np.random.default_rng(1).random((6, 3, 4, 4), dtype=np.float32)
+    first = np.array(FeatureCache(tmp_path).features("b" * 64, images, Counting(), dim=3))
+    entry = next(tmp_path.glob("*.npy"))
+    keys = entry.with_suffix(".keys")
+
+    def spoil() -> None:
+        entry.write_bytes(damage(entry.read_bytes()))
+        keys.write_bytes(damage(keys.read_bytes()))
+
+    spoil()
+    assert [e["shape"] for e in FeatureCache(tmp_path).entries()] == [None]
+    extract = Counting()
+    again = FeatureCache(tmp_path).features("b" * 64, images, extract, dim=3)
+    assert extract.calls == 6  # replaced, not served
+    np.testing.assert_array_equal(again, first)
+    assert [e["shape"] for e in FeatureCache(tmp_path).entries()] == [[6, 3]]
+
+    # A grown data set asks a damaged entry for its rows: it has none to lend.
+    spoil()
+    extract = Counting()
+    grown = np.concatenate([images, images[:1] + 1])
+    FeatureCache(tmp_path).features("b" * 64, grown, extract, dim=3)
+    assert extract.calls == 7
+
+
 def test_cache_with_the_real_runtime(small_zoo, tmp_path):
     runtime = BackboneRuntime(small_zoo)
     images = np.random.default_rng(1).random((12, 3, 32, 32), dtype=np.float32)
