@@ -16,6 +16,7 @@ Every split is a pure function of its seed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,17 @@ class Partition:
     clients: tuple[ClientData, ...]
     classes: tuple[str, ...]
     description: str
+
+    def __post_init__(self) -> None:
+        # Checked here, before any process starts: an agent refuses an empty data set at
+        # its first round, which in a fleet would be one failure among many processes.
+        for c in self.clients:
+            for part, y in (("training", c.train_y), ("test", c.test_y)):
+                if not len(y):
+                    raise UsageError(
+                        f"{c.name} ({c.domain}) has no {part} images: every client needs "
+                        "both, as it trains on one and is scored on the other"
+                    )
 
 
 def dirichlet_label_counts(
@@ -185,6 +197,9 @@ def _as_nchw_uint8(x: np.ndarray, *, key: str) -> np.ndarray:
     raise UsageError(f"{key} must be uint8 or float32, got {x.dtype}")
 
 
+_CLIENT_KEY = re.compile(r"(train_x|train_y|test_x|test_y|domain)_(\d+)")
+
+
 def from_npz(path: Path) -> Partition:
     """Clients from one .npz (``train_x_<i>``, ``train_y_<i>``, ``test_x_<i>``,
     ``test_y_<i>``, optional ``domain_<i>``)."""
@@ -197,6 +212,14 @@ def from_npz(path: Path) -> Partition:
         n += 1
     if n == 0:
         raise UsageError(f"{path} holds no train_x_0 (see `edge-fleet run --help`)")
+    # Clients are read 0, 1, 2, ... up to the first missing number; arrays numbered past
+    # a gap would be silently left out.
+    stray = sorted({int(m[2]) for k in data if (m := _CLIENT_KEY.fullmatch(k)) and int(m[2]) >= n})
+    if stray:
+        raise UsageError(
+            f"{path}: has no train_x_{n} but holds arrays of client {stray[0]}: clients must "
+            f"be numbered 0 to N-1 without gaps"
+        )
     clients = []
     top = 0
     for i in range(n):

@@ -117,6 +117,20 @@ def test_clients_from_an_npz(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="client 1 lacks test_y_1"):
         part.from_npz(tmp_path / "broken.npz")
 
+    # Client 2 past a missing client 1 would be silently left out.
+    gap = {k: v for k, v in arrays.items() if not k.endswith("_1")}
+    gap |= {k[:-1] + "2": v for k, v in arrays.items() if k.endswith("_0")}
+    np.savez(tmp_path / "gap.npz", **gap)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="no train_x_1 but holds arrays of client 2"):
+        part.from_npz(tmp_path / "gap.npz")
+
+    # A client with nothing to train on (or to be scored on) is refused before any run.
+    arrays["test_y_1"] = arrays["test_y_0"]
+    arrays["train_x_1"], arrays["train_y_1"] = arrays["train_x_1"][:0], arrays["train_y_1"][:0]
+    np.savez(tmp_path / "empty.npz", **arrays)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"client-0001 \(sketch\) has no training images"):
+        part.from_npz(tmp_path / "empty.npz")
+
 
 def test_clients_from_folders(tmp_path: Path) -> None:
     from PIL import Image
@@ -144,6 +158,11 @@ def test_clients_from_folders(tmp_path: Path) -> None:
     got = part.from_directory(domains, image_size=8, test_share=0.3)
     assert [c.domain for c in got.clients] == ["amazon", "webcam"]
     assert len(got.clients[0].train_y) == 7 and len(got.clients[0].test_y) == 3
+
+    # One image in a domain: after the split it has nothing left to test on.
+    image(domains / "tiny" / "mug" / "0.png", 0)
+    with pytest.raises(UsageError, match=r"\(tiny\) has no test images"):
+        part.from_directory(domains, image_size=8, test_share=0.3)
 
 
 # -- report arithmetic ---------------------------------------------------------------------
