@@ -50,3 +50,15 @@ class TrainConfig:
             )
         if self.lr <= 0 or self.tau <= 0 or self.fpl_tau <= 0:
             raise ValueError("lr, tau and fpl_tau must be positive")
+        if self.out_dim < 1:
+            raise ValueError(f"out_dim must be positive, got {self.out_dim}")
+        weights = {
+            "weight_decay": self.weight_decay,
+            "lam": self.lam,
+            "dbp_lambda1": self.dbp_lambda1,
+            "dbp_lambda2": self.dbp_lambda2,
+            "dbp_lambda3": self.dbp_lambda3,
+        }
+        negative = [name for name, value in weights.items() if value < 0]
+        if negative:
+            raise ValueError(f"{', '.join(negative)} must not be negative")

@@ -109,9 +109,18 @@ def test_guidance_scatters_announced_rows_into_class_slots():
     assert not Guidance.from_announcement(ann, client="x", dim=8).has_globals
 
 
-def test_config_is_checked():
-    with pytest.raises(ValueError):
-        TrainConfig(batch_size=1)
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"batch_size": 1}, "batch_size >= 2"),
+        ({"tau": 0.0}, "tau and fpl_tau must be positive"),
+        ({"out_dim": 0}, "out_dim must be positive, got 0"),
+        ({"weight_decay": -1e-4, "dbp_lambda2": -1.0}, "weight_decay, dbp_lambda2 must not be"),
+    ],
+)
+def test_config_is_checked(bad, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**bad)
 
 
 def test_input_major_linear_is_nn_linear_with_a_transposed_weight():
