@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from coordinator.strategies import RobustOptions, available
+from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import validate_id
 from protocol.settings import load_config
 from protocol.transport import MqttSettings
@@ -41,6 +41,9 @@ class ModelSettings:
             raise ValueError("classes must be unique")
         if self.dim < 1:
             raise ValueError("dim must be positive")
+        # Built once here so that a bad [model.strategy] is reported with the file's name
+        # when the configuration is read, not by the first round.
+        make_strategy(self.method, **self.strategy)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class RoundSettings:
 class MetricsSettings:
     port: int = 0  # 0 disables the Prometheus endpoint
     host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"metrics.port must be 0-65535 (0: no endpoint), got {self.port}")
 
 
 @dataclass(frozen=True)

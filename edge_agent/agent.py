@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,7 @@ class Decision:
 class Agent:
     def __init__(self, cfg: AgentConfig, *, runtime: BackboneRuntime | None = None) -> None:
         self.cfg = cfg
+        self._params_noted: set[str] = set()  # announced settings already warned about
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
         if runtime is None:
             bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
@@ -173,6 +174,7 @@ class Agent:
         if tuple(announcement.classes) != tuple(cfg.classes):
             log.warning("round %d announces another class list: ignored", announcement.round)
             return Decision("wrong_classes")
+        self._note_params(announcement.params)
         last = self.last_round
         if last is not None and announcement.round <= last:
             pending = self.state.pending_update()
@@ -184,6 +186,23 @@ class Agent:
             self.state.record(final_round=announcement.round)
             return Decision("final")
         return self._answer(announcement, received_bytes)
+
+    def _note_params(self, params: Any) -> None:
+        """The coordinator's ``[model.params]`` say how the fleet means to train; a device
+        trains with its own ``[train]`` section. Where the two differ, it says so once per
+        setting, so that a fleet mixing, say, two temperatures does not go unnoticed."""
+        own = asdict(self.cfg.train)
+        for key, value in params.items():
+            if key in own and own[key] != value and key not in self._params_noted:
+                self._params_noted.add(key)
+                log.warning(
+                    "the coordinator announces %s = %r; this device trains with %s = %r "
+                    "(its config's [train] section)",
+                    key,
+                    value,
+                    key,
+                    own[key],
+                )
 
     def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
         cfg = self.cfg

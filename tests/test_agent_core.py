@@ -92,6 +92,23 @@ def test_mismatched_announcements_are_ignored(small_zoo, tmp_path):
     assert agent.last_round is None
 
 
+def test_announced_settings_that_differ_from_the_device_are_warned_about_once(
+    small_zoo, tmp_path, caplog
+):
+    agent = Agent(agent_config(tmp_path / "p", small_zoo, agent_id="dev-p", domain="clean"))
+    params = {"tau": 0.2, "epochs": 1, "colour": "red", "final": False}
+    with caplog.at_level("WARNING", logger="edge_agent.agent"):
+        for r in range(2):
+            agent.handle(dataclasses.replace(announcement(agent.bundle_id, r), params=params))
+    warned = [rec.getMessage() for rec in caplog.records if "announces" in rec.getMessage()]
+    # tau differs (0.07 here); epochs agrees; colour and final are no [train] settings.
+    assert warned == [
+        "the coordinator announces tau = 0.2; this device trains with tau = 0.07 "
+        "(its config's [train] section)"
+    ]
+    assert agent.last_round == 1  # a warning, not a refusal
+
+
 def test_feddbp_agent_uploads_fisher_scores_the_coordinator_fuses(small_zoo, tmp_path):
     from coordinator.strategies import make_strategy
 

@@ -31,6 +31,13 @@ def write(tmp_path: Path, text: str) -> Path:
         ('fleet = "a/b"\nstate_dir = "/tmp/x"\n', ""),
         ('fleet = "lab"\nstate_dir = "/tmp/x"\n[model]\nmethod = "fedsgd"\n', "model"),
         ('fleet = "lab"\nstate_dir = "/tmp/x"\n[robust]\nrule = "mode"\n', "robust.rule"),
+        # Checked as the file is read, not by the first round or the endpoint's bind.
+        (
+            'fleet = "lab"\nstate_dir = "/tmp/x"\n[model]\nmethod = "feddbp"\n'
+            '[model.strategy]\ntop_k = "many"\n',
+            "model",
+        ),
+        ('fleet = "lab"\nstate_dir = "/tmp/x"\n[metrics]\nport = 70000\n', "metrics"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path, text, key):

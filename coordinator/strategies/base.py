@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -172,7 +173,23 @@ def make_strategy(name: str, *, robust: RobustOptions | None = None, **params: A
         raise ValueError(
             f"unknown strategy {name!r}; available: {', '.join(available())}"
         ) from None
+    signature = {k: p for k, p in inspect.signature(factory).parameters.items() if k != "robust"}
+    unknown = sorted(set(params) - set(signature))
+    if unknown:
+        raise ValueError(
+            f"strategy {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters: {', '.join(signature) or 'none'}"
+        )
+    for key, value in params.items():
+        # A parameter's default tells its type (an int is fine where a float is expected).
+        want = type(signature[key].default)
+        if signature[key].default is not inspect.Parameter.empty and not isinstance(
+            value, (want, int) if want is float else want
+        ):
+            raise ValueError(
+                f"strategy {name!r}: {key} must be of type {want.__name__}, got {value!r}"
+            )
     try:
         return factory(robust=robust, **params)
-    except TypeError as exc:
+    except TypeError as exc:  # a value of the wrong type, found by the strategy's arithmetic
         raise ValueError(f"bad parameters for strategy {name!r}: {exc}") from exc
