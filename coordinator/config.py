@@ -43,7 +43,7 @@ class ModelSettings:
             raise ValueError("dim must be positive")
         # Built once here so that a bad [model.strategy] is reported with the file's name
         # when the configuration is read, not by the first round.
-        make_strategy(self.method, **self.strategy)
+        make_strategy(self.method, robust=None, **self.strategy)
 
 
 @dataclass(frozen=True)

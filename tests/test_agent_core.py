@@ -96,7 +96,12 @@ def test_announced_settings_that_differ_from_the_device_are_warned_about_once(
     small_zoo, tmp_path, caplog
 ):
     agent = Agent(agent_config(tmp_path / "p", small_zoo, agent_id="dev-p", domain="clean"))
-    params = {"tau": 0.2, "epochs": 1, "colour": "red", "final": False}
+    params: dict[str, bool | int | float | str] = {
+        "tau": 0.2,
+        "epochs": 1,
+        "colour": "red",
+        "final": False,
+    }
     with caplog.at_level("WARNING", logger="edge_agent.agent"):
         for r in range(2):
             agent.handle(dataclasses.replace(announcement(agent.bundle_id, r), params=params))
