@@ -55,18 +55,22 @@ def add_common_options(
 ) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
-    data.add_argument("--split", choices=SPLITS, default="feature",
+    # The digits-5 options default to None so that one given with --data, where it would
+    # be ignored, can be told from a default (see resolve_data_options).
+    data.add_argument("--split", choices=SPLITS,
                       help="digits-5 non-IID setting (default feature)")  # fmt: skip
-    data.add_argument("--clients", type=int, default=clients,
+    data.add_argument("--clients", type=int,
                       help=f"digits-5 clients (default {clients})")  # fmt: skip
-    data.add_argument("--alpha", type=float, default=0.5,
+    data.add_argument("--alpha", type=float,
                       help="Dirichlet alpha of the label splits (default 0.5)")  # fmt: skip
-    data.add_argument("--domain", default="clean",
+    data.add_argument("--domain",
                       help="digits-5 domain of the label split (default clean)")  # fmt: skip
-    data.add_argument("--train", type=int, default=100,
+    data.add_argument("--train", type=int,
                       help="digits-5 training images per client (default 100)")  # fmt: skip
-    data.add_argument("--test", type=int, default=100,
+    data.add_argument("--test", type=int,
                       help="digits-5 test images per client (default 100)")  # fmt: skip
+    parser.set_defaults(digits5_defaults={"split": "feature", "clients": clients, "alpha": 0.5,
+                                          "domain": "clean", "train": 100, "test": 100})  # fmt: skip
     data.add_argument("--image-size", type=int, default=32,
                       help="side that folder images are resized to (default 32)")  # fmt: skip
     fl = parser.add_argument_group("federation")
@@ -129,6 +133,9 @@ def split_list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) 
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise UsageError(f"--{what} is empty")
+    twice = sorted({i for i in items if items.count(i) > 1})
+    if twice:  # a seed run twice would count twice in the mean over seeds
+        raise UsageError(f"--{what} lists {', '.join(twice)} more than once")
     if allowed is not None:
         bad = [i for i in items if i not in allowed]
         if bad:
@@ -203,10 +210,32 @@ def spec_for(
     )
 
 
+def resolve_data_options(args: argparse.Namespace) -> None:
+    """Fill in the digits-5 options' defaults, or, with --data, refuse any that was given:
+    the clients of an .npz or a folder are what they hold, and a --clients 20 that quietly
+    ran the file's 5 would mislead."""
+    defaults = args.__dict__.pop("digits5_defaults", None)
+    if defaults is None:
+        return  # resolved already
+    given = [f"--{name}" for name in defaults if getattr(args, name) is not None]
+    if args.data is not None:
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the built-in "
+                f"digits-5 data and do{'es' if len(given) == 1 else ''} not apply to "
+                f"--data: its clients are those {args.data} holds"
+            )
+        return
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partition:
     """Everything a sweep's options can get wrong (broker URL, run settings, data), checked
     before the zoo is built, which takes minutes the first time. Returns the partition of
     ``seed``, which the sweep then reuses."""
+    resolve_data_options(args)
     check_output_folder(args.out, option="--out")
     if args.broker:
         parse_broker_url(args.broker)

@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument("--epsilons", default="1,2,4,8,16", help="DP budgets (default 1,2,4,8,16)")
     parser.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
-    parser.add_argument("--splits", default="feature,label", help="default feature,label")
+    parser.add_argument("--splits", help="digits-5 settings (default feature,label)")
     parser.add_argument(
         "--paper",
         default=PAPER_DEFAULT,
@@ -76,12 +76,17 @@ def main(args: argparse.Namespace) -> int:
         epsilons = [float(e) for e in commands.split_list(args.epsilons, what="epsilons")]
     except ValueError as exc:
         raise UsageError(f"--epsilons must be numbers: {exc}") from exc
-    splits = commands.split_list(
-        args.splits, what="splits", allowed=("feature", "label", "feature-label")
-    )
+    if args.data is not None:
+        if args.splits is not None:
+            raise UsageError("--splits chooses digits-5 settings and does not apply to --data")
+        splits = [args.data.name]  # one "setting": the clients the data holds
+    else:
+        splits = commands.split_list(
+            args.splits or "feature,label", what="splits", allowed=commands.SPLITS
+        )
+        args.split = splits[0]
     paper = _paper_settings(args.paper)
     seeds = commands.parse_seeds(args.seeds)
-    args.split = splits[0]
     first = commands.check_options(args, method="fedpcl", seed=seeds[0])
     for eps in epsilons:  # an impossible privacy plan fails now, not after the zoo is built
         _plan(eps, args, samples=min(len(c.train_y) for c in first.clients))
@@ -90,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
     for split in splits:
-        args.split = split
+        if args.data is None:
+            args.split = split
         rows: dict[str, list[float]] = {}
         for seed in seeds:
             first_run = split == splits[0] and seed == seeds[0]
@@ -172,16 +178,22 @@ def label_attack(
     return out
 
 
+def _label(split: str, document: dict[str, Any]) -> str:
+    """A column's name: a digits-5 setting ('feature shift') or the --data file's name."""
+    return split if document.get("config", {}).get("data") else f"{split} shift"
+
+
 def markdown(document: dict[str, Any]) -> str:
     splits = list(document["results"])
     names = list(next(iter(document["results"].values())))
+    data = Path(document.get("config", {}).get("data") or "digits-5").name
     lines = [
-        f"# Privacy on digits-5 (delta {document['delta']:g} for the whole run)",
+        f"# Privacy on {data} (delta {document['delta']:g} for the whole run)",
         "",
         "Final mean test accuracy (%) over the clients.",
         *([f"Settings: {line}."] if (line := settings(document.get("config", {}))) else []),
         "",
-        "| setting | " + " | ".join(f"{s} shift" for s in splits) + " |",
+        "| setting | " + " | ".join(_label(s, document) for s in splits) + " |",
         "|---|" + "---:|" * len(splits),
     ]
     for name in names:
@@ -191,7 +203,7 @@ def markdown(document: dict[str, Any]) -> str:
     if attacks:
         lines += ["", "Label-distribution inference from one round's released counts: mean "
                   "total variation distance to the truth (0 = given away exactly).", "",
-                  "| release | " + " | ".join(f"{s} shift" for s in attacks) + " |",
+                  "| release | " + " | ".join(_label(s, document) for s in attacks) + " |",
                   "|---|" + "---:|" * len(attacks)]  # fmt: skip
         for name in next(iter(attacks.values())):
             lines.append(
@@ -209,7 +221,9 @@ def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
     for i, (split, rows) in enumerate(document["results"].items()):
         colour = f"C{i}"
         ys = [100 * rows[f"fedpcl dp eps={e:g}"] for e in epsilons]
-        ax.plot(epsilons, ys, marker="o", color=colour, label=f"DP FedPCL, {split} shift")
+        ax.plot(
+            epsilons, ys, marker="o", color=colour, label=f"DP FedPCL, {_label(split, document)}"
+        )
         ax.axhline(100 * rows["fedpcl (no privacy)"], color=colour, linestyle=":",
                    label=f"FedPCL without privacy, {split}")  # fmt: skip
         ax.axhline(100 * rows["solo (no privacy)"], color=colour, linestyle="--",

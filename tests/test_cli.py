@@ -99,7 +99,17 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
     bundle = tmp_path / "zoo"
     a_file = tmp_path / "report.txt"
     a_file.write_text("not a folder")
+    data = tmp_path / "fleet.npz"
+    x, y = np.zeros((4, 3, 8, 8), np.uint8), np.arange(4) % 2
+    np.savez(data, train_x_0=x, train_y_0=y, test_x_0=x, test_y_0=y)
     cases = [
+        (["compare", "--seeds", "0,1,0"], "--seeds lists 0 more than once"),
+        (["run", "--data", str(data), "--clients", "3"], "--clients shapes the built-in digits-5"),
+        (
+            ["compare", "--data", str(data), "--split", "label", "--train", "9"],
+            "--split, --train shape the built-in digits-5 data and do not apply to --data",
+        ),
+        (["privacy", "--data", str(data), "--splits", "label"], "--splits chooses digits-5"),
         (["run", "--rounds", "0"], "--rounds"),
         (["run", "--out-dim", "0"], "--out-dim must be at least 1"),
         (["compare", "--clients", "0"], "at least 1 client"),

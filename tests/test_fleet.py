@@ -495,6 +495,21 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     assert "Settings: 2 rounds, 1 local epoch per round, head output 32, memory transport." in table
 
 
+def test_a_privacy_report_on_own_data_names_the_file_not_a_digits5_setting() -> None:
+    from fleet.privacy import markdown
+
+    rows = {"solo (no privacy)": 0.5, "fedpcl dp eps=8": 0.25}
+    own = {"config": {"data": "/data/clinic.npz"}, "delta": 1e-5, "results": {"clinic.npz": rows},
+           "label_inference_tv": {"clinic.npz": {"no noise": 0.0}}}  # fmt: skip
+    table = markdown(own)
+    assert table.startswith("# Privacy on clinic.npz ")
+    assert "| setting | clinic.npz |" in table and "| release | clinic.npz |" in table
+    assert "| fedpcl dp eps=8 | 25.0 |" in table
+    digits = {"config": {"data": None}, "delta": 1e-5, "results": {"label": rows}}
+    assert "# Privacy on digits-5 " in markdown(digits)
+    assert "| setting | label shift |" in markdown(digits)
+
+
 def test_runs_sharing_a_feature_cache_run_the_backbones_once(
     small_zoo: Path, tmp_path: Path
 ) -> None:
