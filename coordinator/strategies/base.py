@@ -181,9 +181,11 @@ def make_strategy(name: str, *, robust: RobustOptions | None = None, **params: A
             f"its parameters: {', '.join(signature) or 'none'}"
         )
     for key, value in params.items():
-        # A parameter's default tells its type (an int is fine where a float is expected).
-        want = type(signature[key].default)
-        if signature[key].default is not inspect.Parameter.empty and not isinstance(
+        # A parameter's default tells its type (an int is fine where a float is expected);
+        # one without a default, or defaulting to None, is left to the strategy.
+        default = signature[key].default
+        want = type(default)
+        if default not in (inspect.Parameter.empty, None) and not isinstance(
             value, (want, int) if want is float else want
         ):
             raise ValueError(
