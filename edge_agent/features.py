@@ -64,7 +64,7 @@ class FeatureCache:
         self.root = root
         self.shared = shared
         self.served: set[str] = set()  # entry names handed out by this object
-        root.mkdir(parents=True, exist_ok=True)
+        # The folder is made by the first write: reading (`edge-agent status`) creates nothing.
 
     def path(self, bundle_id: str, data_fingerprint: str) -> Path:
         return self.root / f"{bundle_id[:16]}-{data_fingerprint[:24]}.npy"
@@ -163,6 +163,7 @@ class FeatureCache:
             else self._donors(bundle_id, dim, keys)
         )
         tmp = target.with_name(target.name + ".partial")
+        self.root.mkdir(parents=True, exist_ok=True)
         try:
             out = np.lib.format.open_memmap(
                 tmp, mode="w+", dtype=np.float32, shape=(len(images), dim)

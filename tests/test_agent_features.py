@@ -39,6 +39,14 @@ def test_second_call_and_a_new_process_hit_the_cache(tmp_path):
     assert [e["shape"] for e in FeatureCache(tmp_path).entries()] == [[10, 3]]
 
 
+def test_reading_a_cache_creates_nothing(tmp_path):
+    cache = FeatureCache(tmp_path / "cache")
+    assert cache.entries() == [] and cache.drop_unserved() == []
+    assert not (tmp_path / "cache").exists()  # `edge-agent status` leaves no folder behind
+    cache.features("b" * 64, np.ones((2, 3, 2, 2), np.float32), Counting(), dim=3)
+    assert len(cache.entries()) == 1
+
+
 def test_a_new_bundle_invalidates_the_old_entries(tmp_path):
     images = np.ones((4, 3, 2, 2), np.float32)
     cache = FeatureCache(tmp_path)
