@@ -71,8 +71,8 @@ def add_common_options(
                       help="digits-5 test images per client (default 100)")  # fmt: skip
     parser.set_defaults(digits5_defaults={"split": "feature", "clients": clients, "alpha": 0.5,
                                           "domain": "clean", "train": 100, "test": 100})  # fmt: skip
-    data.add_argument("--image-size", type=int, default=32,
-                      help="side that folder images are resized to (default 32)")  # fmt: skip
+    data.add_argument("--image-size", type=int,
+                      help="side that --data folder images are resized to (default 32)")  # fmt: skip
     fl = parser.add_argument_group("federation")
     fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
     fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
@@ -218,6 +218,13 @@ def resolve_data_options(args: argparse.Namespace) -> None:
     if defaults is None:
         return  # resolved already
     given = [f"--{name}" for name in defaults if getattr(args, name) is not None]
+    folders = args.data is not None and args.data.is_dir()
+    if args.image_size is not None and not folders:
+        raise UsageError("--image-size applies to --data image folders only")
+    if args.image_size is None:
+        args.image_size = 32
+    if args.image_size < 1:
+        raise UsageError(f"--image-size must be positive, got {args.image_size}")
     if args.data is not None:
         if given:
             raise UsageError(
