@@ -3,6 +3,7 @@ from publishers through a real Mosquitto into the coordinator's SQLite database.
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import subprocess
 import sys
@@ -113,6 +114,37 @@ def intake_rate(count: int = 5_000) -> tuple[float, float]:
     return count / stored, count / published
 
 
+def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
+    """Size of the coordinator's database after ``rounds`` FedPCL rounds of ``clients``
+    updates each, driven through the real round manager and SQLite store."""
+    from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.store import Store
+
+    now = [0.0]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = CoordinatorConfig(
+            fleet="bench",
+            state_dir=Path(tmp),
+            model=ModelSettings(bundle=BUNDLE, classes=tuple(map(str, range(CLASSES))), dim=DIM),
+            rounds=RoundSettings(
+                min_clients=clients, wait_after_quorum_s=0.0, keep_rounds=keep_rounds
+            ),
+        )
+        store = Store(cfg.database)
+        manager = RoundManager(config=cfg, store=store, metrics=Metrics(), clock=lambda: now[0])
+        base = make_updates(clients, seed=2)
+        for r in range(rounds):
+            for u in base:
+                manager.offer(dataclasses.replace(u, fleet="bench", round=r).to_wire())
+            now[0] += 1.0
+            if manager.poll() is None:
+                raise RuntimeError(f"round {r} did not close")
+        store.close()  # checkpoints the WAL into the main file
+        return sum(f.stat().st_size for f in Path(tmp).glob("coordinator.sqlite3*")) / 1e6
+
+
 def _rows(db: Path) -> int:
     with sqlite3.connect(db) as conn:
         return int(conn.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
@@ -138,6 +170,12 @@ def run() -> dict[str, float]:
     for p in payloads:
         PrototypeUpdate.from_wire(p)
     results["coordinator.decode_10k_s"] = time.perf_counter() - start
+    # A long-running service: every round's payloads kept, against the default retention.
+    everything = database_mb(clients=100, rounds=150, keep_rounds=0)
+    retained = database_mb(clients=100, rounds=150, keep_rounds=25)
+    results["coordinator.db_mb_100_clients_150_rounds_keep_all"] = everything
+    results["coordinator.db_mb_100_clients_150_rounds_keep_25"] = retained
+    results["coordinator.db_keep_all_over_keep_25"] = everything / retained
     stored, published = intake_rate()
     results["coordinator.updates_per_s"] = stored
     results["coordinator.publish_only_per_s"] = published

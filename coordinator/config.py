@@ -58,6 +58,9 @@ class RoundSettings:
     #: 0 runs forever; otherwise the coordinator publishes a final announcement and stops.
     max_rounds: int = 0
     allow_list: tuple[str, ...] = ()
+    #: Closed rounds whose updates and announcements stay in the database; older rounds
+    #: keep only their times, so the file stops growing. 0 keeps everything.
+    keep_rounds: int = 10
 
     def __post_init__(self) -> None:
         if self.min_clients < 1:
@@ -66,6 +69,8 @@ class RoundSettings:
             raise ValueError("wait_after_quorum_s must be >= 0 and timeout_s > 0")
         if self.max_rounds < 0:
             raise ValueError("max_rounds must be >= 0")
+        if self.keep_rounds < 0:
+            raise ValueError("keep_rounds must be >= 0 (0 keeps every round)")
         for client in self.allow_list:
             validate_id(client, field="rounds.allow_list")
         if self.allow_list and self.min_clients > len(self.allow_list):

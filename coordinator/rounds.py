@@ -270,7 +270,11 @@ class RoundManager:
         deadline = now if final else now + self.config.rounds.timeout_s
         nxt = self._announce(finished, result, deadline=deadline, final=final)
         self.store.advance(
-            self._round, closed_at=now, announcement=nxt.to_wire(), deadline=deadline
+            self._round,
+            closed_at=now,
+            announcement=nxt.to_wire(),
+            deadline=deadline,
+            keep_rounds=self.config.rounds.keep_rounds,
         )
         if final:
             self.store.close_round(finished, closed_at=now)

@@ -38,6 +38,7 @@ def write(tmp_path: Path, text: str) -> Path:
             "model",
         ),
         ('fleet = "lab"\nstate_dir = "/tmp/x"\n[metrics]\nport = 70000\n', "metrics"),
+        ('fleet = "lab"\nstate_dir = "/tmp/x"\n[rounds]\nkeep_rounds = -1\n', "rounds"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path, text, key):

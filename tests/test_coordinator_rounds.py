@@ -131,6 +131,43 @@ def test_restart_resumes_the_open_round_without_double_counting(tmp_path):
         np.testing.assert_allclose(row, expected[c], rtol=1e-6)
 
 
+def test_payloads_of_rounds_older_than_keep_rounds_are_dropped_their_times_kept(tmp_path):
+    import sqlite3
+
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=2, wait_after_quorum_s=0.0, keep_rounds=2)
+    for r in range(5):
+        for i in range(2):
+            m.offer(stand_in_update(i, r).to_wire())
+        clock.now += 1.0
+        assert m.poll().round == r + 1
+    # Round 5 is open; rounds 3 and 4 are the two closed rounds kept whole.
+    m.offer(stand_in_update(0, 5).to_wire())
+    db = sqlite3.connect(m.store.path)
+    kept = db.execute("SELECT DISTINCT round FROM updates ORDER BY round").fetchall()
+    sizes = dict(db.execute("SELECT round, length(announcement) FROM rounds"))
+    closed = db.execute("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL").fetchone()
+    db.close()
+    assert kept == [(3,), (4,), (5,)]
+    assert [r for r, n in sorted(sizes.items()) if n == 0] == [0, 1, 2]
+    assert all(sizes[r] > 0 for r in (3, 4, 5)) and closed == (5,)
+    # A restart resumes the open round from what was kept.
+    m.store.close()
+    again = manager(tmp_path, clock, min_clients=2, wait_after_quorum_s=0.0, keep_rounds=2)
+    assert again.round == 5 and again.announcement.to_wire() == m.announcement.to_wire()
+    assert again.offer(stand_in_update(0, 5).to_wire()).reason == "duplicate"
+    assert again.store.summary()["rounds_completed"] == 5
+
+
+def test_keep_rounds_zero_keeps_every_payload(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0, keep_rounds=0)
+    for r in range(3):
+        m.offer(stand_in_update(0, r).to_wire())
+        m.poll()
+    assert [len(m.store.updates(r)) for r in range(3)] == [1, 1, 1]
+
+
 def test_max_rounds_publishes_a_final_announcement(tmp_path):
     clock = Clock()
     m = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0, max_rounds=2)
