@@ -134,6 +134,26 @@ def run(
     handlers: Mapping[str, Callable[[argparse.Namespace], int]],
 ) -> int:
     """Parse ``argv``, dispatch on the ``command`` attribute, and map errors to exit codes."""
+    try:
+        try:
+            return _dispatch(parser, argv, handlers=handlers)
+        finally:
+            # Flushed here rather than at exit, where a closed pipe can only be reported
+            # as "Exception ignored" and status 120.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`edge-coordinator status | head`): stop quietly, as a
+        # shell tool killed by SIGPIPE would, and send what is still buffered nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _dispatch(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    *,
+    handlers: Mapping[str, Callable[[argparse.Namespace], int]],
+) -> int:
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -37,6 +38,23 @@ def test_help_works(script):
     result = run(script, "--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: {script}")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    # `edge-agent privacy-plan ... | head -1`: the JSON meets a closed pipe. The read end
+    # is closed before the command starts, so the write fails every time.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        argv = ["privacy-plan", "--epsilon", "8", "--rounds", "3", "--samples", "100"]
+        done = subprocess.run(
+            [str(BIN / "edge-agent"), *argv], stdout=write_end, stderr=subprocess.PIPE,
+            text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr
+    assert done.stderr == ""  # no traceback, no "Exception ignored" at exit
 
 
 def test_option_checks_and_help_do_not_import_torch():
