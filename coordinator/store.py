@@ -41,7 +41,34 @@ CREATE TABLE IF NOT EXISTS clients (
     updated_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS contributions (
+    client TEXT PRIMARY KEY,
+    last_round INTEGER NOT NULL,
+    last_at REAL NOT NULL,
+    updates INTEGER NOT NULL
+);
 """
+
+#: A database from before the contributions table: fill it from the updates it holds.
+BACKFILL = """
+INSERT OR IGNORE INTO contributions
+SELECT client, MAX(round), MAX(received_at), COUNT(*) FROM updates GROUP BY client
+"""
+
+
+#: A client in ``edge-coordinator status``: what its last status message said (``state``
+#: to ``updated_at``; None if none came) and what the coordinator accepted from it.
+CLIENT_FIELDS = (
+    "client",
+    "state",
+    "version",
+    "last_round",
+    "reason",
+    "updated_at",
+    "last_update_round",
+    "updates_accepted",
+    "last_update_at",
+)
 
 
 class StateError(RuntimeError):
@@ -68,6 +95,8 @@ class Store:
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             self._db.executescript(SCHEMA)
+            if self._db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
+                self._db.execute(BACKFILL)
         except sqlite3.DatabaseError as exc:
             raise StateError(f"cannot open coordinator database {path}: {exc}") from exc
         self._lock = threading.Lock()
@@ -124,13 +153,29 @@ class Store:
             )
 
     def add_update(self, round_: int, client: str, payload: bytes, *, received_at: float) -> bool:
-        """Store an accepted update; False if (round, client) already has one."""
+        """Store an accepted update; False if (round, client) already has one. The client's
+        running tally (last round, updates accepted) moves in the same transaction, and
+        outlives the payloads that ``keep_rounds`` drops."""
         with self._lock:
-            cursor = self._db.execute(
-                "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
-                (round_, client, received_at, payload),
-            )
-            return cursor.rowcount == 1
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = self._db.execute(
+                    "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
+                    (round_, client, received_at, payload),
+                )
+                added = cursor.rowcount == 1
+                if added:
+                    self._db.execute(
+                        "INSERT INTO contributions VALUES (?, ?, ?, 1) ON CONFLICT (client) DO UPDATE "
+                        "SET last_round = MAX(last_round, excluded.last_round), "
+                        "last_at = excluded.last_at, updates = updates + 1",
+                        (client, round_, received_at),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return added
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
         # In client order, not arrival order: float sums depend on their order, and a
@@ -227,8 +272,13 @@ class Store:
                 "SELECT round, opened_at, deadline, closed_at FROM rounds ORDER BY round DESC LIMIT 1"
             ).fetchone()
             completed = self._one("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL")
+            # Every client heard from: by its status messages, its updates, or both.
             clients = db.execute(
-                "SELECT client, state, version, last_round, reason, updated_at FROM clients ORDER BY client"
+                "SELECT n.client, s.state, s.version, s.last_round, s.reason, s.updated_at, "
+                "c.last_round, c.updates, c.last_at FROM "
+                "(SELECT client FROM clients UNION SELECT client FROM contributions) AS n "
+                "LEFT JOIN clients AS s ON s.client = n.client "
+                "LEFT JOIN contributions AS c ON c.client = n.client ORDER BY n.client"
             ).fetchall()
             rejections = dict(
                 db.execute("SELECT reason, count FROM rejections ORDER BY reason").fetchall()
@@ -251,16 +301,7 @@ class Store:
                 "updates": in_round,
             },
             "rounds_completed": completed,
-            "clients": [
-                dict(
-                    zip(
-                        ("client", "state", "version", "last_round", "reason", "updated_at"),
-                        row,
-                        strict=True,
-                    )
-                )
-                for row in clients
-            ],
+            "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
             "clients_online": sum(1 for row in clients if row[1] == "online"),
             "rejections": rejections,
         }

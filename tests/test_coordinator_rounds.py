@@ -157,6 +157,35 @@ def test_payloads_of_rounds_older_than_keep_rounds_are_dropped_their_times_kept(
     assert again.round == 5 and again.announcement.to_wire() == m.announcement.to_wire()
     assert again.offer(stand_in_update(0, 5).to_wire()).reason == "duplicate"
     assert again.store.summary()["rounds_completed"] == 5
+    # Each client's tally outlives the payloads; the duplicate above is not counted, and
+    # devices that never sent a status message are listed all the same.
+    tally = {
+        c["client"]: (c["last_update_round"], c["updates_accepted"], c["state"])
+        for c in again.store.summary()["clients"]
+    }
+    assert tally == {"dev-0": (5, 6, None), "dev-1": (4, 5, None)}
+
+
+def test_a_database_from_before_the_tally_is_filled_from_its_updates(tmp_path):
+    import sqlite3
+
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0)
+    for r in range(3):
+        m.offer(stand_in_update(0, r).to_wire())
+        m.poll()
+    m.store.close()
+    db = sqlite3.connect(m.store.path)
+    db.execute("DROP TABLE contributions")  # as an older coordinator left it
+    db.commit()
+    db.close()
+    again = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0)
+    (client,) = again.store.summary()["clients"]
+    assert (client["client"], client["last_update_round"], client["updates_accepted"]) == (
+        "dev-0",
+        2,
+        3,
+    )
 
 
 def test_keep_rounds_zero_keeps_every_payload(tmp_path):
@@ -198,6 +227,7 @@ def test_status_messages_update_the_client_table(tmp_path):
     m.record_status(offline.to_wire(), topic_client="dev-0")
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0
+    assert summary["clients"][0]["updates_accepted"] is None  # it has sent none
     assert m.record_status(b"junk") is None
 
 
