@@ -77,7 +77,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig, *, runtime: BackboneRuntime | None = None) -> None:
         self.cfg = cfg
         self._params_noted: set[str] = set()  # announced settings already warned about
-        self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
+        self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, history=cfg.history)
         if runtime is None:
             bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
             runtime = BackboneRuntime(

@@ -76,6 +76,10 @@ class AgentConfig:
     # The head's starting weights when they should not follow ``seed``: FedAvg and FPL
     # average the devices' models, which only works if they all started from one.
     init_seed: int | None = None
+    # Rounds of metrics kept in state.json (`edge-agent status` shows the last): the file
+    # is rewritten every round, so on a device it stays small. A simulated fleet, whose
+    # report reads every round back, keeps them all.
+    history: int = 200
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
@@ -97,6 +101,8 @@ class AgentConfig:
             raise ValueError("privacy.mechanism = 'dp' is not available for feddbp")
         if len(set(self.classes)) != len(self.classes) or not self.classes:
             raise ValueError("classes must be a non-empty list of unique names")
+        if self.history < 1:
+            raise ValueError(f"history must be at least 1 round, got {self.history}")
 
 
 def load(path: Path) -> AgentConfig:

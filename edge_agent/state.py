@@ -60,10 +60,11 @@ class Snapshot:
 
 
 class StateDir:
-    def __init__(self, root: Path, *, agent_id: str) -> None:
+    def __init__(self, root: Path, *, agent_id: str, history: int = 200) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.agent_id = agent_id
+        self.history_limit = history  # rounds of metrics kept, the newest
         self.snapshot = self._read()
 
     @property
@@ -124,7 +125,7 @@ class StateDir:
             self.root / "prototypes.npz", _npz_bytes({"prototypes": prototypes, "counts": counts})
         )
         atomic_write(self.root / f"update-{round_}.bin", update)
-        history = (*self.snapshot.history, {"round": round_, **metrics})[-200:]
+        history = (*self.snapshot.history, {"round": round_, **metrics})[-self.history_limit :]
         self._commit(
             replace(self.snapshot, last_round=round_, pending_round=round_, history=history)
         )

@@ -147,6 +147,8 @@ def _agent_tables(
         # Averaged models start from one head, as a server-initialised model would; every
         # other method's devices start apart, as independent devices do.
         **({"init_seed": spec.seed} if spec.method in AVERAGED else {}),
+        # The report reads every round back from state.json: none may be dropped.
+        "history": max(200, spec.rounds),
         "data": {
             "train": str(train),
             "test": str(test),

@@ -50,6 +50,19 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     assert again.handle(announcement(again.bundle_id, 1)).reason == "answered"
 
 
+def test_state_keeps_the_configured_number_of_rounds_of_history(small_zoo, tmp_path):
+    cfg = dataclasses.replace(
+        agent_config(tmp_path / "h", small_zoo, agent_id="dev-h", domain="clean"), history=3
+    )
+    agent = Agent(cfg)
+    for r in range(5):
+        assert agent.handle(announcement(agent.bundle_id, r)).reason == "answered"
+    assert [h["round"] for h in agent.state.snapshot.history] == [2, 3, 4]
+    assert [h["round"] for h in Agent(cfg).state.snapshot.history] == [2, 3, 4]  # on disk
+    with pytest.raises(ValueError, match="history must be at least 1"):
+        dataclasses.replace(cfg, history=0)
+
+
 def test_a_saved_head_that_no_longer_fits_is_replaced_with_a_warning(small_zoo, tmp_path, caplog):
     cfg = agent_config(tmp_path / "w", small_zoo, agent_id="dev-w", domain="clean")
     first = Agent(cfg)

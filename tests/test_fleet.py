@@ -495,6 +495,16 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     assert "Settings: 2 rounds, 1 local epoch per round, head output 32, memory transport." in table
 
 
+def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
+    from fleet.runner import _agent_tables
+
+    client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
+    for rounds, kept in ((30, 200), (450, 450)):  # a device's default, or every round
+        spec = RunSpec(method="fedpcl", rounds=rounds, bundle=tmp_path, out=tmp_path)
+        tables = _agent_tables(spec, client, tmp_path / str(rounds), ("0", "1"), 0)
+        assert tables["history"] == kept
+
+
 def test_a_privacy_report_on_own_data_names_the_file_not_a_digits5_setting() -> None:
     from fleet.privacy import markdown
 
