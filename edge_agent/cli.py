@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_predict.add_argument("--config", "-c", type=Path, required=True, help="agent TOML file")
     p_predict.add_argument(
-        "input", type=Path, help="an image, a folder of images, or an .npz with x"
+        "input",
+        type=Path,
+        help="an image, a folder of images (subfolders included), or an .npz with x",
     )
     p_plan = sub.add_parser(
         "privacy-plan",
@@ -225,8 +227,10 @@ def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
             return [f"{path.name}[{i}]" for i in range(len(x))], to_nchw_float(x, source=str(path))
         except ValueError as exc:  # NpzError, or DataError for images of the wrong shape
             raise UsageError(str(exc)) from None
+    # A folder is searched through its subfolders too: a tree of class folders, laid out
+    # as for training, is a natural thing to point at.
     files = (
-        sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         if path.is_dir()
         else [path]
     )

@@ -189,6 +189,29 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     assert len(rows) == 20 and all(
         r["class"] in [str(i) for i in range(10)] and r["latency_ms"] > 0 for r in rows
     )
+    # A tree of class folders: every image below it, an unreadable one reported in place.
+    from PIL import Image
+
+    for i, cls in enumerate(("3", "7", "7/more")):
+        (root / "tree" / cls).mkdir(parents=True)
+        Image.fromarray((x[i].transpose(1, 2, 0) * 255).astype(np.uint8)).save(
+            root / "tree" / cls / f"{i}.png"
+        )
+    (root / "tree" / "3" / "broken.png").write_bytes(b"not a png")
+    out = subprocess.run(
+        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "tree")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert sorted(Path(r["input"]).relative_to(root / "tree").as_posix() for r in rows) == [
+        "3/0.png",
+        "3/broken.png",
+        "7/1.png",
+        "7/more/2.png",
+    ]
+    assert "unreadable" in next(r["error"] for r in rows if "broken" in r["input"])
     bad = subprocess.run(
         [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "nope.npz")],
         capture_output=True,
