@@ -215,39 +215,40 @@ def _privacy_status(cfg: AgentConfig, extra: dict[str, object]) -> dict[str, obj
 
 
 def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
+    """(name, image as 1 x 3 x H x W float) for each input image, read one at a time so
+    that a folder of any size needs the memory of one image; an unreadable file is
+    reported as a JSON line in its place."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
-    from edge_agent.data import IMAGE_SUFFIXES, DataError, to_nchw_float
+    from edge_agent.data import IMAGE_SUFFIXES, to_nchw_float
     from protocol.npz import read_npz
 
-    if path.is_file() and path.suffix == ".npz":
-        try:
-            x = read_npz(path, required=("x",))["x"]
-            return [f"{path.name}[{i}]" for i in range(len(x))], to_nchw_float(x, source=str(path))
-        except ValueError as exc:  # NpzError, or DataError for images of the wrong shape
-            raise UsageError(str(exc)) from None
-    # A folder is searched through its subfolders too: a tree of class folders, laid out
-    # as for training, is a natural thing to point at.
-    files = (
-        sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-        if path.is_dir()
-        else [path]
-    )
-    names, arrays = [], []
-    for file in files:
-        try:
-            with Image.open(file) as img:
-                arrays.append(np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8))
-                names.append(str(file))
-        except (OSError, UnidentifiedImageError) as exc:
-            print(json.dumps({"input": str(file), "error": f"unreadable: {exc}"}))
-    if not arrays:
-        raise UsageError(f"no readable images in {path}")
     try:
-        return names, to_nchw_float(np.stack(arrays), source=str(path))
-    except DataError as exc:
-        raise UsageError(str(exc)) from exc
+        if path.is_file() and path.suffix == ".npz":
+            x = read_npz(path, required=("x",))["x"]
+            if x.ndim != 4:  # checked whole: a row's shape would misstate the file's
+                raise UsageError(f"{path}: x must be 4-D (N,C,H,W or N,H,W,C), got {x.shape}")
+            for i in range(len(x)):
+                yield f"{path.name}[{i}]", to_nchw_float(x[i : i + 1], source=str(path))
+            return
+        # A folder is searched through its subfolders too: a tree of class folders, laid
+        # out as for training, is a natural thing to point at.
+        files = (
+            sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+            if path.is_dir()
+            else [path]
+        )
+        for file in files:
+            try:
+                with Image.open(file) as img:
+                    rgb = np.asarray(img.convert("RGB").resize((size, size)), dtype=np.uint8)
+            except (OSError, UnidentifiedImageError) as exc:
+                print(json.dumps({"input": str(file), "error": f"unreadable: {exc}"}))
+                continue
+            yield str(file), to_nchw_float(rgb[None], source=str(file))
+    except ValueError as exc:  # NpzError, or DataError for images of the wrong shape
+        raise UsageError(str(exc)) from None
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -276,11 +277,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     model = LocalModel(in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train)
     if not state.load_model(model):
         raise UsageError(f"no head checkpoint in {cfg.state_dir} that fits this bundle")
-    names, images = _images(args.input, cfg.data.image_size)
     present = torch.from_numpy(counts > 0)
-    for name, image in zip(names, images, strict=True):
+    answered = 0
+    for name, image in _images(args.input, cfg.data.image_size):
         start = time.perf_counter()
-        z, _ = embed(model, runtime.extract(image[None]))
+        z, _ = embed(model, runtime.extract(image))
         cls, score = predict(torch.from_numpy(z), torch.from_numpy(protos), present)
         latency = (time.perf_counter() - start) * 1e3
         print(
@@ -293,6 +294,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 }
             )
         )
+        answered += 1
+    if not answered:
+        raise UsageError(f"no readable images in {args.input}")
     return 0
 
 
