@@ -168,24 +168,24 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
         f'[data]\ntrain = "{cfg.data.train}"\n[train]\nout_dim = 32\n'
     )
     bin_dir = Path(sys.executable).parent
-    status = subprocess.run(
-        [str(bin_dir / "edge-agent"), "status", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = json.loads(status.stdout)
+
+    def agent_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(bin_dir / "edge-agent"), argv[0], "--config", str(config), *argv[1:]],
+            capture_output=True,
+            text=True,
+            check=check,
+        )
+
+    report = json.loads(agent_cli("status").stdout)
     assert report["last_round"] == 0 and report["bundle_id"] == agent.bundle_id
     assert len(report["cache_entries"]) == 2  # train and test features
     x, _ = domain_data("clean", indices=np.arange(1500, 1520))
     np.savez(root / "query.npz", x=x)
-    out = subprocess.run(
-        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "query.npz")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    rows = [
+        json.loads(line)
+        for line in agent_cli("predict", str(root / "query.npz")).stdout.splitlines()
+    ]
     assert len(rows) == 20 and all(
         r["class"] in [str(i) for i in range(10)] and r["latency_ms"] > 0 for r in rows
     )
@@ -198,13 +198,9 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
             root / "tree" / cls / f"{i}.png"
         )
     (root / "tree" / "3" / "broken.png").write_bytes(b"not a png")
-    out = subprocess.run(
-        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "tree")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    rows = [
+        json.loads(line) for line in agent_cli("predict", str(root / "tree")).stdout.splitlines()
+    ]
     assert sorted(Path(r["input"]).relative_to(root / "tree").as_posix() for r in rows) == [
         "3/0.png",
         "3/broken.png",
@@ -212,11 +208,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
         "7/more/2.png",
     ]
     assert "unreadable" in next(r["error"] for r in rows if "broken" in r["input"])
-    bad = subprocess.run(
-        [str(bin_dir / "edge-agent"), "predict", "--config", str(config), str(root / "nope.npz")],
-        capture_output=True,
-        text=True,
-    )
+    bad = agent_cli("predict", str(root / "nope.npz"), check=False)
     assert bad.returncode == 2 and "no such input" in bad.stderr and "Traceback" not in bad.stderr
 
 
