@@ -94,6 +94,9 @@ class RoundManager:
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
+        # What the log last said of each client: a persistent session replays queued
+        # status messages after a restart, and repeating "offline" for each says nothing.
+        self._logged_status: dict[str, tuple[str, str]] = {}
         self.metrics.current_round.set(self._round)
 
     # -- state -------------------------------------------------------------------------
@@ -198,7 +201,10 @@ class RoundManager:
             at=self._clock(),
         )
         self.metrics.clients_online.set(self.store.online_count())
-        log.info("client %s is %s (%s)", status.client, status.state.value, status.reason or "-")
+        said = (status.state.value, status.reason or "-")
+        if self._logged_status.get(status.client) != said:
+            self._logged_status[status.client] = said
+            log.info("client %s is %s (%s)", status.client, *said)
         return status
 
     # -- closing -----------------------------------------------------------------------

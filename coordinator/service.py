@@ -128,6 +128,10 @@ class CoordinatorService:
                 ready.set()
             while not self._stop.is_set():
                 if self.manager.done and self.exit_when_done:
+                    log.info(
+                        "final round %d announced (max_rounds reached); exiting",
+                        self.manager.round,
+                    )
                     break
                 self._wake.wait(timeout=min(self.manager.seconds_until_due(), self.TICK_S) + 0.01)
                 self._wake.clear()
@@ -139,6 +143,8 @@ class CoordinatorService:
             self._shutdown()
 
     def _shutdown(self) -> None:
+        # Our own disconnect below is not a lost connection to warn about.
+        self._stop.set()
         # Let the last retained announcement reach the broker before disconnecting.
         close_with_last_word(
             self.client,

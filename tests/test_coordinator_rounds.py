@@ -1,4 +1,5 @@
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -216,7 +217,7 @@ def test_state_of_another_fleet_is_refused(tmp_path):
         RoundManager(config=cfg, store=Store(cfg.database))
 
 
-def test_status_messages_update_the_client_table(tmp_path):
+def test_status_messages_update_the_client_table(tmp_path, caplog):
     m = manager(tmp_path, Clock())
     online = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
     m.record_status(online.to_wire(), topic_client="dev-0")
@@ -224,7 +225,11 @@ def test_status_messages_update_the_client_table(tmp_path):
     offline = Status(
         fleet="lab", client="dev-0", state=AgentState.OFFLINE, version="0.1.0", reason="lost"
     )
-    m.record_status(offline.to_wire(), topic_client="dev-0")
+    with caplog.at_level(logging.INFO, logger="coordinator.rounds"):
+        # A restarted coordinator's session replays queued statuses: one line says it.
+        for _ in range(3):
+            m.record_status(offline.to_wire(), topic_client="dev-0")
+    assert [r.getMessage() for r in caplog.records] == ["client dev-0 is offline (lost)"]
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0
     assert summary["clients"][0]["updates_accepted"] is None  # it has sent none
