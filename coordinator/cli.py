@@ -10,9 +10,15 @@ from pathlib import Path
 
 from coordinator import config as config_mod
 from coordinator.store import StateError, Store
-from protocol.cliutil import UsageError, make_parser, run
+from protocol.cliutil import (
+    UsageError,
+    add_example_config,
+    make_parser,
+    print_example_config,
+    run,
+)
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "coordinator.toml"
+EXAMPLE = Path(__file__).resolve().parent / "coordinator.toml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         "edge-coordinator",
         "Run federated rounds: announce global prototypes, collect device updates over\n"
         "MQTT, aggregate them with the fleet's strategy and keep durable state in SQLite.",
-        epilog="Configuration: a TOML file; see docs/coordinator.toml for every key.",
+        epilog="Configuration: a TOML file; `edge-coordinator example-config` prints one\n"
+        "with every key.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_run = sub.add_parser("run", help="serve rounds until stopped (or until max_rounds)")
@@ -29,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="print the coordinator's state as JSON (read from its database)"
     )
     p_status.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
+    add_example_config(sub, "edge-coordinator", EXAMPLE)
     return parser
 
 
@@ -98,4 +106,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser(), argv, handlers={"run": cmd_run, "status": cmd_status})
+    return run(
+        build_parser(),
+        argv,
+        handlers={"example-config": print_example_config, "run": cmd_run, "status": cmd_status},
+    )

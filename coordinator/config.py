@@ -1,6 +1,7 @@
 """The coordinator's configuration: a TOML file mapped onto frozen dataclasses.
 
-See docs/coordinator.toml for a commented example of every key.
+coordinator/coordinator.toml (``edge-coordinator example-config``) is a commented example
+of every key.
 """
 
 from __future__ import annotations

@@ -12,12 +12,18 @@ from typing import TYPE_CHECKING
 
 from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
-from protocol.cliutil import UsageError, make_parser, run
+from protocol.cliutil import (
+    UsageError,
+    add_example_config,
+    make_parser,
+    print_example_config,
+    run,
+)
 
 if TYPE_CHECKING:
     from edge_agent.service import AgentService
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "agent.toml"
+EXAMPLE = Path(__file__).resolve().parent / "agent.toml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Train a projection head on private data on this device and publish class\n"
         "prototypes to a ProtoFleet coordinator over MQTT. Raw data and weights never\n"
         "leave the device.",
-        epilog="Configuration: a TOML file; see docs/agent.toml for every key.",
+        epilog="Configuration: a TOML file; `edge-agent example-config` prints one with every key.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_run = sub.add_parser("run", help="connect to the broker and answer rounds until stopped")
@@ -72,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit with status 1 unless the CUDA or TensorRT provider works",
     )
+    add_example_config(sub, "edge-agent", EXAMPLE)
     return parser
 
 
@@ -305,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser(),
         argv,
         handlers={
+            "example-config": print_example_config,
             "run": cmd_run,
             "status": cmd_status,
             "predict": cmd_predict,

@@ -1,5 +1,5 @@
 """The agent's configuration: a TOML file mapped onto frozen dataclasses.
-See docs/agent.toml for a commented example of every key."""
+edge_agent/agent.toml (``edge-agent example-config``) is a commented example of every key."""
 
 from __future__ import annotations
 

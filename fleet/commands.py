@@ -78,7 +78,7 @@ def add_common_options(
     fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
     fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
     fl.add_argument("--train-param", action=TrainParams, default={}, metavar="KEY=VALUE",
-                    help="any other key of the agents' [train] table (docs/agent.toml), e.g. "
+                    help="any other key of the agents' [train] table (edge-agent example-config), e.g. "
                          "tau=0.2, fpl_tau=0.07, lr=1e-4, norm=group, classifier=bounded; "
                          "repeatable")  # fmt: skip
     fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),

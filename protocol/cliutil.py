@@ -115,6 +115,29 @@ def make_parser(prog: str, description: str, epilog: str | None = None) -> argpa
     return parser
 
 
+def add_example_config(
+    sub: argparse._SubParsersAction,
+    prog: str,
+    example: Path,
+) -> None:
+    """The ``example-config`` command (handled by :func:`print_example_config`): the
+    commented example shipped inside the package, so a device installed from a wheel
+    has it too."""
+    p = sub.add_parser(
+        "example-config",
+        help="print a configuration file with every key, its default and what it does",
+        description=f"Prints the commented example configuration; start from it with\n"
+        f"  {prog} example-config > {example.name}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(example=example)
+
+
+def print_example_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(args.example.read_text(encoding="utf-8"))
+    return 0
+
+
 def check_output_folder(path: Path, *, option: str) -> None:
     """Raise a usage error now if ``path`` cannot become a folder to write in, rather than
     fail minutes into the work that would fill it."""

@@ -110,7 +110,7 @@ fi
 
 # -- files ---------------------------------------------------------------------------------
 install_unit edge-agent
-install_config "$(cd "$(dirname "$0")/.." && pwd)/docs/agent.toml" agent.toml
+install_config "$(cd "$(dirname "$0")/.." && pwd)/edge_agent/agent.toml" agent.toml
 install_docs
 run install -d -m 750 "$DESTDIR/var/lib/protofleet"
 system_user

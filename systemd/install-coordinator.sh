@@ -52,7 +52,7 @@ fi
 
 here=$(cd "$(dirname "$0")" && pwd)
 install_unit edge-coordinator
-install_config "$here/../docs/coordinator.toml" coordinator.toml
+install_config "$here/../coordinator/coordinator.toml" coordinator.toml
 install_docs
 run install -d -m 750 "$DESTDIR/var/lib/protofleet"
 
