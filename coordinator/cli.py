@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="print the coordinator's state as JSON (read from its database)"
     )
     p_status.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
-    add_example_config(sub, "edge-coordinator", EXAMPLE)
+    add_example_config(sub, prog="edge-coordinator", example=EXAMPLE)
     return parser
 
 

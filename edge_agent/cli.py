@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit with status 1 unless the CUDA or TensorRT provider works",
     )
-    add_example_config(sub, "edge-agent", EXAMPLE)
+    add_example_config(sub, prog="edge-agent", example=EXAMPLE)
     return parser
 
 

@@ -117,6 +117,7 @@ def make_parser(prog: str, description: str, epilog: str | None = None) -> argpa
 
 def add_example_config(
     sub: argparse._SubParsersAction,
+    *,
     prog: str,
     example: Path,
 ) -> None:
