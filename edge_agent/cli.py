@@ -177,7 +177,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     try:
-        state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
+        state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     snap = state.snapshot
@@ -270,7 +270,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if not args.input.exists():
         raise UsageError(f"no such input {args.input}")
-    state = StateDir(cfg.state_dir, agent_id=cfg.agent_id)
+    try:
+        state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     loaded = state.load_prototypes()
     if loaded is None:
         raise UsageError(

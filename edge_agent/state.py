@@ -59,10 +59,24 @@ class Snapshot:
         }
 
 
+def _damaged(path: Path, why: str) -> str:
+    # Written atomically, so only a failing disk or a hand edit gets here. Guessing the
+    # last round answered could answer one twice; the user decides.
+    return (
+        f"{path} is damaged ({why}); move it aside to start this agent afresh "
+        "(its feature cache and privacy ledger are kept)"
+    )
+
+
 class StateDir:
-    def __init__(self, root: Path, *, agent_id: str, history: int = 200) -> None:
+    def __init__(
+        self, root: Path, *, agent_id: str, history: int = 200, create: bool = True
+    ) -> None:
+        """``create=False`` for commands that only read (status, predict): looking must not
+        leave an empty state folder behind, at a path that may have been mistyped."""
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
         self.agent_id = agent_id
         self.history_limit = history  # rounds of metrics kept, the newest
         self.snapshot = self._read()
@@ -79,7 +93,12 @@ class StateDir:
         path = self.root / "state.json"
         if not path.exists():
             return Snapshot(agent_id=self.agent_id)
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_bytes())
+        except ValueError as exc:  # not JSON, or not UTF-8: a disk that failed under it
+            raise ValueError(_damaged(path, str(exc))) from None
+        if not isinstance(data, dict):
+            raise ValueError(_damaged(path, "not a JSON object"))
         if data.get("agent_id") != self.agent_id:
             raise ValueError(
                 f"{self.root} belongs to agent {data.get('agent_id')!r}, not {self.agent_id!r}"

@@ -63,6 +63,35 @@ def test_state_keeps_the_configured_number_of_rounds_of_history(small_zoo, tmp_p
         dataclasses.replace(cfg, history=0)
 
 
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b'{"agent_id": "dev-s", "last_ro', "Unterminated string"),  # cut short
+        (b"", "Expecting value"),  # emptied
+        (b"[0]", "not a JSON object"),
+        (b"\xff\xfe\x00garbage", "Expecting value"),
+    ],
+)
+def test_a_damaged_state_file_is_named_and_never_overwritten(tmp_path, content, why):
+    from edge_agent.state import StateDir
+
+    (tmp_path / "state.json").write_bytes(content)
+    with pytest.raises(ValueError, match=why) as caught:
+        StateDir(tmp_path, agent_id="dev-s")
+    assert str(tmp_path / "state.json") in str(caught.value) and "move it aside" in str(
+        caught.value
+    )
+    assert (tmp_path / "state.json").read_bytes() == content  # the user's to inspect
+
+
+def test_reading_a_state_folder_creates_nothing(tmp_path):
+    from edge_agent.state import StateDir
+
+    state = StateDir(tmp_path / "typo", agent_id="dev-s", create=False)
+    assert state.snapshot.last_round is None and state.load_prototypes() is None
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_saved_head_that_no_longer_fits_is_replaced_with_a_warning(small_zoo, tmp_path, caplog):
     cfg = agent_config(tmp_path / "w", small_zoo, agent_id="dev-w", domain="clean")
     first = Agent(cfg)
@@ -210,6 +239,11 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     assert "unreadable" in next(r["error"] for r in rows if "broken" in r["input"])
     bad = agent_cli("predict", str(root / "nope.npz"), check=False)
     assert bad.returncode == 2 and "no such input" in bad.stderr and "Traceback" not in bad.stderr
+    (cfg.state_dir / "state.json").write_text('{"agent_id": "dev-e", "last_ro')
+    for command in ("status", "predict"):
+        argv = (command, str(root / "query.npz")) if command == "predict" else (command,)
+        bad = agent_cli(*argv, check=False)
+        assert bad.returncode == 2 and "state.json is damaged" in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fpl"])
