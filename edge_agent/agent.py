@@ -71,6 +71,31 @@ class Decision:
     reason: str
     update: PrototypeUpdate | None = None
     payload: bytes | None = None
+    #: For a round this device cannot take part in: what an operator should fix.
+    mismatch: str = ""
+
+
+def _mismatch(
+    announcement: RoundAnnouncement, cfg: AgentConfig, bundle_id: str
+) -> tuple[str, str] | None:
+    """(reason, what differs) when this device cannot answer the fleet's rounds at all."""
+    if announcement.bundle != bundle_id:
+        return "wrong_bundle", (
+            f"the fleet uses bundle {announcement.bundle[:12]}, this device has {bundle_id[:12]}"
+        )
+    if announcement.method != cfg.method:
+        return "wrong_method", f"the fleet runs {announcement.method}, this device {cfg.method}"
+    theirs, ours = tuple(announcement.classes), tuple(cfg.classes)
+    if theirs != ours:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
+            min(len(theirs), len(ours)),
+        )
+        return "wrong_classes", (
+            f"the fleet announces {len(theirs)} classes, this device has {len(ours)}; "
+            f"they differ from position {first}"
+        )
+    return None
 
 
 class Agent:
@@ -155,25 +180,11 @@ class Agent:
         cfg = self.cfg
         if announcement.fleet != cfg.fleet:
             return Decision("wrong_fleet")
-        if announcement.bundle != self.bundle_id:
-            log.warning(
-                "round %d uses bundle %s, this device has %s: ignored",
-                announcement.round,
-                announcement.bundle[:12],
-                self.bundle_id[:12],
-            )
-            return Decision("wrong_bundle")
-        if announcement.method != cfg.method:
-            log.warning(
-                "round %d is %s, this device runs %s: ignored",
-                announcement.round,
-                announcement.method,
-                cfg.method,
-            )
-            return Decision("wrong_method")
-        if tuple(announcement.classes) != tuple(cfg.classes):
-            log.warning("round %d announces another class list: ignored", announcement.round)
-            return Decision("wrong_classes")
+        mismatch = _mismatch(announcement, cfg, self.bundle_id)
+        if mismatch is not None:
+            reason, why = mismatch
+            log.warning("round %d ignored: %s", announcement.round, why)
+            return Decision(reason, mismatch=f"ignoring rounds: {why}")
         self._note_params(announcement.params)
         last = self.last_round
         if last is not None and announcement.round <= last:

@@ -49,6 +49,8 @@ class AgentService:
         self._attempt = 0
         self._started = False
         self.malformed = 0
+        # The reason of the retained online status, when it says why rounds are ignored.
+        self._mismatch_said = ""
         self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
         offline = self._status(AgentState.OFFLINE, "connection lost")
         self.client = make_client(
@@ -79,6 +81,7 @@ class AgentService:
             return
         self._attempt = 0
         client.subscribe(round_topic(self.cfg.fleet), qos=1)
+        self._mismatch_said = ""  # said afresh when the retained announcement comes again
         client.publish(self._status_topic, self._status(AgentState.ONLINE), qos=1, retain=True)
         log.info(
             "connected to %s:%d as %s", self.cfg.mqtt.host, self.cfg.mqtt.port, self.cfg.agent_id
@@ -149,6 +152,12 @@ class AgentService:
         finally:
             self._shutdown()
 
+    def _say_online(self, reason: str) -> None:
+        """The retained status: where the coordinator and operators look."""
+        self.client.publish(
+            self._status_topic, self._status(AgentState.ONLINE, reason), qos=1, retain=True
+        )
+
     def _process(self, payload: bytes) -> None:
         try:
             announcement = RoundAnnouncement.from_wire(
@@ -159,25 +168,20 @@ class AgentService:
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
         decision = self.agent.handle(announcement, received_bytes=len(payload))
+        if decision.mismatch != self._mismatch_said and decision.reason != "wrong_fleet":
+            # A device that cannot take part says why where the coordinator's status and
+            # operators look, once, and takes it back when it can answer again.
+            self._mismatch_said = decision.mismatch
+            self._say_online(decision.mismatch)
         if decision.payload is None:
-            log.info("round %d: %s", announcement.round, decision.reason)
+            if not decision.mismatch:  # a mismatch was logged as a warning already
+                log.info("round %d: %s", announcement.round, decision.reason)
             if decision.reason == "final":
                 # Whoever waits for the fleet to finish (a simulation, an operator) reads
                 # it from the retained status; any closing figures are written by now.
-                self.client.publish(
-                    self._status_topic,
-                    self._status(AgentState.ONLINE, FINISHED),
-                    qos=1,
-                    retain=True,
-                )
+                self._say_online(FINISHED)
             if decision.reason == "budget_exhausted":
-                # Said where the coordinator and operators look: the retained status.
-                self.client.publish(
-                    self._status_topic,
-                    self._status(AgentState.ONLINE, "privacy budget exhausted; not publishing"),
-                    qos=1,
-                    retain=True,
-                )
+                self._say_online("privacy budget exhausted; not publishing")
             return
         info = self.client.publish(
             update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload, qos=1

@@ -128,8 +128,23 @@ def test_mismatched_announcements_are_ignored(small_zoo, tmp_path):
     agent = Agent(agent_config(tmp_path / "b", small_zoo, agent_id="dev-b", domain="inverted"))
     ann = announcement(agent.bundle_id, 0)
     assert agent.handle(dataclasses.replace(ann, fleet="other")).reason == "wrong_fleet"
-    assert agent.handle(dataclasses.replace(ann, bundle="0" * 64)).reason == "wrong_bundle"
-    assert agent.handle(dataclasses.replace(ann, method="fedproto")).reason == "wrong_method"
+    wrong = agent.handle(dataclasses.replace(ann, bundle="0" * 64))
+    assert wrong.reason == "wrong_bundle"
+    assert wrong.mismatch == (
+        f"ignoring rounds: the fleet uses bundle 000000000000, this device has "
+        f"{agent.bundle_id[:12]}"
+    )
+    wrong = agent.handle(dataclasses.replace(ann, method="fedproto"))
+    assert wrong.reason == "wrong_method"
+    assert wrong.mismatch == "ignoring rounds: the fleet runs fedproto, this device fedpcl"
+    wrong = agent.handle(dataclasses.replace(ann, classes=("0", "1", "x", "3")))
+    assert wrong.reason == "wrong_classes"
+    assert wrong.mismatch == (
+        "ignoring rounds: the fleet announces 4 classes, this device has 10; "
+        "they differ from position 2"
+    )
+    longer = dataclasses.replace(ann, classes=(*ann.classes, "extra"))
+    assert agent.handle(longer).mismatch.endswith("they differ from position 10")
     assert agent.handle(dataclasses.replace(ann, params={"final": True})).reason == "final"
     assert agent.last_round is None
 

@@ -205,3 +205,50 @@ def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
     refused.rc = mqtt.MQTT_ERR_QUEUE_SIZE
     with pytest.raises(ValueError, match="ERR_QUEUE_SIZE"):
         wait_acknowledged(refused, timeout=30, stopping=lambda: False)
+
+
+def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_zoo, tmp_path):
+    from export import bundle as bundle_mod
+
+    bundle_id = bundle_mod.load(small_zoo).id
+    config, _ = write_config(
+        tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
+    )
+    with connected(
+        mosquitto.address, "stand-in", subscribe=(update_filter("lab"), status_filter("lab"))
+    ) as (pub, inbox):
+
+        def reasons() -> list[str]:
+            return [
+                Status.from_wire(m.payload).reason
+                for m in inbox.messages
+                if parse_topic(m.topic).kind.value == "status"
+            ]
+
+        def wait_reason(predicate, what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not any(predicate(r) for r in reasons()):
+                try:
+                    inbox.wait(len(inbox.messages) + 1, timeout=deadline - time.monotonic())
+                except TimeoutError:
+                    raise TimeoutError(f"no status {what}; got {reasons()}") from None
+
+        coord = StandInCoordinator(pub, inbox, "0" * 64)  # a fleet on another bundle
+        agent = agent_process(config)
+        try:
+            coord.announce(0, [])
+            wait_reason(lambda r: r.startswith("ignoring rounds: the fleet uses bundle"), "why")
+            (why,) = {r for r in reasons() if r.startswith("ignoring")}
+            assert why == (
+                "ignoring rounds: the fleet uses bundle 000000000000, "
+                f"this device has {bundle_id[:12]}"
+            )
+            seen = len(reasons())
+            coord.bundle_id = bundle_id  # the operator fixes the coordinator
+            coord.announce(0, [])
+            coord.wait_updates(0, {"dev-a"})
+            wait_reason(lambda r: r == "", "taking it back")
+            assert reasons()[seen:] == [""]  # said once, taken back once
+            assert agent.stop() == 0
+        finally:
+            agent.close()
