@@ -46,14 +46,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
     from protocol.lifecycle import CannotServe, serve
+    from protocol.transport import CredentialsError, load_credentials
 
     metrics = Metrics()
     served: list[tuple[str, int]] = []
 
     def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
         try:
+            # The broker's files first: nothing is opened for a config that cannot connect.
+            load_credentials(cfg.mqtt)
             store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
-        except StateError as exc:
+        except (CredentialsError, StateError) as exc:
             raise CannotServe(str(exc)) from exc
         try:
             manager = RoundManager(config=cfg, store=store, metrics=metrics)

@@ -152,8 +152,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from edge_agent.data import DataError
         from edge_agent.service import AgentService
         from export.errors import BundleError
+        from protocol.transport import load_credentials
 
         try:
+            # The broker's files first: a mistyped path is told before the backbones run.
+            load_credentials(cfg.mqtt)
             agent = Agent(cfg)
         except (BundleError, DataError, ValueError) as exc:
             raise CannotServe(str(exc)) from exc

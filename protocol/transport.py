@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES
 
 if TYPE_CHECKING:
     import paho.mqtt.client as mqtt
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,73 @@ def network_thread_alive(client: mqtt.Client) -> bool:
     return thread is not None and thread.is_alive()
 
 
+class CredentialsError(ValueError):
+    """A password or TLS file named in ``[mqtt]`` cannot be read or used."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What ``[mqtt]``'s files hold, read once before a client is made."""
+
+    password: str | None
+    tls: ssl.SSLContext | None
+
+
+def _read_setting(name: str, path: Path, what: str, read: Callable[[Path], T]) -> T:
+    try:
+        return read(path)
+    except ssl.SSLError as exc:
+        raise CredentialsError(
+            f"mqtt.{name} {path}: not a usable {what} ({exc.reason or exc.strerror})"
+        ) from exc
+    except OSError as exc:
+        raise CredentialsError(f"mqtt.{name} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CredentialsError(f"mqtt.{name} {path}: not a UTF-8 text file") from exc
+
+
+def load_credentials(settings: MqttSettings) -> Credentials:
+    """The password and TLS context of ``settings``, or a :class:`CredentialsError` that
+    names the setting and its file.
+
+    The services call this before any slow start-up (backbones, database) so a mistyped path
+    is reported at once, in one line, and not as an ssl traceback at the first connection.
+    """
+    password: str | None = None
+    if settings.username is not None and settings.password_file is not None:
+        password = _read_setting(
+            "password_file",
+            settings.password_file,
+            "password file",
+            lambda p: p.read_text(encoding="utf-8").strip(),
+        )
+    if not settings.uses_tls:
+        return Credentials(password=password, tls=None)
+    if settings.tls_ca is None:
+        context = ssl.create_default_context()
+    else:
+        # cafile alone, as before: a private CA is trusted instead of the system's, not beside.
+        context = _read_setting(
+            "tls_ca",
+            settings.tls_ca,
+            "PEM CA certificate",
+            lambda p: ssl.create_default_context(cafile=str(p)),
+        )
+    if settings.tls_cert is not None:
+        assert settings.tls_key is not None  # __post_init__ insists on the pair
+        key = settings.tls_key
+        _read_setting("tls_key", key, "key", lambda p: p.read_bytes())
+        _read_setting(
+            "tls_cert",
+            settings.tls_cert,
+            "PEM certificate for mqtt.tls_key",
+            lambda p: context.load_cert_chain(str(p), str(key)),
+        )
+    if settings.tls_insecure:
+        context.check_hostname = False
+    return Credentials(password=password, tls=context)
+
+
 def make_client(
     settings: MqttSettings,
     client_id: str,
@@ -77,9 +146,11 @@ def make_client(
     will: tuple[str, bytes] | None = None,
 ) -> mqtt.Client:
     """A paho client with QoS-1-friendly defaults: persistent session, TLS, credentials,
-    and an optional retained Last Will."""
+    and an optional retained Last Will. Raises :class:`CredentialsError` for an unusable
+    password or TLS file."""
     import paho.mqtt.client as mqtt
 
+    credentials = load_credentials(settings)
     # clean_session=False keeps subscriptions and queued QoS 1 messages across reconnects.
     client = mqtt.Client(
         mqtt.CallbackAPIVersion.VERSION2,
@@ -95,19 +166,9 @@ def make_client(
         max_delay=max(1, int(settings.reconnect_max_s)),
     )
     if settings.username is not None:
-        password = None
-        if settings.password_file is not None:
-            password = settings.password_file.read_text().strip()
-        client.username_pw_set(settings.username, password)
-    if settings.uses_tls:
-        context = ssl.create_default_context(
-            cafile=str(settings.tls_ca) if settings.tls_ca else None
-        )
-        if settings.tls_cert is not None:
-            context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key))
-        if settings.tls_insecure:
-            context.check_hostname = False
-        client.tls_set_context(context)
+        client.username_pw_set(settings.username, credentials.password)
+    if credentials.tls is not None:
+        client.tls_set_context(credentials.tls)
     if will is not None:
         client.will_set(will[0], will[1], qos=1, retain=True)
     return client

@@ -114,6 +114,48 @@ def test_the_wheel_ships_the_example_configs(tmp_path):
     assert {"edge_agent/agent.toml", "coordinator/coordinator.toml"} <= names
 
 
+def test_unusable_broker_files_are_one_line_before_anything_starts(tmp_path):
+    # A missing or wrong CA or password file used to be an ssl traceback, and for the agent
+    # only after its backbones had run over the whole data set.
+    (tmp_path / "garbage.pem").write_text("not a certificate")
+    (tmp_path / "latin1.txt").write_bytes(b"\xff\xfe secret")
+    agent_state, coordinator_state = tmp_path / "agent-state", tmp_path / "coordinator-state"
+    agent = (
+        f'agent_id = "dev-a"\nfleet = "lab"\nstate_dir = "{agent_state}"\n'
+        f'bundle = "{tmp_path / "zoo"}"\n[data]\ntrain = "{tmp_path / "train.npz"}"\n'
+    )
+    coordinator = (
+        f'fleet = "lab"\nstate_dir = "{coordinator_state}"\n[model]\nmethod = "fedpcl"\n'
+        'bundle = "b"\nclasses = ["a", "b"]\ndim = 4\n'
+    )
+    cases = [
+        ("edge-agent", agent, 'tls_ca = "{d}/ca.crt"', "mqtt.tls_ca {d}/ca.crt: No such file"),
+        (
+            "edge-agent", agent, 'tls_ca = "{d}/garbage.pem"',
+            "mqtt.tls_ca {d}/garbage.pem: not a usable PEM CA certificate",
+        ),
+        (
+            "edge-coordinator", coordinator, 'username = "c"\npassword_file = "{d}/pw"',
+            "mqtt.password_file {d}/pw: No such file",
+        ),
+        (
+            "edge-coordinator", coordinator, 'username = "c"\npassword_file = "{d}/latin1.txt"',
+            "mqtt.password_file {d}/latin1.txt: not a UTF-8 text file",
+        ),
+    ]  # fmt: skip
+    argvs = []
+    for n, (script, body, mqtt, _) in enumerate(cases):
+        config = tmp_path / f"{n}.toml"
+        config.write_text(body + "[mqtt]\n" + mqtt.format(d=tmp_path) + "\n")
+        argvs.append([script, "run", "--config", str(config)])
+    for (script, _, _, message), result in zip(cases, run_many(argvs), strict=True):
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"{script}: error: " + message.format(d=tmp_path)), line
+    # Refused before the agent's state (and feature cache) or the database was created.
+    assert not agent_state.exists() and not coordinator_state.exists()
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_version_is_reported(script):
     result = run(script, "--version")

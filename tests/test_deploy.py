@@ -10,6 +10,7 @@ import signal
 import ssl
 import subprocess
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -18,6 +19,7 @@ import pytest
 from export.bundle import load as load_bundle
 from fleet.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import AgentState, Status, round_topic, status_topic, update_topic
+from protocol.transport import CredentialsError, MqttSettings, load_credentials
 from tests.agent_helpers import digits_npz
 from tests.process_helpers import BIN, agent_process, coordinator_process
 from tests.test_sdnotify import NotifySocket
@@ -299,6 +301,27 @@ def subscribe(client: mqtt.Client, topic: str) -> list[mqtt.ReasonCode]:
     client.subscribe(topic, qos=1)
     assert done.wait(10), "no SUBACK"
     return codes
+
+
+def test_broker_files_are_read_once_up_front_and_a_wrong_pair_is_named(certs: Path) -> None:
+    clients = certs / "clients"
+    settings = MqttSettings(
+        tls_ca=certs / "ca.crt", tls_cert=clients / "dev-a.crt", tls_key=clients / "dev-a.key",
+        tls_insecure=True,
+    )  # fmt: skip
+    credentials = load_credentials(settings)
+    assert credentials.password is None and credentials.tls is not None
+    assert not credentials.tls.check_hostname  # tls_insecure
+    # The CA alone is trusted: the system's store is not added beside a private CA.
+    assert [c["subject"] for c in credentials.tls.get_ca_certs()] == [
+        c["subject"]
+        for c in ssl.create_default_context(cafile=str(certs / "ca.crt")).get_ca_certs()
+    ]
+    wrong_key = replace(settings, tls_key=clients / "dev-b.key")
+    with pytest.raises(CredentialsError, match=r"mqtt\.tls_cert .*dev-a\.crt: not a usable PEM"):
+        load_credentials(wrong_key)
+    with pytest.raises(CredentialsError, match=r"mqtt\.tls_key .*missing\.key: No such file"):
+        load_credentials(replace(settings, tls_key=clients / "missing.key"))
 
 
 @pytest.mark.broker
