@@ -503,6 +503,9 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait()
 
 
+CONNECT_TIMEOUT_S = 10.0  # for the broker's answer to the watcher's first connection
+
+
 class _Watcher:
     """Follows the fleet over MQTT: agents coming online, rounds being announced."""
 
@@ -521,10 +524,33 @@ class _Watcher:
         )
         self._round_topic = round_topic(FLEET)
         topics = [(self._round_topic, 1), (status_filter(FLEET), 1)]
-        self._client.on_connect = lambda c, u, f, rc, p: c.subscribe(topics)
+        answered = threading.Event()
+        answers: list[Any] = []
+
+        def on_connect(client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+            if not reason.is_failure:
+                client.subscribe(topics)
+            answers.append(reason)
+            answered.set()
+
+        self._client.on_connect = on_connect
         self._client.on_message = self._on_message
-        self._client.connect_async(host, port)
+        # Connected before anything is started: a wrong --broker would otherwise leave the
+        # fleet waiting, silent, for the 30-minute no-progress limit.
+        where = f"the MQTT broker at {host}:{port}"
+        try:
+            self._client.connect(host, port)
+        except OSError as exc:
+            raise CommandFailed(f"cannot reach {where}: {exc.strerror or exc}") from exc
         self._client.loop_start()
+        if not answered.wait(timeout=CONNECT_TIMEOUT_S):
+            self.close()
+            raise CommandFailed(
+                f"{where} did not answer an MQTT connection within {CONNECT_TIMEOUT_S:g} s"
+            )
+        if answers[0].is_failure:
+            self.close()
+            raise CommandFailed(f"{where} refused the connection: {answers[0]}")
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         from protocol import FINISHED, AgentState, ProtocolError, RoundAnnouncement, Status

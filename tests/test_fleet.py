@@ -26,9 +26,10 @@ from edge_agent.train import LocalModel, embed
 from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
+from fleet.broker import MosquittoBroker, free_port
 from fleet.report import build_report, markdown, plot_domains, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
-from protocol.cliutil import Terminated, UsageError
+from protocol.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
 
 BIN = Path(sys.executable).parent
@@ -459,6 +460,31 @@ def test_a_stop_request_is_raised_at_the_runs_next_check_as_the_signal_it_was() 
     with pytest.raises(KeyboardInterrupt) as caught:
         interrupted.check()
     assert caught.type is KeyboardInterrupt  # not its subclass Terminated
+
+
+@pytest.mark.broker
+def test_a_broker_the_fleet_cannot_use_is_named_before_anything_starts(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    # Before, agents and coordinator were started anyway and the fleet sat silent until
+    # its 30-minute no-progress limit.
+    partition = part.digits5(clients=2, split="label", seed=1, train=30, test=20)
+    nobody, port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    # No anonymous access: this broker answers, and refuses.
+    locked = f"listener {port} 127.0.0.1\nallow_anonymous false\n"
+    with MosquittoBroker(port=port, listener_config=locked):
+        cases = [
+            (nobody, f"cannot reach the MQTT broker at 127.0.0.1:{nobody}: Connection refused"),
+            (port, f"the MQTT broker at 127.0.0.1:{port} refused the connection: Not authorized"),
+        ]
+        for n, (at, message) in enumerate(cases):
+            out = tmp_path / str(n)
+            spec = RunSpec(method="fedpcl", rounds=1, bundle=small_zoo, out=out, workers=1,
+                           broker=f"mqtt://127.0.0.1:{at}", out_dim=32, progress=False)  # fmt: skip
+            with pytest.raises(CommandFailed) as failed:
+                run(spec, partition)
+            assert str(failed.value) == message
+            assert not list((out / "logs").glob("*.log"))  # no coordinator, no worker
 
 
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
