@@ -19,7 +19,12 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.transport import close_with_last_word, make_client, network_thread_alive
+from protocol.transport import (
+    close_with_last_word,
+    connect_failure,
+    make_client,
+    network_thread_alive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +84,7 @@ class CoordinatorService:
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
         # The broker is down or unreachable: paho retries, but says nothing on its own.
         if not self._stop.is_set():
-            mqtt_cfg = self.config.mqtt
-            log.warning("cannot reach the broker at %s:%d; retrying", mqtt_cfg.host, mqtt_cfg.port)
+            log.warning("%s; retrying", connect_failure(self.config.mqtt))
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
         try:

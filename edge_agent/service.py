@@ -28,6 +28,7 @@ from protocol import (
 from protocol.transport import (
     backoff_delay,
     close_with_last_word,
+    connect_failure,
     make_client,
     network_thread_alive,
     wait_acknowledged,
@@ -96,8 +97,7 @@ class AgentService:
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
         # The broker is down or unreachable: paho retries, but says nothing on its own.
         if not self._stop:
-            mqtt_cfg = self.cfg.mqtt
-            self._retry(client, f"cannot reach the broker at {mqtt_cfg.host}:{mqtt_cfg.port}")
+            self._retry(client, connect_failure(self.cfg.mqtt))
 
     def _retry(self, client: mqtt.Client, why: str) -> None:
         # paho backs off exponentially but in lock-step across a fleet; a random base per

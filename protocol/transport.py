@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import random
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +138,26 @@ def load_credentials(settings: MqttSettings) -> Credentials:
     if settings.tls_insecure:
         context.check_hostname = False
     return Credentials(password=password, tls=context)
+
+
+def connect_failure(settings: MqttSettings) -> str:
+    """What an ``on_connect_fail`` callback should log: where, and why if paho's failed
+    attempt says so.
+
+    paho calls ``on_connect_fail`` from the ``except OSError`` around its connection attempt
+    and passes no error; the error being handled there is the only record of why. Without
+    it a refused port, a name that does not resolve and a CA that rejects the broker's
+    certificate all read the same.
+    """
+    where = f"cannot reach the broker at {settings.host}:{settings.port}"
+    exc = sys.exc_info()[1]
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{where} (its TLS certificate is not trusted: {exc.verify_message})"
+    if isinstance(exc, ssl.SSLError):
+        return f"{where} (TLS handshake failed: {exc.reason or exc.strerror})"
+    if isinstance(exc, OSError):
+        return f"{where} ({exc.strerror or str(exc) or type(exc).__name__})"
+    return where
 
 
 def make_client(

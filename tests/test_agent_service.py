@@ -162,7 +162,9 @@ def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(sma
     config, _ = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)
     agent = agent_process(config)
     try:
-        agent.wait_for(f"cannot reach the broker at 127.0.0.1:{port}; reconnecting in")
+        agent.wait_for(
+            f"cannot reach the broker at 127.0.0.1:{port} (Connection refused); reconnecting in"
+        )
         with (
             MosquittoBroker(port=port) as broker,
             connected(broker.address, "watch", subscribe=(status_topic("lab", "dev-a"),)) as (

@@ -235,7 +235,9 @@ def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_i
     port = free_port()
     coordinator = coordinator_process(write_config(tmp_path, port, rounds=1))
     try:
-        coordinator.wait_for(f"cannot reach the broker at 127.0.0.1:{port}")
+        coordinator.wait_for(
+            f"cannot reach the broker at 127.0.0.1:{port} (Connection refused); retrying"
+        )
         with (
             MosquittoBroker(port=port) as broker,
             connected(broker.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox),

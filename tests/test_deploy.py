@@ -325,6 +325,31 @@ def test_broker_files_are_read_once_up_front_and_a_wrong_pair_is_named(certs: Pa
 
 
 @pytest.mark.broker
+def test_a_broker_certificate_the_coordinator_does_not_trust_is_logged_as_such(
+    certs: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # A wrong tls_ca used to read "cannot reach the broker", like a broker that is down.
+    other = tmp_path_factory.mktemp("stranger") / "ca"
+    sh(str(SYSTEMD / "make-certs.sh"), "--out", str(other), "coordinator")
+    with shipped_broker(certs, tmp_path) as broker:
+        tls = (
+            f'tls_ca = "{other / "ca.crt"}"\ntls_cert = "{other / "clients" / "coordinator.crt"}"\n'
+            f'tls_key = "{other / "clients" / "coordinator.key"}"\n'
+        )
+        config = coordinator_toml(
+            tmp_path / "coordinator.toml", port=broker.address.port, bundle="b", extra_mqtt=tls
+        )
+        coordinator = coordinator_process(config)
+        try:
+            coordinator.wait_for(
+                f"cannot reach the broker at 127.0.0.1:{broker.address.port} (its TLS "
+                "certificate is not trusted: self-signed certificate in certificate chain); retrying"
+            )
+        finally:
+            coordinator.close()
+
+
+@pytest.mark.broker
 def test_a_fleet_over_the_shipped_tls_config(
     certs: Path, small_zoo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
