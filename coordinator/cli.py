@@ -46,6 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
     from protocol.lifecycle import CannotServe, serve
+    from protocol.runlock import AlreadyRunning, RunLock
     from protocol.transport import CredentialsError, load_credentials
 
     metrics = Metrics()
@@ -55,8 +56,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             # The broker's files first: nothing is opened for a config that cannot connect.
             load_credentials(cfg.mqtt)
+            lock = RunLock.take(
+                cfg.database.with_name(cfg.database.name + ".lock"),
+                what=f"coordinator database {cfg.database}",
+            )
+        except (AlreadyRunning, CredentialsError) as exc:
+            raise CannotServe(str(exc)) from exc
+        try:
+            service = build(cfg)
+        except BaseException:
+            lock.release()
+            raise
+        held.append(lock)
+        return service
+
+    def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
+        try:
             store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
-        except (CredentialsError, StateError) as exc:
+        except StateError as exc:
             raise CannotServe(str(exc)) from exc
         try:
             manager = RoundManager(config=cfg, store=store, metrics=metrics)
@@ -78,7 +95,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     def close(service: object) -> None:
         assert isinstance(service, CoordinatorService)
         service.manager.store.close()
+        held.pop().release()  # before a reload's make(), which takes it again
 
+    held: list[RunLock] = []
     try:
         serve(
             name="edge-coordinator",

@@ -144,6 +144,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from protocol.lifecycle import CannotServe, serve
+    from protocol.runlock import AlreadyRunning, RunLock
 
     def make(cfg: AgentConfig) -> AgentService:
         # Imported once the configuration has loaded: torch takes seconds to import, and a
@@ -157,18 +158,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             # The broker's files first: a mistyped path is told before the backbones run.
             load_credentials(cfg.mqtt)
+            lock = RunLock.take(cfg.state_dir / "run.lock", what=f"agent state {cfg.state_dir}")
+        except (AlreadyRunning, ValueError) as exc:
+            raise CannotServe(str(exc)) from exc
+        try:
             agent = Agent(cfg)
         except (BundleError, DataError, ValueError) as exc:
+            lock.release()
             raise CannotServe(str(exc)) from exc
         agent.state.record(
             active_providers=agent.runtime.active_providers,
             backbone_samples_at_start=agent.runtime.samples_processed,
             started_at=time.time(),
         )
+        held.append(lock)
         return AgentService(agent=agent)
 
+    def close(service: object) -> None:
+        # Before a reload's make(): the new agent takes the same lock.
+        held.pop().release()
+
+    held: list[RunLock] = []
     try:
-        serve(name="edge-agent", load=lambda: load_config(args.config), make=make)
+        serve(name="edge-agent", load=lambda: load_config(args.config), make=make, close=close)
     except CannotServe as exc:
         raise UsageError(str(exc)) from exc
     return 0

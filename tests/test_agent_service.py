@@ -254,3 +254,37 @@ def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_
             assert agent.stop() == 0
         finally:
             agent.close()
+
+
+def test_a_second_agent_on_the_same_state_is_refused_and_a_reload_keeps_serving(
+    mosquitto, small_zoo, tmp_path
+):
+    # Two copies on one state folder would both write its privacy ledger and fight over
+    # one MQTT client id.
+    import signal
+    import subprocess
+
+    config, _ = write_config(
+        tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
+    )
+    first = agent_process(config)
+    try:
+        first.wait_for("connected to")
+        second = subprocess.run(
+            [str(BIN / "edge-agent"), "run", "--config", str(config)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"edge-agent: error: agent state {tmp_path / 'a' / 'state'} is in use by another "
+            f"process (pid {first.proc.pid}); stop that one first"
+        ]
+        # A reload closes the running agent before the new one takes the same lock.
+        seen = len(first.lines)
+        first.signal(signal.SIGHUP)
+        seen = first.wait_for("configuration reloaded", after=seen)
+        first.wait_for("connected to", after=seen)
+        assert not any("reload refused" in line for line in first.lines)
+        assert first.stop() == 0
+    finally:
+        first.close()

@@ -18,6 +18,7 @@ from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_top
 from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
 from tests.fuzz_corpus import payloads
 from tests.mqtt_helpers import connected
+from tests.process_helpers import coordinator_process
 
 pytestmark = pytest.mark.broker
 
@@ -248,3 +249,35 @@ def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_i
             assert coordinator.stop() == 0
     finally:
         coordinator.close()
+
+
+def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
+    # No broker is needed: the first holds the lock from before its first connection.
+    from fleet.broker import free_port
+
+    config = write_config(tmp_path, free_port(), rounds=3)
+    first = coordinator_process(config)
+    try:
+        seen = first.wait_for("opened round 0")
+        first.wait_for("cannot reach the broker", after=seen)  # serving: stops cleanly
+        second = subprocess.run(
+            [str(BIN / "edge-coordinator"), "run", "--config", str(config)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2
+        database = tmp_path / "state" / "coordinator.sqlite3"
+        assert second.stderr.strip().splitlines() == [
+            f"edge-coordinator: error: coordinator database {database} is in use by another "
+            f"process (pid {first.proc.pid}); stop that one first"
+        ]
+        assert first.stop() == 0
+    finally:
+        first.close()
+    # The lock went with its holder: a new coordinator starts, on the same round.
+    again = coordinator_process(config)
+    try:
+        seen = again.wait_for("resuming at round 0")
+        again.wait_for("cannot reach the broker", after=seen)  # serving: stops cleanly
+        assert again.stop() == 0
+    finally:
+        again.close()
