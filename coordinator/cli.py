@@ -50,7 +50,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from protocol.transport import CredentialsError, load_credentials
 
     metrics = Metrics()
-    served: list[tuple[str, int]] = []
 
     def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
         try:
@@ -80,16 +79,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         except (StateError, ValueError) as exc:
             store.close()
             raise CannotServe(str(exc)) from exc
-        # The metrics endpoint outlives reloads: its registry is the process's.
-        if cfg.metrics.port and not served:
-            try:
-                metrics.serve(host=cfg.metrics.host, port=cfg.metrics.port)
-            except OSError as exc:
-                store.close()
-                raise CannotServe(
-                    f"cannot serve metrics on {cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"
-                ) from exc
-            served.append((cfg.metrics.host, cfg.metrics.port))
+        # The registry is the process's, so counters outlive reloads; the endpoint moves
+        # when a reload changes its address (a refused reload rebinds the old one).
+        wanted = (cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port else None
+        if wanted != metrics.address:
+            metrics.stop_serving()
+            if wanted is not None:
+                try:
+                    metrics.serve(host=wanted[0], port=wanted[1])
+                except OSError as exc:
+                    store.close()
+                    raise CannotServe(
+                        f"cannot serve metrics on {wanted[0]}:{wanted[1]}: {exc.strerror}"
+                    ) from exc
         return CoordinatorService(manager=manager)
 
     def close(service: object) -> None:

@@ -3,12 +3,16 @@ coordinators in one process never collide)."""
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._server: WSGIServer | None = None
+        self.address: tuple[str, int] | None = None  # where /metrics is served, if anywhere
         self.rounds_completed = Counter(
             "protofleet_rounds_completed", "Rounds aggregated and closed", registry=self.registry
         )
@@ -43,7 +47,17 @@ class Metrics:
         )
 
     def serve(self, *, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        """Serve the registry on ``host:port``; raises ``OSError`` if it cannot bind."""
+        self.stop_serving()
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.address = (host, port)
+
+    def stop_serving(self) -> None:
+        """Close the endpoint (a reload may move it); the counters live on."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server, self.address = None, None
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample, for status output and tests."""

@@ -7,9 +7,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -174,6 +177,11 @@ def coordinator_toml(
     return path
 
 
+def scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
 @pytest.mark.broker
 def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
     mosquitto: MosquittoBroker, tmp_path: Path
@@ -182,6 +190,9 @@ def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
     config = coordinator_toml(
         tmp_path / "coordinator.toml", port=mosquitto.address.port, bundle="f" * 64, timeout_s=300.0
     )
+    metrics_before, metrics_after = free_port(), free_port()
+    with config.open("a") as f:
+        f.write(f'[metrics]\nhost = "127.0.0.1"\nport = {metrics_before}\n')
     proc = coordinator_process(
         config, env={"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": "400000"}
     )
@@ -189,14 +200,20 @@ def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
         notify.wait_for("READY=1")
         notify.wait_for("WATCHDOG=1")
         notify.wait_for("WATCHDOG=1")
+        assert "protofleet_current_round 0.0" in scrape(metrics_before)
 
+        # A reload applies every setting, the metrics address too.
         text = config.read_text()
-        config.write_text(text.replace("timeout_s = 300.0", "timeout_s = 600.0"))
+        text = text.replace("timeout_s = 300.0", "timeout_s = 600.0")
+        config.write_text(text.replace(f"port = {metrics_before}", f"port = {metrics_after}"))
         seen = len(proc.lines)
         proc.signal(signal.SIGHUP)
         notify.wait_for("RELOADING=1")
         notify.wait_for("READY=1")
         proc.wait_for("configuration reloaded", after=seen)
+        assert "protofleet_current_round 0.0" in scrape(metrics_after)
+        with pytest.raises(urllib.error.URLError):
+            scrape(metrics_before)
 
         config.write_text("fleet = \n")  # broken TOML: refused, the old one keeps serving
         seen = len(proc.lines)
@@ -204,6 +221,20 @@ def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
         notify.wait_for("READY=1")
         proc.wait_for("reload refused", after=seen)
         assert proc.proc.poll() is None
+
+        # A metrics address taken by another program: refused, the endpoint stays put.
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = taken.getsockname()[1]
+            config.write_text(text.replace(f"port = {metrics_before}", f"port = {busy}"))
+            seen = len(proc.lines)
+            proc.signal(signal.SIGHUP)
+            notify.wait_for("READY=1")
+            proc.wait_for("reload refused", after=seen)
+        refused = "".join(proc.lines[seen:])
+        assert f"cannot serve metrics on 127.0.0.1:{busy}: Address already in use" in refused
+        assert "protofleet_current_round 0.0" in scrape(metrics_after)
 
         proc.signal(signal.SIGTERM)
         try:
