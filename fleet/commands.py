@@ -51,14 +51,17 @@ class TrainParams(argparse.Action):
 
 
 def add_common_options(
-    parser: argparse.ArgumentParser, *, rounds: int, clients: int, out: str
+    parser: argparse.ArgumentParser, *, rounds: int, clients: int, out: str, one_split: bool = True
 ) -> None:
+    """The data, federation and output options. ``one_split=False`` hides ``--split`` from
+    the help of a command that sweeps several (it still parses, to be refused by name)."""
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
     # be ignored, can be told from a default (see resolve_data_options).
     data.add_argument("--split", choices=SPLITS,
-                      help="digits-5 non-IID setting (default feature)")  # fmt: skip
+                      help="digits-5 non-IID setting (default feature)" if one_split
+                      else argparse.SUPPRESS)  # fmt: skip
     data.add_argument("--clients", type=int,
                       help=f"digits-5 clients (default {clients})")  # fmt: skip
     data.add_argument("--alpha", type=float,

@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy")
+    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
     parser.set_defaults(transport="memory")
 
 
@@ -72,6 +72,11 @@ def _plan(epsilon: float, args: argparse.Namespace, *, samples: int) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.split is not None:  # it would be overwritten by each of --splits in turn
+        raise UsageError(
+            "privacy runs every setting in --splits (default feature,label), not --split: "
+            f"for this one alone give --splits {args.split}"
+        )
     try:
         epsilons = [float(e) for e in commands.split_list(args.epsilons, what="epsilons")]
     except ValueError as exc:

@@ -207,6 +207,7 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
             "--split, --train shape the built-in digits-5 data and do not apply to --data",
         ),
         (["privacy", "--data", str(data), "--splits", "label"], "--splits chooses digits-5"),
+        (["privacy", "--split", "label"], "not --split: for this one alone give --splits label"),
         (["run", "--data", str(data), "--image-size", "64"], "applies to --data image folders"),
         (["run", "--data", str(tmp_path), "--image-size", "0"], "--image-size must be positive"),
         (["run", "--rounds", "0"], "--rounds"),
