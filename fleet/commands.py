@@ -239,6 +239,18 @@ def resolve_data_options(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    # An option no chosen split reads would be dropped without a word.
+    splits = args.__dict__.get("swept_splits") or [args.split]
+    unused = {
+        "--alpha": ("label", "feature-label"),
+        "--domain": ("label",),
+    }
+    for option, readers in unused.items():
+        if option in given and not set(readers) & set(splits):
+            raise UsageError(
+                f"{option} applies to --split {' and '.join(readers)} only, "
+                f"not to {', '.join(splits)}"
+            )
 
 
 def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partition:
@@ -248,6 +260,8 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     resolve_data_options(args)
     check_output_folder(args.out, option="--out")
     if args.broker:
+        if args.transport == "memory":
+            raise UsageError("--broker applies to --transport mqtt; the memory transport has none")
         parse_broker_url(args.broker)
     spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)
     return partition_for(args, seed)

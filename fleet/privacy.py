@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
         splits = commands.split_list(
             args.splits or "feature,label", what="splits", allowed=commands.SPLITS
         )
-        args.split = splits[0]
+        args.split, args.swept_splits = splits[0], splits
     paper = _paper_settings(args.paper)
     seeds = commands.parse_seeds(args.seeds)
     first = commands.check_options(args, method="fedpcl", seed=seeds[0])
