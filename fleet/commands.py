@@ -92,8 +92,8 @@ def add_common_options(
     tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
                     help="mqtt: broker + processes; memory: one process, no broker (default mqtt)")  # fmt: skip
     tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
-    tr.add_argument("--workers", type=int, default=2,
-                    help="worker processes hosting the agents (default 2)")  # fmt: skip
+    tr.add_argument("--workers", type=int,
+                    help="worker processes hosting the agents over mqtt (default 2)")  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
     )
@@ -259,9 +259,17 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     ``seed``, which the sweep then reuses."""
     resolve_data_options(args)
     check_output_folder(args.out, option="--out")
-    if args.broker:
-        if args.transport == "memory":
+    if args.transport == "memory":
+        if args.broker:
             raise UsageError("--broker applies to --transport mqtt; the memory transport has none")
+        if args.workers is not None:
+            raise UsageError(
+                "--workers applies to --transport mqtt; the memory transport runs every agent "
+                "in this one process"
+            )
+    if args.workers is None:
+        args.workers = 2
+    if args.broker:
         parse_broker_url(args.broker)
     spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)
     return partition_for(args, seed)

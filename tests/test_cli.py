@@ -212,6 +212,7 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
         (["run", "--split", "feature-label", "--domain", "photo"], "--domain applies to --split"),
         (["privacy", "--splits", "feature", "--alpha", "0.1"], "not to feature"),
         (["run", "--transport", "memory", "--broker", "mqtt://h:1"], "--broker applies to"),
+        (["compare", "--transport", "memory", "--workers", "4"], "--workers applies to"),
         (["run", "--data", str(data), "--image-size", "64"], "applies to --data image folders"),
         (["run", "--data", str(tmp_path), "--image-size", "0"], "--image-size must be positive"),
         (["run", "--rounds", "0"], "--rounds"),
