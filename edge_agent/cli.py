@@ -155,30 +155,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         from export.errors import BundleError
         from protocol.transport import load_credentials
 
+        locks: list[RunLock] = []
         try:
             # The broker's files first: a mistyped path is told before the backbones run.
             load_credentials(cfg.mqtt)
-            lock = RunLock.take(cfg.state_dir / "run.lock", what=f"agent state {cfg.state_dir}")
-        except (AlreadyRunning, ValueError) as exc:
-            raise CannotServe(str(exc)) from exc
-        try:
+            locks.append(
+                RunLock.take(cfg.state_dir / "run.lock", what=f"agent state {cfg.state_dir}")
+            )
+            cache = cfg.data.feature_cache
+            if cache is not None and not cfg.data.shared_feature_cache:
+                # A private cache drops entries it does not own: two agents on one would
+                # delete each other's features every start.
+                locks.append(
+                    RunLock.take(
+                        cache / "run.lock",
+                        what=f"feature cache {cache}",
+                        remedy="stop that one first, or set [data] shared_feature_cache = "
+                        "true in every agent that uses it",
+                    )
+                )
             agent = Agent(cfg)
-        except (BundleError, DataError, ValueError) as exc:
-            lock.release()
+        except (AlreadyRunning, BundleError, DataError, ValueError) as exc:
+            release(locks)
             raise CannotServe(str(exc)) from exc
+        except BaseException:
+            release(locks)
+            raise
         agent.state.record(
             active_providers=agent.runtime.active_providers,
             backbone_samples_at_start=agent.runtime.samples_processed,
             started_at=time.time(),
         )
-        held.append(lock)
+        held.append(locks)
         return AgentService(agent=agent)
 
-    def close(service: object) -> None:
-        # Before a reload's make(): the new agent takes the same lock.
-        held.pop().release()
+    def release(locks: list[RunLock]) -> None:
+        for lock in locks:
+            lock.release()
 
-    held: list[RunLock] = []
+    def close(service: object) -> None:
+        # Before a reload's make(): the new agent takes the same locks.
+        release(held.pop())
+
+    held: list[list[RunLock]] = []
     try:
         serve(name="edge-agent", load=lambda: load_config(args.config), make=make, close=close)
     except CannotServe as exc:

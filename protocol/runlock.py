@@ -27,9 +27,9 @@ class RunLock:
         self._fd: int | None = fd
 
     @classmethod
-    def take(cls, path: Path, *, what: str) -> RunLock:
+    def take(cls, path: Path, *, what: str, remedy: str = "stop that one first") -> RunLock:
         """Lock ``path`` (created, with its folder) or raise :class:`AlreadyRunning`, whose
-        message names ``what`` is locked and the holder's pid."""
+        message names ``what`` is locked, the holder's pid and the ``remedy``."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -38,9 +38,7 @@ class RunLock:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             os.close(fd)
             pid = f" (pid {holder})" if holder.isdigit() else ""
-            raise AlreadyRunning(
-                f"{what} is in use by another process{pid}; stop that one first"
-            ) from None
+            raise AlreadyRunning(f"{what} is in use by another process{pid}; {remedy}") from None
         # The pid is for the message above only: the lock itself is the flock.
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

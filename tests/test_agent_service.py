@@ -256,7 +256,7 @@ def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_
             agent.close()
 
 
-def test_a_second_agent_on_the_same_state_is_refused_and_a_reload_keeps_serving(
+def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps_serving(
     mosquitto, small_zoo, tmp_path
 ):
     # Two copies on one state folder would both write its privacy ledger and fight over
@@ -264,14 +264,20 @@ def test_a_second_agent_on_the_same_state_is_refused_and_a_reload_keeps_serving(
     import signal
     import subprocess
 
-    config, _ = write_config(
-        tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
-    )
-    first = agent_process(config)
+    cache = tmp_path / "cache"
+    configs = []
+    for name in ("a", "b"):
+        config, _ = write_config(
+            tmp_path / name, small_zoo, f"dev-{name}", "clean", mosquitto.address.port, epochs=1
+        )
+        text = config.read_text().replace("[data]\n", f'[data]\nfeature_cache = "{cache}"\n')
+        config.write_text(text)
+        configs.append(config)
+    first = agent_process(configs[0])
     try:
         first.wait_for("connected to")
         second = subprocess.run(
-            [str(BIN / "edge-agent"), "run", "--config", str(config)],
+            [str(BIN / "edge-agent"), "run", "--config", str(configs[0])],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert second.returncode == 2
@@ -279,6 +285,19 @@ def test_a_second_agent_on_the_same_state_is_refused_and_a_reload_keeps_serving(
             f"edge-agent: error: agent state {tmp_path / 'a' / 'state'} is in use by another "
             f"process (pid {first.proc.pid}); stop that one first"
         ]
+        # Another device's state but the same private feature cache, which each would
+        # prune of the other's entries.
+        other = subprocess.run(
+            [str(BIN / "edge-agent"), "run", "--config", str(configs[1])],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert other.returncode == 2
+        assert other.stderr.strip().splitlines() == [
+            f"edge-agent: error: feature cache {cache} is in use by another process "
+            f"(pid {first.proc.pid}); stop that one first, or set [data] shared_feature_cache "
+            "= true in every agent that uses it"
+        ]
+        assert not (tmp_path / "b" / "state" / "state.json").exists()
         # A reload closes the running agent before the new one takes the same lock.
         seen = len(first.lines)
         first.signal(signal.SIGHUP)
