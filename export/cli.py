@@ -94,9 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="images/s of torch, ONNX Runtime fp32 and int8 for a bundle or an architecture",
     )
     bench.add_argument("target", help="a bundle directory or a built-in architecture name")
-    bench.add_argument(
-        "--input", type=int, default=224, help="input side for an architecture (default 224)"
-    )
+    bench.add_argument("--input", type=int, help="input side for an architecture (default 224)")
     bench.add_argument("--json", action="store_true", help="print the full JSON report")
 
     sub.add_parser("archs", help="list the built-in architectures")
@@ -207,12 +205,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     path = Path(args.target)
     if path.is_dir():
+        if args.input is not None:  # a bundle's backbones have their own input sides
+            raise UsageError(f"--input applies to an architecture; {path} is a bundle")
         try:
             targets = bench.targets_for_bundle(bundle_mod.load(path))
         except (BundleError, ValueError) as exc:
             raise UsageError(str(exc)) from exc
     elif args.target in architectures.ARCHITECTURES:
-        targets = bench.targets_for_arch(args.target, args.input)
+        side = 224 if args.input is None else args.input
+        if side < 1:
+            raise UsageError(f"--input must be positive, got {side}")
+        targets = bench.targets_for_arch(args.target, side)
     else:
         raise UsageError(
             f"{args.target!r} is neither a bundle directory nor an architecture ({', '.join(architectures.ARCHITECTURES)})"

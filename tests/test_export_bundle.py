@@ -94,6 +94,18 @@ def test_zoo_refuses_to_overwrite_without_force(small_zoo):
     assert result.returncode == 2 and "--force" in result.stderr
 
 
+def test_bench_input_side_applies_to_architectures_only(small_zoo):
+    # A bundle's backbones carry their own input sides: --input would be ignored.
+    result = edge_export("bench", str(small_zoo), "--input", "64")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"edge-export: error: --input applies to an architecture; {small_zoo} is a bundle"
+    )
+    result = edge_export("bench", "resnet18", "--input", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "edge-export: error: --input must be positive, got 0"
+
+
 def test_the_same_seed_gives_the_same_bundle(small_zoo, tmp_path):
     from export.zoo import build_zoo
 
