@@ -80,6 +80,11 @@ def _map_labels(
     return out, out >= 0
 
 
+def _preview(values: Sequence[object], shown: int = 5) -> str:
+    head = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in values[:shown])
+    return head + (f", ... ({len(values)} in all)" if len(values) > shown else "")
+
+
 def load_npz(path: Path, classes: Sequence[str]) -> LocalData:
     try:
         data = read_npz(path, required=("x", "y"))
@@ -89,6 +94,13 @@ def load_npz(path: Path, classes: Sequence[str]) -> LocalData:
     if len(x) != len(y):
         raise DataError(f"{path}: {len(x)} images but {len(y)} labels")
     labels, known = _map_labels(list(y), classes, source=str(path))
+    if len(y) and not known.any():
+        # Say what was expected and what is there: 0.5 or "cat" vs ["0".."9"].
+        raise DataError(
+            f"{path}: none of its {len(y)} labels is in the fleet's class list; labels are "
+            f"class names ({_preview(classes)}) or indices 0-{len(classes) - 1}, and this "
+            f"file holds {_preview(np.unique(y).tolist())}"
+        )
     skipped = {"unknown_label": int((~known).sum())} if (~known).any() else {}
     images = to_nchw_float(x[known], source=str(path))
     return LocalData(images, labels[known], skipped)

@@ -27,7 +27,12 @@ def test_npz_in_either_layout_and_dtype(tmp_path):
         ({"x": np.zeros((2, 4, 4)), "y": np.zeros(2)}, "4-D"),
         ({"x": np.full((1, 3, 2, 2), 2.0), "y": np.zeros(1)}, r"\[0, 1\]"),
         ({"x": np.zeros((2, 3, 2, 2)), "y": np.zeros(3)}, "2 images but 3 labels"),
-        ({"x": np.zeros((1, 3, 2, 2)), "y": np.array([9])}, "no samples"),
+        (
+            {"x": np.zeros((2, 3, 2, 2)), "y": np.array([0.5, 9])},
+            r"none of its 2 labels is in the fleet's class list; labels are class names "
+            r"\('cat', 'dog', 'owl'\) or indices 0-2, and this file holds 0.5, 9.0$",
+        ),
+        ({"x": np.zeros((0, 3, 2, 2)), "y": np.zeros(0)}, "no samples"),
     ],
 )
 def test_bad_npz_is_a_clear_error(tmp_path, arrays, message):
