@@ -16,6 +16,7 @@ from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
 from protocol.cliutil import CommandFailed, UsageError, check_output_folder
+from protocol.runlock import AlreadyRunning, RunLock
 from protocol.settings import parse_value
 
 BIN = Path(sys.executable).parent
@@ -162,20 +163,32 @@ def ensure_bundle(path: Path, size: str) -> Path:
     """
     if (path / "bundle.json").exists():
         return path
-    if path.exists() and any(path.iterdir()):
-        raise UsageError(f"{path} exists but holds no bundle.json")
-    staging = path.with_name(f".{path.name}.building")
-    if staging.exists():
-        shutil.rmtree(staging)  # what an interrupted build left
-    print(f"building the {size} backbone zoo in {path} (once) ...", file=sys.stderr, flush=True)
-    done = subprocess.run(
-        [str(BIN / "edge-export"), "zoo", "--out", str(staging), "--size", size],
-        stdout=subprocess.DEVNULL,
+    # Two sweeps started at once on a fresh clone: the second waits for the first's build
+    # (it used to delete the first's staging folder as an interrupted build's leftover).
+    lock = RunLock.take(
+        path.with_name(f".{path.name}.lock"),
+        what=f"the zoo in {path}",
+        wait=lambda message: print(message, file=sys.stderr, flush=True),
     )
-    if done.returncode != 0:
-        raise CommandFailed(f"building the zoo failed (exit {done.returncode})")
-    staging.replace(path)  # onto nothing or an empty folder: atomic
-    return path
+    try:
+        if (path / "bundle.json").exists():
+            return path  # the other sweep built it
+        if path.exists() and any(path.iterdir()):
+            raise UsageError(f"{path} exists but holds no bundle.json")
+        staging = path.with_name(f".{path.name}.building")
+        if staging.exists():
+            shutil.rmtree(staging)  # what an interrupted build left
+        print(f"building the {size} backbone zoo in {path} (once) ...", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [str(BIN / "edge-export"), "zoo", "--out", str(staging), "--size", size],
+            stdout=subprocess.DEVNULL,
+        )
+        if done.returncode != 0:
+            raise CommandFailed(f"building the zoo failed (exit {done.returncode})")
+        staging.replace(path)  # onto nothing or an empty folder: atomic
+        return path
+    finally:
+        lock.release()
 
 
 def partition_for(args: argparse.Namespace, seed: int) -> Partition:
@@ -253,6 +266,25 @@ def resolve_data_options(args: argparse.Namespace) -> None:
             )
 
 
+#: Output folders this process writes, locked until it exits (one sweep per process).
+_HELD: dict[Path, RunLock] = {}
+
+
+def hold_output_folder(out: Path) -> None:
+    """Two sweeps into one --out would overwrite each other's report (and a --resume
+    beside the sweep it resumes would run its runs twice): the second is refused."""
+    key = out.resolve()
+    if key not in _HELD:
+        try:
+            _HELD[key] = RunLock.take(
+                out / ".lock",
+                what=f"--out {out}",
+                remedy="wait for that sweep to end or choose another --out",
+            )
+        except AlreadyRunning as exc:
+            raise UsageError(str(exc)) from None
+
+
 def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partition:
     """Everything a sweep's options can get wrong (broker URL, run settings, data), checked
     before the zoo is built, which takes minutes the first time. Returns the partition of
@@ -272,7 +304,9 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     if args.broker:
         parse_broker_url(args.broker)
     spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)
-    return partition_for(args, seed)
+    partition = partition_for(args, seed)
+    hold_output_folder(args.out)  # last: a usage error leaves no folder behind
+    return partition
 
 
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:

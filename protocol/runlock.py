@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -27,18 +28,35 @@ class RunLock:
         self._fd: int | None = fd
 
     @classmethod
-    def take(cls, path: Path, *, what: str, remedy: str = "stop that one first") -> RunLock:
-        """Lock ``path`` (created, with its folder) or raise :class:`AlreadyRunning`, whose
-        message names ``what`` is locked, the holder's pid and the ``remedy``."""
+    def take(
+        cls,
+        path: Path,
+        *,
+        what: str,
+        remedy: str = "stop that one first",
+        wait: Callable[[str], None] | None = None,
+    ) -> RunLock:
+        """Lock ``path`` (created, with its folder). If another process holds it: raise
+        :class:`AlreadyRunning`, whose message names ``what`` is locked, the holder's pid
+        and the ``remedy``; or, given ``wait``, tell it so and block until the lock is free."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            os.close(fd)
             pid = f" (pid {holder})" if holder.isdigit() else ""
-            raise AlreadyRunning(f"{what} is in use by another process{pid}; {remedy}") from None
+            if wait is None:
+                os.close(fd)
+                raise AlreadyRunning(
+                    f"{what} is in use by another process{pid}; {remedy}"
+                ) from None
+            wait(f"{what} is in use by another process{pid}; waiting for it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:  # Ctrl-C while waiting
+                os.close(fd)
+                raise
         # The pid is for the message above only: the lock itself is the flock.
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

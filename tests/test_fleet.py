@@ -585,3 +585,41 @@ def test_averaged_models_start_from_one_head_and_the_others_apart(
     assert all(torch.equal(first[k], second[k]) for k in first)
     first, second = heads["fedpcl"]
     assert not torch.equal(first["head.fc.weight"], second["head.fc.weight"])
+
+
+def test_a_sweep_waits_for_a_zoo_another_is_building_and_refuses_a_busy_out_folder(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    """Two sweeps started at once on a fresh clone: the second used to delete the first's
+    half-built zoo as an interrupted build's leftover."""
+    import shutil
+
+    from protocol.runlock import RunLock
+
+    zoo = tmp_path / "zoo"
+    argv = ["run", "--transport", "memory", "--bundle", str(zoo), "--rounds", "1",
+            "--clients", "2", "--train", "20", "--test", "20", "--no-progress"]  # fmt: skip
+    building = RunLock.take(tmp_path / ".zoo.lock", what="stand-in build")  # "the first sweep"
+    fleet = LoggedProcess("edge-fleet", [*argv, "--out", str(tmp_path / "a")])
+    try:
+        fleet.wait_for(f"the zoo in {zoo} is in use by another process (pid {os.getpid()})")
+        # A second sweep into the same --out is refused while the first holds it.
+        busy = subprocess.run(
+            [str(BIN / "edge-fleet"), *argv, "--out", str(tmp_path / "a")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert busy.returncode == 2
+        assert busy.stderr.strip() == (
+            f"edge-fleet: error: --out {tmp_path / 'a'} is in use by another process "
+            f"(pid {fleet.proc.pid}); wait for that sweep to end or choose another --out"
+        )
+        shutil.copytree(small_zoo, zoo)  # the first sweep's build completes
+        building.release()
+        assert fleet.proc.wait(timeout=300) == 0
+        assert not any("building the" in line for line in fleet.lines)  # used, not rebuilt
+        assert json.loads((tmp_path / "a" / "report.json").read_text())["config"]["bundle"] == str(
+            zoo
+        )
+    finally:
+        building.release()
+        fleet.close()
