@@ -186,6 +186,9 @@ def ensure_bundle(path: Path, size: str) -> Path:
         if done.returncode != 0:
             raise CommandFailed(f"building the zoo failed (exit {done.returncode})")
         staging.replace(path)  # onto nothing or an empty folder: atomic
+        # Safe to remove now that bundle.json is there: a waiter holding the old file's
+        # lock, and anyone later, finds the bundle first and never builds.
+        lock.path.unlink(missing_ok=True)
         return path
     finally:
         lock.release()
@@ -304,13 +307,12 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     if args.broker:
         parse_broker_url(args.broker)
     spec_for(args, method=method, bundle=args.bundle, seed=seed, out=args.out)
-    partition = partition_for(args, seed)
-    hold_output_folder(args.out)  # last: a usage error leaves no folder behind
-    return partition
+    return partition_for(args, seed)
 
 
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
     first = check_options(args, method=methods[0], seed=seeds[0])
+    hold_output_folder(args.out)  # after every check: a usage error leaves no folder behind
     bundle = ensure_bundle(args.bundle, args.zoo_size)
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}

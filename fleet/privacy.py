@@ -95,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
     first = commands.check_options(args, method="fedpcl", seed=seeds[0])
     for eps in epsilons:  # an impossible privacy plan fails now, not after the zoo is built
         _plan(eps, args, samples=min(len(c.train_y) for c in first.clients))
+    commands.hold_output_folder(args.out)
     bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}

@@ -203,6 +203,14 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         bundle = bundle_mod.load(spec.bundle)
     except BundleError as exc:
         raise UsageError(str(exc)) from exc
+    # The agents' and coordinator's files hold absolute paths: a relative one in a config
+    # file is read from that file's folder, not from here.
+    spec = replace(
+        spec,
+        out=spec.out.absolute(),
+        bundle=spec.bundle.absolute(),
+        feature_cache=spec.feature_cache and spec.feature_cache.absolute(),
+    )
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     agents: list[dict[str, Any]] = []

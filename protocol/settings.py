@@ -3,7 +3,8 @@
 Shared by the agent's and the coordinator's configuration. Supported field types: str,
 int, float, bool, Path, Literal[...], X | None, tuple[X, ...], Mapping[str, scalar] and
 nested dataclasses. Unknown keys are errors, so a typo never silently falls back to a
-default.
+default. A relative path in a file is taken from the file's folder, not from wherever the
+process happens to run (``/`` under systemd).
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def load_config(cls: type[T], path: Path) -> T:
     """Read ``path`` and build ``cls`` from it; every error is a :class:`ConfigError`."""
     data = load_toml(path)
     try:
-        return build(cls, data)
+        return build(cls, data, base=path.absolute().parent)
     except ConfigError as exc:
         raise ConfigError(exc.detail, key=exc.key, source=str(path)) from None
 
 
-def build(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, converting and checking every field."""
+def build(
+    cls: type[T], data: Mapping[str, Any], *, prefix: str = "", base: Path | None = None
+) -> T:
+    """Build dataclass ``cls`` from a mapping, converting and checking every field;
+    relative paths are joined to ``base`` when one is given."""
     if not isinstance(data, Mapping):
         raise ConfigError("expected a table", key=prefix.rstrip("."))
     hints = typing.get_type_hints(cls)
@@ -79,7 +83,7 @@ def build(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     for name, field in fields.items():
         key = prefix + name
         if name in data:
-            values[name] = _convert(hints[name], data[name], key)
+            values[name] = _convert(hints[name], data[name], key, base)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError("required key is missing", key=key)
     try:
@@ -90,7 +94,7 @@ def build(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         raise ConfigError(str(exc), key=prefix.rstrip(".")) from exc
 
 
-def _convert(hint: Any, value: Any, key: str) -> Any:
+def _convert(hint: Any, value: Any, key: str, base: Path | None) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -98,7 +102,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             return None
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
-            return _convert(options[0], value, key)
+            return _convert(options[0], value, key, base)
         raise ConfigError(f"unsupported union type {hint}", key=key)
     if origin is typing.Literal:
         if value not in args:
@@ -107,7 +111,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         if not isinstance(value, list):
             raise ConfigError(f"expected a list, got {type(value).__name__}", key=key)
-        return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(_convert(args[0], v, f"{key}[{i}]", base) for i, v in enumerate(value))
     if origin in (dict, Mapping, typing.Mapping) or hint in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"expected a table, got {type(value).__name__}", key=key)
@@ -118,11 +122,12 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
                 )
         return dict(value)
     if dataclasses.is_dataclass(hint):
-        return build(hint, value, prefix=key + ".")  # type: ignore[arg-type]
+        return build(hint, value, prefix=key + ".", base=base)  # type: ignore[arg-type]
     if hint is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError("expected a path string", key=key)
-        return Path(value).expanduser()
+        path = Path(value).expanduser()
+        return base / path if base is not None and not path.is_absolute() else path
     if hint is float:
         if type(value) not in (int, float):
             raise ConfigError(f"expected a number, got {type(value).__name__}", key=key)

@@ -63,3 +63,20 @@ def test_command_line_values_read_as_toml_or_as_a_bare_string():
     assert parse_value('"quoted"') == "quoted"
     assert parse_value("group") == "group"  # a bare word is not TOML: the word itself
     assert parse_value("") == ""
+
+
+def test_relative_paths_are_read_from_the_files_folder(tmp_path, monkeypatch):
+    # Under systemd the working directory is /: "state" must not become /state.
+    monkeypatch.chdir("/")
+    (tmp_path / "etc").mkdir()
+    path = write(
+        tmp_path / "etc",
+        'fleet = "lab"\nstate_dir = "../var/state"\n[mqtt]\ntls_ca = "ca.crt"\n'
+        'tls_cert = "/abs/c.crt"\ntls_key = "~/c.key"\n',
+    )
+    cfg = load(path)
+    assert cfg.state_dir == tmp_path / "etc" / ".." / "var" / "state"
+    assert cfg.database.parent == cfg.state_dir
+    assert cfg.mqtt.tls_ca == tmp_path / "etc" / "ca.crt"
+    assert cfg.mqtt.tls_cert == Path("/abs/c.crt")
+    assert cfg.mqtt.tls_key == Path.home() / "c.key"
