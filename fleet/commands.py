@@ -257,11 +257,11 @@ def resolve_data_options(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     # An option no chosen split reads would be dropped without a word.
     splits = args.__dict__.get("swept_splits") or [args.split]
-    unused = {
+    readers_of = {
         "--alpha": ("label", "feature-label"),
         "--domain": ("label",),
     }
-    for option, readers in unused.items():
+    for option, readers in readers_of.items():
         if option in given and not set(readers) & set(splits):
             raise UsageError(
                 f"{option} applies to --split {' and '.join(readers)} only, "

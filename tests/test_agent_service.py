@@ -276,23 +276,22 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
     first = agent_process(configs[0])
     try:
         first.wait_for("connected to")
-        second = subprocess.run(
-            [str(BIN / "edge-agent"), "run", "--config", str(configs[0])],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert second.returncode == 2
-        assert second.stderr.strip().splitlines() == [
+
+        def refusal(config: Path) -> list[str]:
+            started = subprocess.run(
+                [str(BIN / "edge-agent"), "run", "--config", str(config)],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert started.returncode == 2
+            return started.stderr.strip().splitlines()
+
+        assert refusal(configs[0]) == [
             f"edge-agent: error: agent state {tmp_path / 'a' / 'state'} is in use by another "
             f"process (pid {first.proc.pid}); stop that one first"
         ]
         # Another device's state but the same private feature cache, which each would
         # prune of the other's entries.
-        other = subprocess.run(
-            [str(BIN / "edge-agent"), "run", "--config", str(configs[1])],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert other.returncode == 2
-        assert other.stderr.strip().splitlines() == [
+        assert refusal(configs[1]) == [
             f"edge-agent: error: feature cache {cache} is in use by another process "
             f"(pid {first.proc.pid}); stop that one first, or set [data] shared_feature_cache "
             "= true in every agent that uses it"
