@@ -17,6 +17,7 @@ from protocol.cliutil import (
     print_example_config,
     run,
 )
+from protocol.runlock import AlreadyRunning, RunLock, holder
 
 EXAMPLE = Path(__file__).resolve().parent / "coordinator.toml"
 
@@ -46,7 +47,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
     from protocol.lifecycle import CannotServe, serve
-    from protocol.runlock import AlreadyRunning, RunLock
     from protocol.transport import CredentialsError, load_credentials
 
     metrics = Metrics()
@@ -55,10 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             # The broker's files first: nothing is opened for a config that cannot connect.
             load_credentials(cfg.mqtt)
-            lock = RunLock.take(
-                cfg.database.with_name(cfg.database.name + ".lock"),
-                what=f"coordinator database {cfg.database}",
-            )
+            lock = RunLock.take(cfg.run_lock, what=f"coordinator database {cfg.database}")
         except (AlreadyRunning, CredentialsError) as exc:
             raise CannotServe(str(exc)) from exc
         try:
@@ -124,7 +121,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         summary = store.summary()
     finally:
         store.close()
-    json.dump({"fleet": cfg.fleet, "database": str(cfg.database), **summary}, sys.stdout, indent=2)
+    report = {
+        "fleet": cfg.fleet,
+        "database": str(cfg.database),
+        "running_pid": holder(cfg.run_lock),  # null: no coordinator has this database open
+        **summary,
+    }
+    json.dump(report, sys.stdout, indent=2)
     print()
     return 0
 

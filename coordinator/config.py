@@ -108,6 +108,11 @@ class CoordinatorConfig:
     def database(self) -> Path:
         return self.state_dir / "coordinator.sqlite3"
 
+    @property
+    def run_lock(self) -> Path:
+        """Held by the running coordinator (``protocol.runlock``)."""
+        return self.database.with_name(self.database.name + ".lock")
+
 
 def load(path: Path) -> CoordinatorConfig:
     return load_config(CoordinatorConfig, path)

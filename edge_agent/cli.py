@@ -19,6 +19,7 @@ from protocol.cliutil import (
     print_example_config,
     run,
 )
+from protocol.runlock import AlreadyRunning, RunLock, holder
 
 if TYPE_CHECKING:
     from edge_agent.service import AgentService
@@ -144,7 +145,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from protocol.lifecycle import CannotServe, serve
-    from protocol.runlock import AlreadyRunning, RunLock
 
     def make(cfg: AgentConfig) -> AgentService:
         # Imported once the configuration has loaded: torch takes seconds to import, and a
@@ -159,9 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             # The broker's files first: a mistyped path is told before the backbones run.
             load_credentials(cfg.mqtt)
-            locks.append(
-                RunLock.take(cfg.state_dir / "run.lock", what=f"agent state {cfg.state_dir}")
-            )
+            locks.append(RunLock.take(cfg.run_lock, what=f"agent state {cfg.state_dir}"))
             cache = cfg.data.feature_cache
             if cache is not None and not cfg.data.shared_feature_cache:
                 # A private cache drops entries it does not own: two agents on one would
@@ -219,6 +217,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "agent_id": cfg.agent_id,
         "fleet": cfg.fleet,
         "method": cfg.method,
+        "running_pid": holder(cfg.run_lock),  # null: no agent runs on this state
         "bundle_id": snap.bundle_id,
         "last_round": snap.last_round,
         "pending_round": snap.pending_round,

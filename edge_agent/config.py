@@ -85,6 +85,11 @@ class AgentConfig:
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
 
+    @property
+    def run_lock(self) -> Path:
+        """Held by the running agent (``protocol.runlock``)."""
+        return self.state_dir / "run.lock"
+
     def __post_init__(self) -> None:
         validate_id(self.agent_id, field="agent_id")
         validate_id(self.fleet, field="fleet")

@@ -66,3 +66,29 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def holder(path: Path, *, locks: Path = Path("/proc/locks")) -> int | None:
+    """The pid holding ``path``'s lock, or None when nobody does (or this is not Linux).
+
+    Read from the kernel's lock table rather than by trying the lock: a status command
+    that held it even for an instant could make a service starting then refuse to run.
+    """
+    try:
+        st = path.stat()
+        table = locks.read_text()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF"; a blocked waiter's line
+        # starts "1: -> FLOCK ..." and holds nothing.
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
+            pid = int(fields[4]) if fields[4].isdigit() else 0
+            if pid > 0:
+                return pid
+            # Held from another pid namespace: the kernel shows no pid; the file says it.
+            written = path.read_text(errors="replace").strip()
+            return int(written) if written.isdigit() else 0
+    return None

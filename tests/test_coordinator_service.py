@@ -270,7 +270,9 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
             f"edge-coordinator: error: coordinator database {database} is in use by another "
             f"process (pid {first.proc.pid}); stop that one first"
         ]
+        assert coordinator_status(config)["running_pid"] == first.proc.pid
         assert first.stop() == 0
+        assert coordinator_status(config)["running_pid"] is None
     finally:
         first.close()
     # The lock went with its holder: a new coordinator starts, on the same round.
@@ -281,3 +283,11 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
         assert again.stop() == 0
     finally:
         again.close()
+
+
+def coordinator_status(config: Path) -> dict:
+    shown = subprocess.run(
+        [str(BIN / "edge-coordinator"), "status", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return json.loads(shown.stdout)
