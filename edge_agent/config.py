@@ -28,6 +28,10 @@ class DataSettings:
     # when the data set changes, and drops the superseded entries.
     shared_feature_cache: bool = False
 
+    def __post_init__(self) -> None:
+        if self.image_size < 1:
+            raise ValueError(f"data.image_size must be at least 1 pixel, got {self.image_size}")
+
 
 @dataclass(frozen=True)
 class PrivacySettings:
@@ -61,6 +65,8 @@ class PrivacySettings:
             raise ValueError("privacy noise multipliers and max_grad_norm must be positive")
         if self.paper_noise not in ("gaussian", "laplace") or not 0 <= self.paper_p < 1:
             raise ValueError("privacy.paper_noise: gaussian or laplace; paper_p in [0, 1)")
+        if self.paper_scale < 0:  # found by the first round's noise draw otherwise
+            raise ValueError(f"privacy.paper_scale must not be negative, got {self.paper_scale}")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,14 @@ class RuntimeSettings:
     batch_size: int = 64
     cache_dir: Path | None = None
 
+    def __post_init__(self) -> None:
+        if min(self.intra_op_threads, self.inter_op_threads) < 0:
+            raise ValueError(
+                "runtime.intra_op_threads and inter_op_threads must be >= 0 (0: default)"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"runtime.batch_size must be at least 1, got {self.batch_size}")
+
 
 def quiet_threads(options: Any) -> None:
     """Stop idle intra-op threads from spin-waiting. The K sessions of a bundle run one

@@ -194,6 +194,31 @@ def test_documented_agent_config_loads():
     assert cfg.mqtt.reconnect_max_s == 60.0
 
 
+@pytest.mark.parametrize(
+    ("table", "line", "message"),
+    [
+        ("data", "image_size = 0", "data.image_size must be at least 1 pixel, got 0"),
+        ("runtime", "intra_op_threads = -1", "intra_op_threads and inter_op_threads must be >= 0"),
+        ("runtime", "batch_size = 0", "runtime.batch_size must be at least 1, got 0"),
+        ("privacy", "paper_scale = -0.05", "privacy.paper_scale must not be negative"),
+    ],
+)
+def test_values_found_only_at_run_time_before_are_refused_as_the_file_is_read(
+    tmp_path, table, line, message
+):
+    from edge_agent.config import load
+    from protocol.settings import ConfigError
+
+    path = tmp_path / "agent.toml"
+    body = f"[{table}]\n{line}\n" if table != "data" else line + "\n"
+    path.write_text(
+        'agent_id = "a"\nfleet = "lab"\nstate_dir = "s"\nbundle = "b"\n'
+        f'[data]\ntrain = "t.npz"\n{body}'
+    )
+    with pytest.raises(ConfigError, match=f"{table}: .*{message}"):
+        load(path)
+
+
 def test_status_and_predict_commands(small_zoo, tmp_path):
     import json
     import subprocess
