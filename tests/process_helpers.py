@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 
@@ -90,6 +92,15 @@ def agent_process(config: Path, *, env: Mapping[str, str] | None = None) -> Logg
 
 def coordinator_process(config: Path, *, env: Mapping[str, str] | None = None) -> LoggedProcess:
     return LoggedProcess("edge-coordinator", ["run", "--config", str(config)], env=env)
+
+
+def status(script: str, config: Path) -> dict[str, Any]:
+    """The JSON of ``<script> status --config config``."""
+    shown = subprocess.run(
+        [str(BIN / script), "status", "--config", str(config)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return dict(json.loads(shown.stdout))
 
 
 def _take_sigint() -> None:

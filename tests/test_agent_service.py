@@ -25,7 +25,7 @@ from protocol import (
 )
 from tests.agent_helpers import digits_npz
 from tests.mqtt_helpers import connected
-from tests.process_helpers import agent_process
+from tests.process_helpers import agent_process, status
 
 pytestmark = pytest.mark.broker
 
@@ -297,7 +297,7 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
             "= true in every agent that uses it"
         ]
         assert not (tmp_path / "b" / "state" / "state.json").exists()
-        assert agent_status(configs[0])["running_pid"] == first.proc.pid
+        assert status("edge-agent", configs[0])["running_pid"] == first.proc.pid
         # A reload closes the running agent before the new one takes the same lock.
         seen = len(first.lines)
         first.signal(signal.SIGHUP)
@@ -305,14 +305,6 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
         first.wait_for("connected to", after=seen)
         assert not any("reload refused" in line for line in first.lines)
         assert first.stop() == 0
-        assert agent_status(configs[0])["running_pid"] is None
+        assert status("edge-agent", configs[0])["running_pid"] is None
     finally:
         first.close()
-
-
-def agent_status(config: Path) -> dict:
-    shown = subprocess.run(
-        [str(BIN / "edge-agent"), "status", "--config", str(config)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    return json.loads(shown.stdout)

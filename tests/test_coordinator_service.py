@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sqlite3
 import subprocess
@@ -18,7 +17,7 @@ from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_top
 from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
 from tests.fuzz_corpus import payloads
 from tests.mqtt_helpers import connected
-from tests.process_helpers import coordinator_process
+from tests.process_helpers import coordinator_process, status
 
 pytestmark = pytest.mark.broker
 
@@ -85,16 +84,6 @@ def stored_updates(tmp_path: Path, round_: int) -> int:
             return 0
 
 
-def status(config: Path) -> dict:
-    out = subprocess.run(
-        [str(BIN / "edge-coordinator"), "status", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout)
-
-
 class Fleet:
     """Stand-in clients: read announcements, publish prepared updates."""
 
@@ -148,7 +137,7 @@ def test_five_fedpcl_rounds_match_a_hand_computation(mosquitto, tmp_path):
         assert "disconnected" not in stderr
     finally:
         proc.kill()
-    summary = status(config)
+    summary = status("edge-coordinator", config)
     assert summary["rounds_completed"] == 6  # five aggregated rounds and the closed final one
     assert summary["rejections"] == {}
 
@@ -193,7 +182,7 @@ def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path)
         assert got.local_sets.keys() == want.local_sets.keys()
     # Two re-sent updates are duplicates; the broker may also redeliver the one whose
     # PUBACK the killed process never sent (QoS 1): that copy is a duplicate too.
-    rejections = status(config)["rejections"]
+    rejections = status("edge-coordinator", config)["rejections"]
     assert set(rejections) == {"duplicate"} and 2 <= rejections["duplicate"] <= 4, rejections
 
 
@@ -224,7 +213,7 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
-    rejections = status(config)["rejections"]
+    rejections = status("edge-coordinator", config)["rejections"]
     assert sum(rejections.values()) == len(malformed)
     assert set(rejections) <= {"malformed", "field", "array", "id", "version", "too_large"}
 
@@ -270,9 +259,9 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
             f"edge-coordinator: error: coordinator database {database} is in use by another "
             f"process (pid {first.proc.pid}); stop that one first"
         ]
-        assert coordinator_status(config)["running_pid"] == first.proc.pid
+        assert status("edge-coordinator", config)["running_pid"] == first.proc.pid
         assert first.stop() == 0
-        assert coordinator_status(config)["running_pid"] is None
+        assert status("edge-coordinator", config)["running_pid"] is None
     finally:
         first.close()
     # The lock went with its holder: a new coordinator starts, on the same round.
@@ -283,11 +272,3 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
         assert again.stop() == 0
     finally:
         again.close()
-
-
-def coordinator_status(config: Path) -> dict:
-    shown = subprocess.run(
-        [str(BIN / "edge-coordinator"), "status", "--config", str(config)],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    return json.loads(shown.stdout)
