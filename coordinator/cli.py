@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -52,18 +53,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     metrics = Metrics()
 
     def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
-        try:
-            # The broker's files first: nothing is opened for a config that cannot connect.
-            load_credentials(cfg.mqtt)
-            lock = RunLock.take(cfg.run_lock, what=f"coordinator database {cfg.database}")
-        except (AlreadyRunning, CredentialsError) as exc:
-            raise CannotServe(str(exc)) from exc
-        try:
+        with contextlib.ExitStack() as taken:  # released again if the start fails
+            try:
+                # The broker's files first: nothing is opened for a config that cannot connect.
+                load_credentials(cfg.mqtt)
+                taken.enter_context(
+                    RunLock.take(cfg.run_lock, what=f"coordinator database {cfg.database}")
+                )
+            except (AlreadyRunning, CredentialsError) as exc:
+                raise CannotServe(str(exc)) from exc
             service = build(cfg)
-        except BaseException:
-            lock.release()
-            raise
-        held.append(lock)
+            held.append(taken.pop_all())
         return service
 
     def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
@@ -94,9 +94,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     def close(service: object) -> None:
         assert isinstance(service, CoordinatorService)
         service.manager.store.close()
-        held.pop().release()  # before a reload's make(), which takes it again
+        held.pop().close()  # before a reload's make(), which takes the lock again
 
-    held: list[RunLock] = []
+    held: list[contextlib.ExitStack] = []
     try:
         serve(
             name="edge-coordinator",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -155,47 +156,38 @@ def cmd_run(args: argparse.Namespace) -> int:
         from export.errors import BundleError
         from protocol.transport import load_credentials
 
-        locks: list[RunLock] = []
-        try:
-            # The broker's files first: a mistyped path is told before the backbones run.
-            load_credentials(cfg.mqtt)
-            locks.append(RunLock.take(cfg.run_lock, what=f"agent state {cfg.state_dir}"))
-            cache = cfg.data.feature_cache
-            if cache is not None and not cfg.data.shared_feature_cache:
-                # A private cache drops entries it does not own: two agents on one would
-                # delete each other's features every start.
-                locks.append(
-                    RunLock.take(
-                        cache / "run.lock",
-                        what=f"feature cache {cache}",
-                        remedy="stop that one first, or set [data] shared_feature_cache = "
-                        "true in every agent that uses it",
+        with contextlib.ExitStack() as taken:  # released again if the start fails
+            try:
+                # The broker's files first: a mistyped path is told before the backbones run.
+                load_credentials(cfg.mqtt)
+                taken.enter_context(RunLock.take(cfg.run_lock, what=f"agent state {cfg.state_dir}"))
+                cache = cfg.data.feature_cache
+                if cache is not None and not cfg.data.shared_feature_cache:
+                    # A private cache drops entries it does not own: two agents on one would
+                    # delete each other's features every start.
+                    taken.enter_context(
+                        RunLock.take(
+                            cache / "run.lock",
+                            what=f"feature cache {cache}",
+                            remedy="stop that one first, or set [data] shared_feature_cache = "
+                            "true in every agent that uses it",
+                        )
                     )
-                )
-            agent = Agent(cfg)
-        except (AlreadyRunning, BundleError, DataError, ValueError) as exc:
-            release(locks)
-            raise CannotServe(str(exc)) from exc
-        except BaseException:
-            release(locks)
-            raise
-        agent.state.record(
-            active_providers=agent.runtime.active_providers,
-            backbone_samples_at_start=agent.runtime.samples_processed,
-            started_at=time.time(),
-        )
-        held.append(locks)
+                agent = Agent(cfg)
+            except (AlreadyRunning, BundleError, DataError, ValueError) as exc:
+                raise CannotServe(str(exc)) from exc
+            agent.state.record(
+                active_providers=agent.runtime.active_providers,
+                backbone_samples_at_start=agent.runtime.samples_processed,
+                started_at=time.time(),
+            )
+            held.append(taken.pop_all())
         return AgentService(agent=agent)
 
-    def release(locks: list[RunLock]) -> None:
-        for lock in locks:
-            lock.release()
-
     def close(service: object) -> None:
-        # Before a reload's make(): the new agent takes the same locks.
-        release(held.pop())
+        held.pop().close()  # before a reload's make(), which takes the same locks
 
-    held: list[list[RunLock]] = []
+    held: list[contextlib.ExitStack] = []
     try:
         serve(name="edge-agent", load=lambda: load_config(args.config), make=make, close=close)
     except CannotServe as exc:

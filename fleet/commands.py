@@ -165,12 +165,11 @@ def ensure_bundle(path: Path, size: str) -> Path:
         return path
     # Two sweeps started at once on a fresh clone: the second waits for the first's build
     # (it used to delete the first's staging folder as an interrupted build's leftover).
-    lock = RunLock.take(
+    with RunLock.take(
         path.with_name(f".{path.name}.lock"),
         what=f"the zoo in {path}",
         wait=lambda message: print(message, file=sys.stderr, flush=True),
-    )
-    try:
+    ) as lock:
         if (path / "bundle.json").exists():
             return path  # the other sweep built it
         if path.exists() and any(path.iterdir()):
@@ -190,8 +189,6 @@ def ensure_bundle(path: Path, size: str) -> Path:
         # lock, and anyone later, finds the bundle first and never builds.
         lock.path.unlink(missing_ok=True)
         return path
-    finally:
-        lock.release()
 
 
 def partition_for(args: argparse.Namespace, seed: int) -> Partition:
@@ -269,23 +266,18 @@ def resolve_data_options(args: argparse.Namespace) -> None:
             )
 
 
-#: Output folders this process writes, locked until it exits (one sweep per process).
-_HELD: dict[Path, RunLock] = {}
-
-
-def hold_output_folder(out: Path) -> None:
+def hold_output_folder(out: Path) -> RunLock:
     """Two sweeps into one --out would overwrite each other's report (and a --resume
-    beside the sweep it resumes would run its runs twice): the second is refused."""
-    key = out.resolve()
-    if key not in _HELD:
-        try:
-            _HELD[key] = RunLock.take(
-                out / ".lock",
-                what=f"--out {out}",
-                remedy="wait for that sweep to end or choose another --out",
-            )
-        except AlreadyRunning as exc:
-            raise UsageError(str(exc)) from None
+    beside the sweep it resumes would run its runs twice): the second is refused. Hold the
+    returned lock for the sweep (``with``)."""
+    try:
+        return RunLock.take(
+            out / ".lock",
+            what=f"--out {out}",
+            remedy="wait for that sweep to end or choose another --out",
+        )
+    except AlreadyRunning as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partition:
@@ -312,7 +304,13 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
 
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
     first = check_options(args, method=methods[0], seed=seeds[0])
-    hold_output_folder(args.out)  # after every check: a usage error leaves no folder behind
+    with hold_output_folder(args.out):  # after every check: a usage error leaves no folder
+        return _sweep(args, methods, seeds, first)
+
+
+def _sweep(
+    args: argparse.Namespace, methods: list[str], seeds: list[int], first: Partition
+) -> dict[str, Path]:
     bundle = ensure_bundle(args.bundle, args.zoo_size)
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}

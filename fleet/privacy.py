@@ -18,6 +18,7 @@ from typing import Any
 
 from edge_agent.privacy.accounting import plan
 from fleet import commands
+from fleet.partition import Partition
 from fleet.report import run_summary, settings, to_json
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
@@ -95,7 +96,18 @@ def main(args: argparse.Namespace) -> int:
     first = commands.check_options(args, method="fedpcl", seed=seeds[0])
     for eps in epsilons:  # an impossible privacy plan fails now, not after the zoo is built
         _plan(eps, args, samples=min(len(c.train_y) for c in first.clients))
-    commands.hold_output_folder(args.out)
+    with commands.hold_output_folder(args.out):
+        return _sweep(args, splits, seeds, epsilons, paper, first)
+
+
+def _sweep(
+    args: argparse.Namespace,
+    splits: list[str],
+    seeds: list[int],
+    epsilons: list[float],
+    paper: list[tuple[str, float, float]],
+    first: Partition,
+) -> int:
     bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}

@@ -67,6 +67,12 @@ class RunLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
 
 def holder(path: Path, *, locks: Path = Path("/proc/locks")) -> int | None:
     """The pid holding ``path``'s lock, or None when nobody does (or this is not Linux).
