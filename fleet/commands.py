@@ -253,7 +253,7 @@ def resolve_data_options(args: argparse.Namespace) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     # An option no chosen split reads would be dropped without a word.
-    splits = args.__dict__.get("swept_splits") or [args.split]
+    splits = getattr(args, "swept_splits", None) or [args.split]
     readers_of = {
         "--alpha": ("label", "feature-label"),
         "--domain": ("label",),
