@@ -17,9 +17,9 @@ def test_a_held_lock_refuses_a_second_taker_naming_the_holder(tmp_path):
     )
     lock.release()
     lock.release()  # twice is harmless
-    with RunLock.take(path, what="agent state X"):  # held for the block, then released
-        with pytest.raises(AlreadyRunning):
-            RunLock.take(path, what="agent state X")
+    # Held for a with block, then released.
+    with RunLock.take(path, what="agent state X"), pytest.raises(AlreadyRunning):
+        RunLock.take(path, what="agent state X")
     RunLock.take(path, what="agent state X").release()
 
 
