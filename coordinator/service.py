@@ -20,10 +20,12 @@ from protocol import (
     update_filter,
 )
 from protocol.transport import (
+    TakeoverWatch,
     close_with_last_word,
     connect_failure,
     make_client,
     network_thread_alive,
+    start_network,
 )
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class CoordinatorService:
         self._connected = threading.Event()
         self._last_tick: float | None = None
         self.client = make_client(self.config.mqtt, self.config.coordinator_id)
+        self._takeover = TakeoverWatch(client_id=self.config.coordinator_id)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail
@@ -67,6 +70,7 @@ class CoordinatorService:
         # Republish on every (re)connect: the broker may have lost its retained store.
         self._publish(self.manager.announcement)
         self._connected.set()
+        self._takeover.connected()
         log.info(
             "connected to %s:%d; round %d announced",
             self.config.mqtt.host,
@@ -79,6 +83,8 @@ class CoordinatorService:
     ) -> None:
         self._connected.clear()
         if not self._stop.is_set():
+            if taken_over := self._takeover.dropped():
+                log.error("%s", taken_over)
             log.warning("disconnected from broker (%s); paho will reconnect", reason)
 
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
@@ -122,9 +128,7 @@ class CoordinatorService:
 
     def run(self, *, ready: threading.Event | None = None) -> None:
         """Serve until :meth:`stop` (or, with ``exit_when_done``, the final round)."""
-        mqtt_cfg = self.config.mqtt
-        self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
-        self.client.loop_start()
+        start_network(self.client, self.config.mqtt)
         self._last_tick = time.monotonic()
         try:
             if ready is not None:

@@ -26,11 +26,13 @@ from protocol import (
     update_topic,
 )
 from protocol.transport import (
+    TakeoverWatch,
     backoff_delay,
     close_with_last_word,
     connect_failure,
     make_client,
     network_thread_alive,
+    start_network,
     wait_acknowledged,
 )
 from protocol.version import package_version
@@ -57,6 +59,7 @@ class AgentService:
         self.client = make_client(
             self.cfg.mqtt, self.cfg.agent_id, will=(self._status_topic, offline)
         )
+        self._takeover = TakeoverWatch(client_id=self.cfg.agent_id)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_connect_fail = self._on_connect_fail
@@ -81,6 +84,7 @@ class AgentService:
             log.error("broker refused the connection: %s", reason)
             return
         self._attempt = 0
+        self._takeover.connected()
         client.subscribe(round_topic(self.cfg.fleet), qos=1)
         self._mismatch_said = ""  # said afresh when the retained announcement comes again
         client.publish(self._status_topic, self._status(AgentState.ONLINE), qos=1, retain=True)
@@ -92,6 +96,8 @@ class AgentService:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
     ) -> None:
         if not self._stop:
+            if taken_over := self._takeover.dropped():
+                log.error("%s", taken_over)
             self._retry(client, f"disconnected ({reason})")
 
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
@@ -142,9 +148,7 @@ class AgentService:
             return None if self._stop else payload
 
     def run(self) -> None:
-        mqtt_cfg = self.cfg.mqtt
-        self.client.connect_async(mqtt_cfg.host, mqtt_cfg.port, keepalive=mqtt_cfg.keepalive)
-        self.client.loop_start()
+        start_network(self.client, self.cfg.mqtt)
         self._started = True
         try:
             while (payload := self._next()) is not None:

@@ -66,6 +66,66 @@ def backoff_delay(attempt: int, *, low: float, high: float, rng: random.Random) 
     return rng.uniform(low, cap)
 
 
+class TakeoverWatch:
+    """Notices the broker closing connection after connection soon after it opened: the mark
+    of another client connected with the same client id (two devices given one agent_id, a
+    coordinator started twice). An MQTT 3.1.1 broker drops the older of two such sessions
+    without saying why, and each side's reconnect then drops the other, for ever.
+
+    Call :meth:`connected` and :meth:`dropped` from the client's callbacks; ``dropped``
+    returns the warning to log, once per run of quick drops.
+    """
+
+    def __init__(
+        self,
+        *,
+        client_id: str,
+        quick_s: float = 10.0,
+        times: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client_id = client_id
+        self.quick_s = quick_s
+        self.times = times
+        self._clock = clock
+        self._since: float | None = None
+        self._quick = 0
+
+    def connected(self) -> None:
+        self._since = self._clock()
+
+    def dropped(self) -> str | None:
+        if self._since is None:
+            return None  # a drop before any connection: nothing was taken over
+        lasted, self._since = self._clock() - self._since, None
+        self._quick = self._quick + 1 if lasted < self.quick_s else 0
+        if self._quick != self.times:
+            return None
+        return (
+            f"the broker closed {self.times} connections in a row within {self.quick_s:g} s "
+            f"of opening them: is another client connected as {self.client_id!r}? (a broker "
+            "drops the older of two connections with one client id; every device needs its "
+            "own id)"
+        )
+
+
+def start_network(client: mqtt.Client, settings: MqttSettings) -> None:
+    """Connect to the broker and start paho's network thread, which reconnects from then on.
+
+    The first attempt is made here, not by that thread: after a failed *first* attempt
+    paho's thread waits the reconnect delay twice (d, then 2d) before trying again, so a
+    service that had logged "reconnecting in 2 s" tried again after 6. A failure here goes
+    to ``client.on_connect_fail`` as one in the thread would, with the error in hand
+    (see :func:`connect_failure`).
+    """
+    try:
+        client.connect(settings.host, settings.port, keepalive=settings.keepalive)
+    except OSError:
+        if client.on_connect_fail is not None:
+            client.on_connect_fail(client, None)
+    client.loop_start()
+
+
 def network_thread_alive(client: mqtt.Client) -> bool:
     """Whether paho's loop_start() thread runs: the one that reconnects. paho keeps it in a
     private attribute; its death leaves a client that will never reconnect."""

@@ -308,3 +308,20 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
         assert status("edge-agent", configs[0])["running_pid"] is None
     finally:
         first.close()
+
+
+def test_two_devices_given_one_agent_id_are_told_so(mosquitto, small_zoo, tmp_path):
+    # The broker drops the older of two sessions with one client id, and each reconnect
+    # drops the other: without a word, this read as a flaky network.
+    port = mosquitto.address.port
+    agents = [
+        agent_process(write_config(tmp_path / name, small_zoo, "dev-a", "clean", port, epochs=1)[0])
+        for name in ("a", "b")
+    ]
+    try:
+        for agent in agents:
+            agent.wait_for("is another client connected as 'dev-a'?", timeout=120)
+            assert agent.stop() == 0
+    finally:
+        for agent in agents:
+            agent.close()
