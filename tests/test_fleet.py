@@ -623,3 +623,21 @@ def test_a_sweep_waits_for_a_zoo_another_is_building_and_refuses_a_busy_out_fold
     finally:
         building.release()
         fleet.close()
+
+
+def test_a_sweep_in_this_process_lets_go_of_its_out_folder_when_it_ends(
+    small_zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The lock is the sweep's, not the process's: a program that runs sweeps one after
+    # another (or a notebook) must not keep other processes out of a folder it finished.
+    from fleet.cli import build_parser
+    from fleet.commands import cmd_run
+    from protocol.runlock import holder
+
+    out = tmp_path / "out"
+    argv = ["run", "--transport", "memory", "--bundle", str(small_zoo), "--rounds", "1",
+            "--clients", "2", "--train", "20", "--test", "20", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    assert cmd_run(build_parser().parse_args(argv)) == 0  # not main(): it sets up logging
+    assert "report.json" in capsys.readouterr().out
+    assert (out / ".lock").exists() and holder(out / ".lock") is None
