@@ -45,7 +45,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
+    commands.add_common_options(
+        parser, rounds=20, clients=5, out="runs/privacy", one_split=False, reference=False
+    )
     parser.set_defaults(transport="memory")
 
 
@@ -112,6 +114,7 @@ def _sweep(
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
+    train: dict[str, dict[str, Any]] = {}  # each arm's [train] settings beyond the defaults
     for split in splits:
         if args.data is None:
             args.split = split
@@ -137,12 +140,15 @@ def _sweep(
                              {"norm": "group"}))  # fmt: skip
             for name, method, privacy, train in arms:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
+                # Solo here is what a device keeps by not federating: the agents' own
+                # classifier, not the paper's baseline protocol of compare.
                 spec = commands.spec_for(
                     args, method=method, bundle=bundle, seed=seed,
-                    out=sweep / split / f"{slug}-seed{seed}",
+                    out=sweep / split / f"{slug}-seed{seed}", reference=False,
                     extra_train=train, privacy=privacy,
                 )  # fmt: skip
                 result, _ = run_or_resume(spec, partition, run=run_fleet)
+                train.setdefault(name, dict(spec.extra_train))
                 final = run_summary(result)["final_mean"]
                 rows.setdefault(name, []).append(final)
                 print(
@@ -152,7 +158,7 @@ def _sweep(
         attacks[split] = label_attack(partition, epsilons, args)
     document = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                            if k not in ("command", "log_format", "log_level")},
-                "epsilons": epsilons, "delta": args.delta, "results": results,
+                "epsilons": epsilons, "delta": args.delta, "results": results, "train": train,
                 "label_inference_tv": attacks}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(to_json(document))

@@ -97,6 +97,9 @@ def build_report(
                 [r["bytes_down_per_client_round"] for r in runs.values()]
             ),
             "peak_mb": max(r["peak_mb"] for r in runs.values()),
+            # The [train] settings the method ran with beyond the agents' defaults: what
+            # --train-param and the sweep's reference settings made of them.
+            "train": dict(next(iter(by_seed.values())).spec.extra_train),
         }
     return {"config": config, "partition": partition, "methods": methods}
 
@@ -111,9 +114,10 @@ def _seeds(methods: dict[str, Any]) -> list[str]:
     return sorted({s for m in methods.values() for s in m["runs"]})
 
 
-def settings(config: dict[str, Any]) -> str:
+def settings(config: dict[str, Any], train: dict[str, dict[str, Any]] | None = None) -> str:
     """What shaped the figures besides the data, so that two reports can be told apart
-    without their JSON: '30 rounds, 1 local epoch per round, ...', or ''."""
+    without their JSON: '30 rounds, 1 local epoch per round, ...', or ''. ``train`` as
+    for :func:`train_note`."""
     parts = []
     if "rounds" in config:
         parts.append(f"{config['rounds']} rounds")
@@ -125,15 +129,47 @@ def settings(config: dict[str, Any]) -> str:
         parts.append(f"head output {config['out_dim']}")
     if "transport" in config:
         parts.append(f"{config['transport']} transport")
-    if note := train_note(config):
+    if note := train_note(config, train):
         parts.append(note)
     return ", ".join(parts)
 
 
-def train_note(config: dict[str, Any]) -> str:
-    """The ``--train-param`` settings of a run ('train: classifier=bounded, tau=0.2'), or ''."""
-    params = config.get("train_param") or {}
-    return "train: " + ", ".join(f"{k}={v}" for k, v in sorted(params.items())) if params else ""
+def method_train(report: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """Each method's [train] settings in a fleet report, or None in a report that does not
+    record them per method."""
+    methods = report.get("methods") or {}
+    if not methods or not all("train" in m for m in methods.values()):
+        return None
+    return {name: m["train"] for name, m in methods.items()}
+
+
+def train_note(config: dict[str, Any], train: dict[str, dict[str, Any]] | None = None) -> str:
+    """The [train] settings beyond the agents' defaults, or '': 'train: tau=0.2' for
+    those every method had, 'classifier=bounded for solo and fedavg' for those of some
+    methods only. ``train`` maps each method to its settings; without it, the
+    ``--train-param`` of ``config`` are every method's."""
+    if train is None:
+        train = {"": config.get("train_param") or {}}
+    tables = list(train.values())
+    common = {k: v for k, v in tables[0].items() if all(k in t and t[k] == v for t in tables)}
+    parts = [f"{k}={v}" for k, v in sorted(common.items())]
+    some: dict[str, list[str]] = {}
+    for name, table in train.items():
+        for k, v in sorted(table.items()):
+            if k not in common:
+                some.setdefault(f"{k}={v}", []).append(name)
+    for setting, names in sorted(some.items()):
+        listed = ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1]
+        parts.append(f"{setting} for {listed}")
+    return "train: " + ", ".join(parts) if parts else ""
+
+
+#: Said under a report's settings when a method ran with the bounded classifier.
+BOUNDED_NOTE = (
+    "classifier=bounded: the classifier's outputs pass through ReLU and L2 normalisation "
+    "before the softmax, as in the code behind FedPCL's published Solo and FedAvg figures; "
+    "`--train-param classifier=linear` runs every method with a plain linear classifier."
+)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -141,6 +177,8 @@ def markdown(report: dict[str, Any]) -> str:
     methods = report["methods"]
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
     seeds = _seeds(methods)
+    train = method_train(report)
+    bounded = any(t.get("classifier") == "bounded" for t in (train or {}).values())
     head = ["method", *domains, "mean"]
     several = len(seeds) > 1
     over = f"mean (std) over seeds {', '.join(seeds)}" if several else f"seed {seeds[0]}"
@@ -149,7 +187,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Final test accuracy (%) of each client on its own test split, {over}; a "
         "domain's cell averages its clients.",
-        *([f"Settings: {line}."] if (line := settings(report.get("config", {}))) else []),
+        *([f"Settings: {line}."] if (line := settings(report.get("config", {}), train)) else []),
+        *([BOUNDED_NOTE] if bounded else []),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
@@ -281,7 +320,7 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy (%)")
-    note = train_note(report.get("config", {}))
+    note = train_note(report.get("config", {}), method_train(report))
     ax.set_title(report["partition"] + (f"; {note}" if note else ""), fontsize=9)
     return finish(plt, fig, ax, path)
 
@@ -317,7 +356,7 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(0, 100)
     over = "mean over seeds, bars: std" if several else f"seed {seeds[0]}"
-    note = train_note(report.get("config", {}))
+    note = train_note(report.get("config", {}), method_train(report))
     ax.set_title(f"final accuracy per domain ({over})" + (f"; {note}" if note else ""), fontsize=9)
     return finish(plt, fig, ax, path)
 

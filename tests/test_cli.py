@@ -256,6 +256,9 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     for path in configs:
         train = load_agent_config(path).train
         assert (train.tau, train.lr, train.out_dim) == (0.2, 2e-3, 32)
+        # Solo as the paper's released code runs it; FedPCL has no classifier to change.
+        method = path.parents[2].name.split("-")[0]
+        assert train.classifier == {"solo": "bounded", "fedpcl": "linear"}[method]
     assert "| solo |" in result.stdout and "| fedpcl |" in result.stdout
     for name in ("report.json", "report.md", "accuracy_vs_round.png", "backbone_contribution.png"):
         assert (tmp_path / name).exists()
@@ -264,6 +267,9 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     assert set(report["methods"]) == {"solo", "fedpcl"}
     assert report["config"]["transport"] == "mqtt"
     assert report["config"]["train_param"] == {"tau": 0.2, "lr": 2e-3}
+    assert report["methods"]["solo"]["train"] == {"classifier": "bounded", "tau": 0.2, "lr": 2e-3}
+    table = (tmp_path / "report.md").read_text()
+    assert "train: lr=0.002, tau=0.2, classifier=bounded for solo." in table
 
 
 @pytest.fixture

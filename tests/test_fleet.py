@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
 from fleet.broker import MosquittoBroker, free_port
-from fleet.report import build_report, markdown, plot_domains, to_json
+from fleet.report import BOUNDED_NOTE, build_report, markdown, plot_domains, to_json
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
 from protocol.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
@@ -169,8 +170,15 @@ def test_clients_from_folders(tmp_path: Path) -> None:
 # -- report arithmetic ---------------------------------------------------------------------
 
 
-def fake_result(tmp_path: Path, method: str, seed: int, accs: list[list[float]]) -> RunResult:
-    spec = RunSpec(method=method, rounds=len(accs[0]), bundle=tmp_path, out=tmp_path, seed=seed)
+def fake_result(
+    tmp_path: Path,
+    method: str,
+    seed: int,
+    accs: list[list[float]],
+    train: dict[str, Any] | None = None,
+) -> RunResult:
+    spec = RunSpec(method=method, rounds=len(accs[0]), bundle=tmp_path, out=tmp_path, seed=seed,
+                   extra_train=train or {})  # fmt: skip
     clients = tuple(
         ClientRecord(
             name=f"c{i}",
@@ -216,13 +224,30 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     one = markdown(build_report({"fedpcl": {0: results["fedpcl"][0]}}, config={}, partition="t"))
     assert "seed 0; a domain's cell" in one and "(seed 0, %)" in one and "mean over" not in one
     assert "Settings:" not in table  # no configuration given, nothing to state
-    config = {"rounds": 2, "epochs": 3, "out_dim": 32, "transport": "memory",
-              "train_param": {"tau": 0.2, "classifier": "bounded"}}  # fmt: skip
-    stated = markdown(build_report(results, config=config, partition="toy"))
+    assert m["train"] == {}
+    config = {"rounds": 2, "epochs": 3, "out_dim": 32, "transport": "memory"}
+    trained = {"tau": 0.2, "classifier": "bounded"}
+    same = {"fedpcl": {s: fake_result(tmp_path, "fedpcl", s, [[0.5]], trained) for s in (0, 1)}}
+    stated = markdown(build_report(same, config=config, partition="toy"))
     assert (
         "Settings: 2 rounds, 3 local epochs per round, head output 32, memory transport, "
         "train: classifier=bounded, tau=0.2." in stated
     )
+    assert BOUNDED_NOTE in stated
+    # Settings some methods had and others not are named with their methods.
+    mixed = {
+        method: {0: fake_result(tmp_path, method, 0, [[0.5]], {"tau": 0.2, **extra})}
+        for method, extra in (("solo", {"classifier": "bounded"}), ("fedpcl", {}),
+                              ("fedavg", {"classifier": "bounded", "lr": 0.002}))
+    }  # fmt: skip
+    doc_mixed = build_report(mixed, config=config, partition="toy")
+    assert doc_mixed["methods"]["fedavg"]["train"] == {"tau": 0.2, "classifier": "bounded",
+                                                        "lr": 0.002}  # fmt: skip
+    assert (
+        "train: tau=0.2, classifier=bounded for solo and fedavg, lr=0.002 for fedavg."
+        in markdown(doc_mixed)
+    )
+    assert BOUNDED_NOTE not in markdown(build_report(results, config=config, partition="toy"))
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
     png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5_000
@@ -246,6 +271,34 @@ def test_small_helpers() -> None:
         parse_broker_url("http://x")
     text = to_toml({"a": 1, "b": 'x"y', "t": {"c": [1.5, 2], "d": True}})
     assert text == 'a = 1\nb = "x\\"y"\n[t]\nc = [1.5, 2]\nd = true\n'
+
+
+def test_compare_runs_solo_and_fedavg_as_the_papers_code_and_train_param_wins(
+    tmp_path: Path,
+) -> None:
+    from fleet.cli import build_parser
+    from fleet.commands import spec_for
+
+    def train_of(argv: list[str], method: str, **kwargs: Any) -> dict[str, Any]:
+        args = build_parser().parse_args(["compare", *argv])
+        args.workers = 2  # what check_options fills in before a sweep
+        spec = spec_for(args, method=method, bundle=tmp_path, seed=0, out=tmp_path, **kwargs)
+        return spec.extra_train
+
+    for method in ("solo", "fedavg"):
+        assert train_of([], method) == {"classifier": "bounded"}
+    for method in ("fedpcl", "fedproto", "fpl", "feddbp"):
+        assert train_of([], method) == {}
+    # --train-param is every method's and wins over the reference settings.
+    given = ["--train-param", "classifier=linear", "--train-param", "tau=0.2"]
+    assert train_of(given, "solo") == {"classifier": "linear", "tau": 0.2}
+    assert train_of(given, "fedpcl") == {"classifier": "linear", "tau": 0.2}
+    assert train_of(["--train-param", "tau=0.2"], "fedavg") == {"classifier": "bounded", "tau": 0.2}
+    # A sweep that asks for the agents' own defaults (privacy) gets none of them; its own
+    # settings win over --train-param.
+    assert train_of([], "solo", reference=False) == {}
+    assert train_of(["--train-param", "norm=batch"], "fedpcl", reference=False,
+                    extra_train={"norm": "group"}) == {"norm": "group"}  # fmt: skip
 
 
 # -- whole fleets ----------------------------------------------------------------------------
@@ -519,6 +572,10 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     table = (tmp_path / "report.md").read_text()
     assert "| fedpcl dp eps=8 |" in table
     assert "Settings: 2 rounds, 1 local epoch per round, head output 32, memory transport." in table
+    # Solo here is what a device keeps on its own: the agents' classifier, not the paper's
+    # baseline protocol that compare runs (classifier=bounded).
+    assert report["train"]["solo (no privacy)"] == {}
+    assert report["train"]["fedpcl dp eps=8"] == {"norm": "group"}
 
 
 def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
