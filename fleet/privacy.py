@@ -114,7 +114,7 @@ def _sweep(
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
-    train: dict[str, dict[str, Any]] = {}  # each arm's [train] settings beyond the defaults
+    arm_train: dict[str, dict[str, Any]] = {}  # each arm's [train] settings beyond defaults
     for split in splits:
         if args.data is None:
             args.split = split
@@ -148,7 +148,7 @@ def _sweep(
                     extra_train=train, privacy=privacy,
                 )  # fmt: skip
                 result, _ = run_or_resume(spec, partition, run=run_fleet)
-                train.setdefault(name, dict(spec.extra_train))
+                arm_train.setdefault(name, dict(spec.extra_train))
                 final = run_summary(result)["final_mean"]
                 rows.setdefault(name, []).append(final)
                 print(
@@ -158,7 +158,7 @@ def _sweep(
         attacks[split] = label_attack(partition, epsilons, args)
     document = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                            if k not in ("command", "log_format", "log_level")},
-                "epsilons": epsilons, "delta": args.delta, "results": results, "train": train,
+                "epsilons": epsilons, "delta": args.delta, "results": results, "train": arm_train,
                 "label_inference_tv": attacks}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(to_json(document))
