@@ -148,7 +148,7 @@ def train_note(config: dict[str, Any], train: dict[str, dict[str, Any]] | None =
     those every method had, 'classifier=bounded for solo and fedavg' for those of some
     methods only. ``train`` maps each method to its settings; without it, the
     ``--train-param`` of ``config`` are every method's."""
-    if train is None:
+    if not train:
         train = {"": config.get("train_param") or {}}
     tables = list(train.values())
     common = {k: v for k, v in tables[0].items() if all(k in t and t[k] == v for t in tables)}

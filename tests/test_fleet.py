@@ -28,7 +28,14 @@ from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
 from fleet.broker import MosquittoBroker, free_port
-from fleet.report import BOUNDED_NOTE, build_report, markdown, plot_domains, to_json
+from fleet.report import (
+    BOUNDED_NOTE,
+    build_report,
+    markdown,
+    plot_domains,
+    to_json,
+    train_note,
+)
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
 from protocol.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
@@ -248,6 +255,10 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
         in markdown(doc_mixed)
     )
     assert BOUNDED_NOTE not in markdown(build_report(results, config=config, partition="toy"))
+    # A report with no per-method record (a privacy sweep) states its --train-param.
+    assert train_note({"train_param": {"tau": 0.2}}, None) == "train: tau=0.2"
+    assert train_note({"train_param": {"tau": 0.2}}, {}) == "train: tau=0.2"
+    assert train_note({}, None) == ""
     # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
     png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
     assert png.startswith(PNG) and len(png) > 5_000
