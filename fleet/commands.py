@@ -62,7 +62,9 @@ def add_common_options(
 ) -> None:
     """The data, federation and output options. ``one_split=False`` hides ``--split`` from
     the help of a command that sweeps several (it still parses, to be refused by name).
-    ``reference`` says whether the command runs methods with :data:`REFERENCE_TRAIN`."""
+    ``reference`` says whether the command runs methods with :data:`REFERENCE_TRAIN`; it
+    is kept in the parsed arguments, so the help and :func:`spec_for` cannot disagree."""
+    parser.set_defaults(reference_train=reference)
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
@@ -237,15 +239,14 @@ def spec_for(
     bundle: Path,
     seed: int,
     out: Path,
-    reference: bool = True,
     **extra: Any,
 ) -> RunSpec:
     """One run of a sweep from the shared options. Every run of a sweep shares one feature
     cache under ``--out``: the backbones see each image once, whatever the method. The
     [train] table layers, each over the one before: the method's :data:`REFERENCE_TRAIN`
-    (with ``reference``), ``--train-param``, and the sweep's own settings (DP-SGD's
-    GroupNorm)."""
-    base = REFERENCE_TRAIN.get(method, {}) if reference else {}
+    (for a command that runs them, see :func:`add_common_options`), ``--train-param``, and
+    the sweep's own settings (DP-SGD's GroupNorm)."""
+    base = REFERENCE_TRAIN.get(method, {}) if args.reference_train else {}
     extra["extra_train"] = {**base, **args.train_param, **extra.get("extra_train", {})}
     return RunSpec(
         method=method,

@@ -45,6 +45,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
+    # Solo here is what a device keeps by not federating: the agents' own classifier, not
+    # the paper's baseline settings that compare runs.
     commands.add_common_options(
         parser, rounds=20, clients=5, out="runs/privacy", one_split=False, reference=False
     )
@@ -140,11 +142,9 @@ def _sweep(
                              {"norm": "group"}))  # fmt: skip
             for name, method, privacy, train in arms:
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-                # Solo here is what a device keeps by not federating: the agents' own
-                # classifier, not the paper's baseline protocol of compare.
                 spec = commands.spec_for(
                     args, method=method, bundle=bundle, seed=seed,
-                    out=sweep / split / f"{slug}-seed{seed}", reference=False,
+                    out=sweep / split / f"{slug}-seed{seed}",
                     extra_train=train, privacy=privacy,
                 )  # fmt: skip
                 result, _ = run_or_resume(spec, partition, run=run_fleet)

@@ -290,8 +290,10 @@ def test_compare_runs_solo_and_fedavg_as_the_papers_code_and_train_param_wins(
     from fleet.cli import build_parser
     from fleet.commands import spec_for
 
-    def train_of(argv: list[str], method: str, **kwargs: Any) -> dict[str, Any]:
-        args = build_parser().parse_args(["compare", *argv])
+    def train_of(
+        argv: list[str], method: str, command: str = "compare", **kwargs: Any
+    ) -> dict[str, Any]:
+        args = build_parser().parse_args([command, *argv])
         args.workers = 2  # what check_options fills in before a sweep
         spec = spec_for(args, method=method, bundle=tmp_path, seed=0, out=tmp_path, **kwargs)
         return spec.extra_train
@@ -305,10 +307,12 @@ def test_compare_runs_solo_and_fedavg_as_the_papers_code_and_train_param_wins(
     assert train_of(given, "solo") == {"classifier": "linear", "tau": 0.2}
     assert train_of(given, "fedpcl") == {"classifier": "linear", "tau": 0.2}
     assert train_of(["--train-param", "tau=0.2"], "fedavg") == {"classifier": "bounded", "tau": 0.2}
-    # A sweep that asks for the agents' own defaults (privacy) gets none of them; its own
-    # settings win over --train-param.
-    assert train_of([], "solo", reference=False) == {}
-    assert train_of(["--train-param", "norm=batch"], "fedpcl", reference=False,
+    for command in ("run", "demo"):
+        assert train_of([], "solo", command) == {"classifier": "bounded"}
+    # The privacy sweep keeps the agents' own defaults; its own settings win over
+    # --train-param.
+    assert train_of([], "solo", "privacy") == {}
+    assert train_of(["--train-param", "norm=batch"], "fedpcl", "privacy",
                     extra_train={"norm": "group"}) == {"norm": "group"}  # fmt: skip
 
 
