@@ -5,7 +5,6 @@ simulated fleet drive the same class."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,13 +14,15 @@ import torch
 
 from edge_agent import data as data_mod
 from edge_agent import losses
+from edge_agent.anchored import AnchoredLearner, FitSplit
 from edge_agent.config import AgentConfig
-from edge_agent.features import FeatureCache, LoggedProgress
+from edge_agent.features import FeatureCache, LoggedProgress, fingerprint
 from edge_agent.head import local_prototypes, predict
-from edge_agent.privacy.accounting import Event, per_part_sigma, release_event
+from edge_agent.privacy.accounting import Event, per_part_sigma, release_event, sgd_schedule
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
-from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
+from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
+from edge_agent.privacy.randomness import NONE, NoiseSource
 from edge_agent.state import StateDir
 from edge_agent.train import (
     CLASSIFIER_FREE,
@@ -121,6 +122,16 @@ class Agent:
         # features are cached, and a large data set's pixels (12 kB a sample at 32 x 32)
         # would otherwise sit in a small device's memory for the agent's whole life.
         train = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
+        privacy = cfg.privacy
+        if privacy.dataset_size is not None and len(train) > privacy.dataset_size:
+            raise data_mod.DataError(
+                f"{cfg.data.train}: {len(train)} training samples, above privacy.dataset_size "
+                f"= {privacy.dataset_size}, the public bound the privacy plan is computed "
+                "from: raise dataset_size (and re-plan with `edge-agent privacy-plan`) or "
+                "hold fewer samples"
+            )
+        # The data version a feature-space release belongs to (dp-features).
+        self.data_version = fingerprint(train.images, train.labels)
         self.features = cache_features(
             cache, self.bundle_id, train, self.runtime, what="training data"
         )
@@ -147,18 +158,28 @@ class Agent:
                 in_dim=dim, num_classes=self.num_classes, cfg=cfg.train, dual=cfg.method == "feddbp"
             )
         self.resumed = self.state.load_model(self.model)
-        privacy = cfg.privacy
         self.ledger = Ledger(
             cfg.state_dir,
             epsilon_budget=privacy.epsilon,
             delta=privacy.delta,
             accountant=privacy.accountant,
         )
-        self.noise_rng = np.random.default_rng(privacy.noise_seed)
+        # Secret unless the configuration asks for replayable noise (experiments only).
+        self.noise = NoiseSource.create(privacy.reproducible_noise_seed)
         self.optimiser = make_optimiser(self.model, cfg.train)
+        # Public randomness (data order): the run's seed.
         self.generator = torch.Generator().manual_seed(
             cfg.seed + (self.state.snapshot.last_round or 0)
         )
+        self.learner: AnchoredLearner | None = None
+        if MECHANISMS[privacy.mechanism].space == "features":
+            split = FitSplit.stratified(self.train_labels, share=privacy.validation_share,
+                                        seed=cfg.seed)  # fmt: skip
+            self.learner = AnchoredLearner(
+                model=self.model, method=cfg.method, weights=privacy.anchor_weights,
+                cfg=cfg.train, features=self.features, labels=self.train_labels,
+                split=split, seed=cfg.seed, state_dir=cfg.state_dir,
+            )  # fmt: skip
         log.info(
             "agent %s: %d training samples, bundle %s, %s",
             cfg.agent_id,
@@ -215,55 +236,77 @@ class Agent:
                     own[key],
                 )
 
+    @property
+    def predictor(self) -> LocalModel:
+        """The model the device predicts with: its own, or (dp-features) the one its
+        validation split chose."""
+        return self.learner.model if self.learner is not None else self.model
+
     def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
         cfg = self.cfg
         self._adopt_global(announcement)
         privacy = cfg.privacy
         dp = privacy.mechanism == "dp"
-        if dp and not self.ledger.allows(self._dp_events(None, None)):
+        if dp and not self.ledger.allows(self._dp_events()):
             # Checked before training: the round's DP-SGD steps are paid for by its release.
-            self.state.record(privacy_exhausted=True)
-            log.warning(
-                "round %d: privacy budget (epsilon %.3g) would be exceeded; not publishing",
-                announcement.round,
-                privacy.epsilon,
-            )
-            return Decision("budget_exhausted")
+            return self._exhausted(announcement.round)
+        feature_release: tuple[Release, float] | None = None
+        if self.learner is not None:
+            feature_release = self._feature_release(announcement.round)
+            if feature_release is None:
+                return self._exhausted(announcement.round)
         log.info("round %d: training on %d samples", announcement.round, len(self.train_labels))
         guidance = Guidance.from_announcement(
             announcement, client=cfg.agent_id, dim=cfg.train.out_dim
         )
         args = (self.model, self.optimiser, self.features, self.train_labels)
-        common: dict[str, Any] = {"method": cfg.method, "guidance": guidance, "cfg": cfg.train,
-                  "generator": self.generator}  # fmt: skip
+        common: dict[str, Any] = {"method": cfg.method, "guidance": guidance, "cfg": cfg.train}
+        record: dict[str, Any] = {}
         if dp:
-            metrics, q, steps = train_round_dp(
+            metrics = train_round_dp(
                 *args,
                 **common,
+                schedule=self._schedule(),
+                noise=self.noise.torch,
                 noise_multiplier=privacy.sgd_noise_multiplier,
                 max_grad_norm=privacy.max_grad_norm,
-                seeded=privacy.noise_seed is not None,
             )
+        elif self.learner is not None:
+            metrics, choice = self.learner.train_round(
+                self.features, self.train_labels, announcement, client=cfg.agent_id,
+                generator=self.generator, optimiser=self.optimiser,
+            )  # fmt: skip
+            record |= {
+                "anchor_weight": choice.weight,
+                "predict_rule": choice.rule,
+                "val_accuracies": [list(v) for v in choice.val_accuracies],
+            }
         else:
-            metrics = train_round(*args, **common)
+            metrics = train_round(*args, **common, generator=self.generator)
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
-        z, _ = embed(self.model, self.features)
+        z, _ = embed(self.predictor, self.features)
         labels = torch.from_numpy(self.train_labels)
         protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
         # The exact local prototypes stay on the device for inference; what leaves it is
         # the mechanism's release.
         protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
-        release = MECHANISMS[privacy.mechanism](
-            z, self.train_labels, self.num_classes, self._mechanism_params(), self.noise_rng
-        )
         spent = None
+        if feature_release is not None:
+            release, spent = feature_release  # the data version's release, sent again
+        else:
+            release = MECHANISMS[privacy.mechanism].release(
+                z, self.train_labels, self.num_classes, self._mechanism_params(), self.noise.numpy
+            )
         if dp:
             # Durable before the update exists anywhere: a crash from here on can only
             # over-count this release, never forget it.
-            spent = self.ledger.record(announcement.round, self._dp_events(q, steps))
+            spent = self.ledger.record(
+                announcement.round, self._dp_events(), reproducible=self.noise.reproducible
+            )
             crash_point("after_ledger_write")
+        formal = MECHANISMS[privacy.mechanism].formal
         extras = self._extras(held, z)
         update = PrototypeUpdate(
             fleet=cfg.fleet,
@@ -272,17 +315,19 @@ class Agent:
             bundle=self.bundle_id,
             method=cfg.method,
             classes=tuple(int(c) for c in release.classes),
-            counts=tuple(int(c) for c in release.counts),
+            # Noisy counts as 64-bit floats: an update's size must not depend on them.
+            counts=tuple((float if formal else int)(c) for c in release.counts),
             prototypes=release.prototypes.astype(np.float16),
             extras=extras,
             privacy=PrivacyMeta(
                 mechanism=privacy.mechanism,
                 epsilon=spent,
-                delta=privacy.delta if dp else None,
+                delta=privacy.delta if formal else None,
+                guarantee=self.ledger.guarantee if formal else NONE,
             ),
         )
         payload = update.to_wire()
-        record: dict[str, Any] = {
+        record |= {
             "loss": metrics.loss,
             "train_seconds": metrics.seconds,
             "time": time.time(),
@@ -292,15 +337,23 @@ class Agent:
         if self.test_features is not None and self.test_labels is not None:
             scores = self.accuracies(self.test_features, self.test_labels, protos, counts, guidance)
             # FedAvg's and FPL's own figure is filled in when the global model arrives
-            # (_adopt_global); FedDBP's is None until global prototypes exist.
-            record["test_accuracy"] = scores.get(INFERENCE.get(cfg.method, "classifier"))
+            # (_adopt_global); FedDBP's is None until global prototypes exist. A
+            # dp-features device predicts with its classifier (edge_agent.anchored).
+            rule = (
+                self.learner.predict_rule
+                if self.learner
+                else INFERENCE.get(cfg.method, "classifier")
+            )
+            record["test_accuracy"] = scores.get(rule)
             record["test_accuracy_prototype"] = scores["prototype"]
             record["test_accuracy_classifier"] = (
-                None if cfg.method in CLASSIFIER_FREE else scores["classifier"]
+                None if cfg.method in CLASSIFIER_FREE and not self.learner else scores["classifier"]
             )
+        if self.learner is not None:
+            self.learner.save()
         self.state.save_round(
             announcement.round,
-            model=self.model,
+            model=self.predictor,
             prototypes=protos,
             counts=counts,
             update=payload,
@@ -311,21 +364,62 @@ class Agent:
         )
         return Decision("answered", update=update, payload=payload)
 
+    def _exhausted(self, round_: int) -> Decision:
+        self.state.record(privacy_exhausted=True)
+        log.warning(
+            "round %d: privacy budget (epsilon %.3g) would be exceeded; not publishing",
+            round_,
+            self.cfg.privacy.epsilon,
+        )
+        return Decision("budget_exhausted")
+
+    def _feature_release(self, round_: int) -> tuple[Release, float] | None:
+        """This data version's dp-features release and the epsilon spent: made (and paid
+        for) once per data version, stored, and sent again every round after that as
+        post-processing. None if a new release would exceed the budget."""
+        stored = self.state.load_feature_release(self.data_version)
+        if stored is not None:
+            return stored, self.ledger.spent()
+        events = [self._release_event()]
+        if not self.ledger.allows(events):
+            return None
+        release = MECHANISMS["dp-features"].release(
+            self.features, self.train_labels, self.num_classes, self._mechanism_params(),
+            self.noise.numpy,
+        )  # fmt: skip
+        # Durable before the release exists anywhere: a crash from here on can only make
+        # the device pay again for a release that never left it.
+        spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
+        crash_point("after_ledger_write")
+        self.state.save_feature_release(self.data_version, release)
+        log.info("data version %s released in feature space (epsilon spent %.3g)",
+                 self.data_version[:12], spent)  # fmt: skip
+        return release, spent
+
     def _mechanism_params(self) -> MechanismParams:
         p = self.cfg.privacy
         s = per_part_sigma(p.release_noise_multiplier)
         return MechanismParams(paper_noise=p.paper_noise, paper_scale=p.paper_scale,
                                paper_p=p.paper_p, sum_sigma=s, count_sigma=s)  # fmt: skip
 
-    def _dp_events(self, q: float | None, steps: int | None) -> list[Event]:
-        """One round's spend: its DP-SGD steps and its release. Before training, the
-        steps are the planned ones (q = batch / samples, ceil(samples / batch) per epoch)."""
+    def _schedule(self) -> Any:
         p, t = self.cfg.privacy, self.cfg.train
-        n = len(self.train_labels)
-        if q is None or steps is None:
-            q, steps = min(1.0, t.batch_size / n), t.epochs * math.ceil(n / t.batch_size)
-        s = per_part_sigma(p.release_noise_multiplier)
-        return [Event(p.sgd_noise_multiplier, q, steps), release_event(s, s)]
+        assert p.dataset_size is not None  # the configuration requires it for dp
+        return sgd_schedule(dataset_size=p.dataset_size, batch=t.batch_size, epochs=t.epochs)
+
+    def _release_event(self) -> Event:
+        s = per_part_sigma(self.cfg.privacy.release_noise_multiplier)
+        return release_event(s, s)
+
+    def _dp_events(self) -> list[Event]:
+        """One dp round's spend, its DP-SGD steps and its release: a function of the
+        public settings alone (the same before and after training, for any data set
+        within privacy.dataset_size)."""
+        schedule = self._schedule()
+        return [
+            Event(self.cfg.privacy.sgd_noise_multiplier, schedule.sample_rate, schedule.steps),
+            self._release_event(),
+        ]
 
     @property
     def epsilon_spent(self) -> float:
@@ -390,7 +484,7 @@ class Agent:
         """Test accuracy by nearest local prototype and by the linear classifier; with a
         decision branch (FedDBP), also by that branch's features against the nearest of
         the normalised global prototypes (None before there are any)."""
-        z, logits = embed(self.model, features)
+        z, logits = embed(self.predictor, features)
         pred, _ = predict(
             torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0)
         )

@@ -53,17 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser(
         "privacy-plan",
         help="choose DP noise multipliers for an (epsilon, delta) budget; JSON",
-        description="Noise multipliers that spend --epsilon at --delta over the whole run:\n"
-        "the releases (one per round) take --release-share of it, DP-SGD the rest. Put\n"
-        "sgd_noise_multiplier and release_noise_multiplier into [privacy] of agent.toml.",
+        description="Noise multipliers that spend --epsilon at --delta over the device's life,\n"
+        "from public settings only (never from the data a device holds).\n\n"
+        "dp: the releases (one per round) take --release-share of the budget, DP-SGD the\n"
+        "rest; needs --rounds and --dataset-size (the bound also set as\n"
+        "privacy.dataset_size). dp-features: --releases Gaussian releases (one per data\n"
+        "version) take all of it. Put the multipliers into [privacy] of agent.toml.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p_plan.add_argument("--mechanism", choices=["dp", "dp-features"], default="dp",
+                        help="default dp")  # fmt: skip
     p_plan.add_argument("--epsilon", type=float, required=True, help="total budget")
     p_plan.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
-    p_plan.add_argument("--rounds", type=int, required=True, help="rounds the agent will answer")
-    p_plan.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
-    p_plan.add_argument("--samples", type=int, required=True, help="training samples on the device")
-    p_plan.add_argument("--batch", type=int, default=32, help="expected batch size (default 32)")
+    p_plan.add_argument("--rounds", type=int, help="dp: rounds the agent will answer")
+    p_plan.add_argument("--epochs", type=int, default=1, help="dp: local epochs per round (1)")
+    p_plan.add_argument("--dataset-size", type=int,
+                        help="dp: the public upper bound on a device's training samples")  # fmt: skip
+    p_plan.add_argument("--releases", type=int, default=1,
+                        help="dp-features: data versions the budget covers (default 1)")  # fmt: skip
+    p_plan.add_argument("--batch", type=int, default=32, help="dp: expected batch size (32)")
     p_plan.add_argument(
         "--release-share", type=float, default=0.2, help="budget share of the releases (0.2)"
     )
@@ -85,25 +93,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_privacy_plan(args: argparse.Namespace) -> int:
-    from edge_agent.privacy.accounting import plan
+    from edge_agent.privacy.accounting import plan, plan_features
 
     try:
-        chosen = plan(
-            epsilon_target=args.epsilon,
-            delta=args.delta,
-            rounds=args.rounds,
-            epochs=args.epochs,
-            samples=args.samples,
-            batch=args.batch,
-            release_share=args.release_share,
-            accountant=args.accountant,
-        )
+        if args.mechanism == "dp-features":
+            chosen = plan_features(epsilon_target=args.epsilon, delta=args.delta,
+                                   releases=args.releases, accountant=args.accountant)  # fmt: skip
+        else:
+            if args.rounds is None or args.dataset_size is None:
+                raise UsageError("--mechanism dp needs --rounds and --dataset-size")
+            chosen = plan(
+                epsilon_target=args.epsilon,
+                delta=args.delta,
+                rounds=args.rounds,
+                epochs=args.epochs,
+                dataset_size=args.dataset_size,
+                batch=args.batch,
+                release_share=args.release_share,
+                accountant=args.accountant,
+            )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    report = {
-        "sgd_noise_multiplier": round(chosen.sgd_noise_multiplier, 4),
-        "sample_rate": chosen.sample_rate,
-        "sgd_steps": chosen.sgd_steps,
+    report: dict[str, object] = {"mechanism": args.mechanism}
+    if args.mechanism == "dp":
+        report |= {
+            "sgd_noise_multiplier": round(chosen.sgd_noise_multiplier, 4),
+            "dataset_size": args.dataset_size,
+            "sample_rate": chosen.sample_rate,
+            "sgd_steps": chosen.sgd_steps,
+        }
+    report |= {
         "release_noise_multiplier": round(chosen.release_noise_multiplier, 4),
         "releases": chosen.releases,
         "epsilon": round(chosen.epsilon, 4),
@@ -227,8 +246,9 @@ def _privacy_status(cfg: AgentConfig, extra: dict[str, object]) -> dict[str, obj
     from edge_agent.privacy.ledger import Ledger, LedgerError
 
     p = cfg.privacy
-    out: dict[str, object] = {"mechanism": p.mechanism, "epsilon_spent": None}
-    if p.mechanism == "dp":
+    out: dict[str, object] = {"mechanism": p.mechanism, "epsilon_spent": None,
+                              "guarantee": p.guarantee}  # fmt: skip
+    if p.formal:
         try:
             ledger = Ledger(
                 cfg.state_dir, epsilon_budget=p.epsilon, delta=p.delta, accountant=p.accountant
@@ -241,6 +261,8 @@ def _privacy_status(cfg: AgentConfig, extra: dict[str, object]) -> dict[str, obj
             "delta": p.delta,
             "accountant": p.accountant,
             "releases": len(ledger.spends),
+            # What the ledger's past spends claim, whatever the configuration says now.
+            "guarantee": ledger.guarantee if ledger.spends else p.guarantee,
             "publishing": not extra.get("privacy_exhausted", False),
         }
     return out

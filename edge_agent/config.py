@@ -12,6 +12,10 @@ from protocol import validate_id
 from protocol.settings import load_config
 from protocol.transport import MqttSettings
 
+#: The methods whose global knowledge a feature-space release can carry: class means
+#: that the device projects through its own head (docs/privacy.md).
+FEATURE_RELEASE_METHODS = ("fedpcl", "fedproto")
+
 
 @dataclass(frozen=True)
 class DataSettings:
@@ -35,21 +39,33 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class PrivacySettings:
-    """``mechanism``: none, paper (FedPCL A.2.4 noise, no guarantee) or dp (DP-SGD and a
-    Gaussian release, an (epsilon, delta) guarantee for the agent's whole life). Use
-    ``edge-agent privacy-plan`` to choose the dp noise multipliers for a budget."""
+    """``mechanism``: none, paper (FedPCL A.2.4 noise, no guarantee), dp (DP-SGD and a
+    Gaussian release of the head's prototypes every round) or dp-features (one Gaussian
+    release of the frozen backbone features per data version; the head then trains
+    without noise and never leaves the device). dp and dp-features give an (epsilon,
+    delta) guarantee for the agent's whole life. ``edge-agent privacy-plan`` chooses the
+    noise multipliers for a budget from public settings only; see docs/privacy.md."""
 
     mechanism: str = "none"
-    epsilon: float = 8.0  # dp: total budget; publishing stops before it is exceeded
+    epsilon: float = 8.0  # dp, dp-features: total budget; publishing stops before it is exceeded
     delta: float = 1e-5
     accountant: str = "rdp"  # rdp or prv
+    # dp: the declared (public) upper bound on the training set's size. DP-SGD's sampling
+    # rate and steps come from it, never from the private count; more data is refused.
+    dataset_size: int | None = None
     sgd_noise_multiplier: float = 1.0
     max_grad_norm: float = 1.0
     release_noise_multiplier: float = 5.0  # effective; sums and counts each get sqrt(2) x this
+    # dp-features: candidate weights of the global anchors' term in the head's local
+    # objective; the device picks one by its own validation split (0 = train alone, as Solo).
+    anchor_weights: tuple[float, ...] = (0.0, 0.3, 1.0)
+    validation_share: float = 0.2
     paper_noise: str = "gaussian"  # or laplace
     paper_scale: float = 0.05
     paper_p: float = 0.1
-    noise_seed: int | None = None  # simulations only: a device draws its noise from the OS
+    # Experiments only: mechanism randomness replayable from this seed. It voids the
+    # guarantee, and every update, ledger entry, status and report says so.
+    reproducible_noise_seed: int | None = None
 
     def __post_init__(self) -> None:
         from edge_agent.privacy.accounting import ACCOUNTANTS
@@ -67,6 +83,33 @@ class PrivacySettings:
             raise ValueError("privacy.paper_noise: gaussian or laplace; paper_p in [0, 1)")
         if self.paper_scale < 0:  # found by the first round's noise draw otherwise
             raise ValueError(f"privacy.paper_scale must not be negative, got {self.paper_scale}")
+        if self.mechanism == "dp" and self.dataset_size is None:
+            raise ValueError(
+                "privacy.mechanism = 'dp' needs privacy.dataset_size: a public upper bound on "
+                "the training set's size, from which the sampling rate and steps are planned "
+                "(the private count must not shape what leaves the device)"
+            )
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise ValueError(f"privacy.dataset_size must be positive, got {self.dataset_size}")
+        if not self.anchor_weights or min(self.anchor_weights) < 0:
+            raise ValueError("privacy.anchor_weights must be a non-empty list of weights >= 0")
+        if not 0 < self.validation_share < 1:
+            raise ValueError(
+                f"privacy.validation_share must be in (0, 1), got {self.validation_share}"
+            )
+
+    @property
+    def formal(self) -> bool:
+        """Whether the mechanism makes an (epsilon, delta) claim the ledger accounts."""
+        from edge_agent.privacy.mechanisms import MECHANISMS
+
+        return MECHANISMS[self.mechanism].formal
+
+    @property
+    def guarantee(self) -> str:
+        from edge_agent.privacy.randomness import guarantee
+
+        return guarantee(formal=self.formal, reproducible=self.reproducible_noise_seed is not None)
 
 
 @dataclass(frozen=True)
@@ -110,6 +153,12 @@ class AgentConfig:
             )
         if self.privacy.mechanism == "dp" and self.method == "feddbp":
             raise ValueError("privacy.mechanism = 'dp' is not available for feddbp")
+        if self.privacy.mechanism == "dp-features" and self.method not in FEATURE_RELEASE_METHODS:
+            raise ValueError(
+                "privacy.mechanism = 'dp-features' is available for "
+                f"{' and '.join(FEATURE_RELEASE_METHODS)} (their global knowledge is class "
+                f"means, which a feature-space release provides), not {self.method}"
+            )
         if len(set(self.classes)) != len(self.classes) or not self.classes:
             raise ValueError("classes must be a non-empty list of unique names")
         if self.history < 1:

@@ -9,6 +9,9 @@ Layout::
     head.npz            model weights as plain arrays (no pickle)
     prototypes.npz      local prototypes and counts, for prediction
     update-<round>.bin  the encoded update of the last round, until it is published
+    feature_release.npz dp-features: the data version's one noisy release, sent every round
+    anchored.npz        dp-features: the candidate models (edge_agent.anchored)
+    privacy.json        the privacy ledger (edge_agent.privacy.ledger)
     cache/              feature cache (edge_agent.features)
     providers/          TensorRT engine and timing caches
 """
@@ -193,6 +196,27 @@ class StateDir:
             log.warning("%s does not fit the configured head, starting a new one: %s", path, detail)
             return False
         return True
+
+    def save_feature_release(self, version: str, release: Any) -> None:
+        """Keep a dp-features release for the data version it was made from."""
+        atomic_write(
+            self.root / "feature_release.npz",
+            _npz_bytes({"version": np.array(version), "classes": release.classes,
+                        "prototypes": release.prototypes, "counts": release.counts}),
+        )  # fmt: skip
+
+    def load_feature_release(self, version: str) -> Any:
+        """The stored release of data version ``version``; None if there is none (or only
+        one of another version: new data is a new release)."""
+        from edge_agent.privacy.mechanisms import Release
+
+        path = self.root / "feature_release.npz"
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            if str(data["version"]) != version:
+                return None
+            return Release(data["classes"], data["prototypes"], data["counts"])
 
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
         path = self.root / "prototypes.npz"

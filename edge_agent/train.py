@@ -268,9 +268,10 @@ def train_round(
     guidance: Guidance,
     cfg: TrainConfig,
     generator: torch.Generator,
+    loss: LossFn | None = None,
 ) -> RoundMetrics:
-    """E epochs of the method's local objective over the cached features."""
-    loss_fn = loss_for(method)
+    """E epochs of the method's local objective (or of ``loss``) over the cached features."""
+    loss_fn = loss or loss_for(method)
     start = time.perf_counter()
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     n = len(y_all)
@@ -284,12 +285,12 @@ def train_round(
             if len(idx) < 2:
                 continue  # BatchNorm cannot normalise a single sample
             r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))  # (B, K*d_e)
-            loss = loss_fn(model, r, y_all[idx], guidance, cfg)
+            value = loss_fn(model, r, y_all[idx], guidance, cfg)
             for p in params:  # zero_grad(set_to_none=True) without its per-call bookkeeping
                 p.grad = None
-            loss.backward()
+            value.backward()
             optimiser.step()
-            total += float(loss.detach())
+            total += float(value.detach())
             steps += 1
     for p in params:
         # The last step's gradients would otherwise sit in memory until the next round:

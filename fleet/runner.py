@@ -62,6 +62,9 @@ class RunSpec:
     progress: bool = True
     extra_train: dict[str, Any] = field(default_factory=dict)
     privacy: dict[str, Any] = field(default_factory=dict)  # the agents' [privacy] table
+    # Mechanism noise replayable from the seed: for experiments that must repeat to the
+    # bit; it voids every guarantee (the agents and reports say so). Secret otherwise.
+    reproducible_noise: bool = False
     # Shared by every run that sees the same images (the methods of a compare): the
     # backbones then run once per image, not once per method.
     feature_cache: Path | None = None
@@ -166,12 +169,19 @@ def _agent_tables(
 
 
 def _privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
-    # Seeded noise: a simulation must be reproducible; a device draws from the OS.
-    return {"privacy": {**spec.privacy, "noise_seed": spec.seed * 100_003 + index}}
+    seed = (
+        {"reproducible_noise_seed": spec.seed * 100_003 + index} if spec.reproducible_noise else {}
+    )
+    return {"privacy": {**spec.privacy, **seed}}
+
+
+def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
+    """What the agents' updates carry: head embeddings, or (dp-features) backbone features."""
+    return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 
 def _coordinator_tables(
-    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int
+    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int, *, dim: int
 ) -> dict[str, Any]:
     return {
         "fleet": FLEET,
@@ -181,7 +191,7 @@ def _coordinator_tables(
             "method": spec.method,
             "bundle": bundle_id,
             "classes": list(classes),
-            "dim": spec.out_dim,
+            "dim": dim,
         },
         "rounds": {
             "min_clients": clients,
@@ -221,7 +231,8 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         # Written for both transports: reports and users can reopen any agent from it.
         (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
         agents.append(tables)
-    coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents))
+    coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents),
+                                dim=prototype_dim(spec, bundle.feature_dim))  # fmt: skip
     samples = None
     if spec.transport == "memory":
         peak, samples = _run_memory(spec, agents, coord)

@@ -29,6 +29,7 @@ from protocol.limits import (
     MAX_CLASSES,
     MAX_CLIENTS,
     MAX_EXTRAS,
+    MAX_GUARANTEE_LENGTH,
     MAX_ID_LENGTH,
     MAX_METHOD_LENGTH,
     MAX_PARAMS,
@@ -119,14 +120,20 @@ def _values_equal(a: object, b: object) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class PrivacyMeta:
-    """What an update's privacy mechanism spent: ``epsilon`` is cumulative for the agent."""
+    """What an update's privacy mechanism spent: ``epsilon`` is cumulative for the agent;
+    ``guarantee`` says what that epsilon is worth ("none" without a formal mechanism, and
+    "none (reproducible noise)" when the noise could be replayed from a seed)."""
 
     mechanism: str = "none"
     epsilon: float | None = None
     delta: float | None = None
+    guarantee: str = "none"
 
     def __post_init__(self) -> None:
         f.text(self.mechanism, field="privacy.mechanism", max_length=MAX_METHOD_LENGTH, empty=False)
+        f.text(
+            self.guarantee, field="privacy.guarantee", max_length=MAX_GUARANTEE_LENGTH, empty=False
+        )
         _freeze(self, "epsilon", f.optional_number(self.epsilon, field="privacy.epsilon", low=0.0))
         _freeze(self, "delta", f.optional_number(self.delta, field="privacy.delta", low=0.0))
         if self.delta is not None and self.delta >= 1.0:
@@ -135,23 +142,28 @@ class PrivacyMeta:
     def __eq__(self, other: object) -> bool:
         if type(other) is not PrivacyMeta:
             return NotImplemented
-        return (self.mechanism, self.epsilon, self.delta) == (
+        return (self.mechanism, self.epsilon, self.delta, self.guarantee) == (
             other.mechanism,
             other.epsilon,
             other.delta,
+            other.guarantee,
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     def to_obj(self) -> dict[str, Any]:
-        return {"mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta}
+        return {"mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta,
+                "guarantee": self.guarantee}  # fmt: skip
 
     @classmethod
     def from_obj(cls, obj: object) -> PrivacyMeta:
-        m = f.mapping(obj, field="privacy", max_length=3)
-        if set(m) != {"mechanism", "epsilon", "delta"}:
-            raise FieldError("must have exactly mechanism, epsilon, delta", field="privacy")
-        return cls(mechanism=m["mechanism"], epsilon=m["epsilon"], delta=m["delta"])
+        m = f.mapping(obj, field="privacy", max_length=4)
+        if set(m) != {"mechanism", "epsilon", "delta", "guarantee"}:
+            raise FieldError(
+                "must have exactly mechanism, epsilon, delta, guarantee", field="privacy"
+            )
+        return cls(mechanism=m["mechanism"], epsilon=m["epsilon"], delta=m["delta"],
+                   guarantee=m["guarantee"])  # fmt: skip
 
 
 def _common(obj: Any) -> None:

@@ -23,7 +23,12 @@ def update(**overrides: object) -> PrototypeUpdate:
         counts=(4, 7, 1),
         prototypes=_grid(3, 4, np.float16),
         extras={"fisher": _grid(3, 4, np.float32)},
-        privacy=PrivacyMeta(mechanism="dp", epsilon=1.5, delta=1e-5),
+        privacy=PrivacyMeta(
+            mechanism="dp",
+            epsilon=1.5,
+            delta=1e-5,
+            guarantee="(epsilon, delta)-DP, add/remove one example",
+        ),
     )
     fields.update(overrides)
     return PrototypeUpdate(**fields)  # type: ignore[arg-type]

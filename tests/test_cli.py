@@ -48,7 +48,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        argv = ["privacy-plan", "--epsilon", "8", "--rounds", "3", "--samples", "100"]
+        argv = ["privacy-plan", "--epsilon", "8", "--rounds", "3", "--dataset-size", "100"]
         done = subprocess.run(
             [str(BIN / "edge-agent"), *argv], stdout=write_end, stderr=subprocess.PIPE,
             text=True, timeout=120,
@@ -219,7 +219,9 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
         (["run", "--out-dim", "0"], "--out-dim must be at least 1"),
         (["compare", "--clients", "0"], "at least 1 client"),
         (["run", "--split", "label", "--alpha", "-1"], "--alpha must be positive"),
-        (["privacy", "--epsilons", "-1"], "no privacy plan for epsilon -1"),
+        (["privacy", "--epsilons", "-1"], "no dp plan for epsilon -1"),
+        (["privacy", "--mechanisms", "dp,laplace"], "unknown mechanisms laplace"),
+        (["privacy", "--train", "50", "--dataset-size", "40"], "--dataset-size 40 is below"),
         (["privacy", "--delta", "2"], "delta must be in (0, 1)"),
         (["run", "--train-param", "tau=-1"], "tau and fpl_tau must be positive"),
         (["compare", "--train-param", "taus=0.2"], "unknown key(s) ['taus']"),

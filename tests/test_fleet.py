@@ -579,10 +579,22 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     report = json.loads((tmp_path / "report.json").read_text())
     rows = report["results"]["label"]
     assert set(rows) == {"solo (no privacy)", "fedpcl (no privacy)",
-                         "fedpcl paper laplace s=0.05 p=0.2", "fedpcl dp eps=8"}  # fmt: skip
+                         "fedpcl paper laplace s=0.05 p=0.2", "fedpcl dp eps=8",
+                         "fedpcl dp-features eps=8"}  # fmt: skip
     assert all(0.0 <= v <= 1.0 for v in rows.values())
     attack = report["label_inference_tv"]["label"]
     assert attack["no noise"] == 0.0 and attack["dp eps=8"] > 0.05
+    assert attack["dp-features eps=8"] > 0.0
+    # Secret noise by default: the formal arms claim their guarantee, planned from the
+    # declared bound (the largest client's 30 samples), never from a client's own count.
+    dp = report["privacy"]["fedpcl dp eps=8"]
+    assert dp["guarantee"] == "(epsilon, delta)-DP, add/remove one example"
+    assert dp["dataset_size"] == 30
+    assert report["privacy"]["fedpcl dp-features eps=8"]["mechanism"] == "dp-features"
+    assert (
+        "Formal arms' guarantee: (epsilon, delta)-DP, add/remove one example."
+        in (tmp_path / "report.md").read_text()
+    )
     assert (tmp_path / "accuracy_vs_epsilon.png").read_bytes().startswith(PNG)
     table = (tmp_path / "report.md").read_text()
     assert "| fedpcl dp eps=8 |" in table
@@ -591,6 +603,17 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     # baseline protocol that compare runs (classifier=bounded).
     assert report["train"]["solo (no privacy)"] == {}
     assert report["train"]["fedpcl dp eps=8"] == {"norm": "group"}
+    assert report["train"]["fedpcl dp-features eps=8"] == {}
+
+
+def test_a_privacy_report_marks_reproducible_noise_as_no_guarantee() -> None:
+    from fleet.privacy import markdown
+
+    rows = {"solo (no privacy)": 0.5, "fedpcl dp eps=8": 0.25}
+    document = {"config": {}, "delta": 1e-5, "results": {"label": rows},
+                "privacy": {"fedpcl dp eps=8": {"mechanism": "dp",
+                                                "guarantee": "none (reproducible noise)"}}}  # fmt: skip
+    assert "Formal arms' guarantee: none (reproducible noise)." in markdown(document)
 
 
 def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
@@ -601,6 +624,24 @@ def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
         spec = RunSpec(method="fedpcl", rounds=rounds, bundle=tmp_path, out=tmp_path)
         tables = _agent_tables(spec, client, tmp_path / str(rounds), ("0", "1"), 0)
         assert tables["history"] == kept
+
+
+def test_simulated_agents_draw_secret_noise_unless_the_run_asks_for_replayable_noise(
+    tmp_path: Path,
+) -> None:
+    from fleet.runner import _agent_tables, prototype_dim
+
+    client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
+    privacy = {"mechanism": "dp-features", "epsilon": 8.0}
+    secret = RunSpec(method="fedpcl", rounds=2, bundle=tmp_path, out=tmp_path, privacy=privacy)
+    tables = _agent_tables(secret, client, tmp_path / "a", ("0", "1"), 3)
+    assert tables["privacy"] == privacy  # no seed: the agents draw from the OS
+    replayable = replace(secret, reproducible_noise=True, seed=2)
+    tables = _agent_tables(replayable, client, tmp_path / "b", ("0", "1"), 3)
+    assert tables["privacy"]["reproducible_noise_seed"] == 2 * 100_003 + 3
+    # A feature-space release sets the coordinator's prototype dimension.
+    assert prototype_dim(secret, 896) == 896
+    assert prototype_dim(replace(secret, privacy={}), 896) == secret.out_dim
 
 
 def test_a_privacy_report_on_own_data_names_the_file_not_a_digits5_setting() -> None:

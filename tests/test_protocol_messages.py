@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from protocol import (
+    PROTOCOL_VERSION,
     ArrayError,
     FieldError,
     InvalidId,
@@ -70,7 +71,7 @@ def updates(draw):
         counts=counts,
         prototypes=draw(float_arrays(rows=len(classes))),
         extras=extras,
-        privacy=PrivacyMeta(mechanism=draw(ids), epsilon=epsilon, delta=delta),
+        privacy=PrivacyMeta(mechanism=draw(ids), epsilon=epsilon, delta=delta, guarantee=draw(ids)),
     )
 
 
@@ -189,7 +190,7 @@ def _decode_error(cls, obj: dict) -> ProtocolError:
 
 def test_unknown_version_is_refused():
     obj = _raw(factories.update())
-    obj["v"] = 2
+    obj["v"] = PROTOCOL_VERSION + 1
     err = _decode_error(PrototypeUpdate, obj)
     assert isinstance(err, UnsupportedVersion) and err.field == "v"
 

@@ -3,7 +3,8 @@
 A history is a list of :class:`Event` (noise multiplier, sampling rate, count) — the form
 both of Opacus's accountants take — so one agent's whole life composes in one place:
 
-- DP-SGD: ``Event(sigma_sgd, q = batch / samples, steps)`` (Poisson-subsampled Gaussian);
+- DP-SGD: ``Event(sigma_sgd, q = batch / dataset_size, steps)`` (Poisson-subsampled
+  Gaussian; ``dataset_size`` is the declared public bound, see :func:`sgd_schedule`);
 - a release: the per-class sums (L2 sensitivity 1: every ``z`` has norm 1) and the counts
   (sensitivity 1) noised with ``sigma_sum`` and ``sigma_count``. Together they are one
   Gaussian mechanism on the vector (sum, count) whose RDP is
@@ -142,6 +143,31 @@ def epsilon(history: Sequence[Event], *, delta: float, accountant: str = "rdp") 
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """DP-SGD's sampling for one round, from public settings only (:func:`sgd_schedule`)."""
+
+    sample_rate: float
+    steps: int  # per round
+    expected_batch: int  # the divisor of the summed noisy gradient (loss_reduction="mean")
+
+
+def sgd_schedule(*, dataset_size: int, batch: int, epochs: int) -> Schedule:
+    """DP-SGD's sample rate and steps per round from the declared data-set bound.
+
+    ``dataset_size`` is the declared upper bound on a device's training set, never its
+    private count: q = batch / dataset_size and epochs * ceil(dataset_size / batch) steps
+    a round, whatever the device holds. A smaller set is still sampled with the same q
+    (its batches are smaller, some empty), so the steps, the accountant's events, the
+    gradient's scale and the epsilon every update carries are the same for any data
+    within the bound: the count itself is never released through them.
+    """
+    if dataset_size < 1 or batch < 1 or epochs < 1:
+        raise ValueError("dataset_size, batch and epochs must be positive")
+    q = min(1.0, batch / dataset_size)
+    return Schedule(q, epochs * math.ceil(dataset_size / batch), min(batch, dataset_size))
+
+
+@dataclass(frozen=True)
 class Plan:
     sgd_noise_multiplier: float
     sample_rate: float
@@ -158,10 +184,12 @@ class Plan:
 
     def history(self) -> list[Event]:
         s = self.release_sum_sigma
-        return [
-            Event(self.sgd_noise_multiplier, self.sample_rate, self.sgd_steps),
-            *[release_event(s, s)] * self.releases,
-        ]
+        sgd = (
+            [Event(self.sgd_noise_multiplier, self.sample_rate, self.sgd_steps)]
+            if self.sgd_steps
+            else []
+        )
+        return [*sgd, *[release_event(s, s)] * self.releases]
 
 
 def _solve(
@@ -185,26 +213,34 @@ def _solve(
     return high
 
 
+def _check_budget(epsilon_target: float, delta: float) -> None:
+    if epsilon_target <= 0:
+        raise ValueError(f"epsilon must be positive, got {epsilon_target:g}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta:g}")
+
+
 def plan(
     *,
     epsilon_target: float,
     delta: float,
     rounds: int,
     epochs: int,
-    samples: int,
+    dataset_size: int,
     batch: int,
     release_share: float = 0.2,
     accountant: str = "rdp",
 ) -> Plan:
-    """Noise multipliers that spend ``epsilon_target`` over the whole run: the releases
-    alone are sized to spend ``release_share`` of it, DP-SGD gets the rest (found with
-    the releases composed in)."""
-    if epsilon_target <= 0 or rounds < 1 or epochs < 1 or samples < 1 or batch < 1:
-        raise ValueError("epsilon, rounds, epochs, samples and batch must be positive")
+    """Noise multipliers that spend ``epsilon_target`` over the whole run of the ``dp``
+    mechanism: the releases alone are sized to spend ``release_share`` of it, DP-SGD gets
+    the rest (found with the releases composed in). Every input is public."""
+    _check_budget(epsilon_target, delta)
+    if rounds < 1:
+        raise ValueError("rounds must be positive")
     if not 0 < release_share < 1:
         raise ValueError(f"release share must be in (0, 1), got {release_share}")
-    q = min(1.0, batch / samples)
-    steps = rounds * epochs * math.ceil(samples / batch)
+    schedule = sgd_schedule(dataset_size=dataset_size, batch=batch, epochs=epochs)
+    q, steps = schedule.sample_rate, rounds * schedule.steps
 
     def releases_eps(sigma: float) -> float:
         return epsilon([Event(sigma, 1.0, rounds, "release")], delta=delta, accountant=accountant)
@@ -218,3 +254,20 @@ def plan(
     sigma_sgd = _solve(epsilon_target, total_eps)
     final = total_eps(sigma_sgd)
     return Plan(sigma_sgd, q, steps, sigma_rel, rounds, final, delta, accountant)
+
+
+def plan_features(
+    *, epsilon_target: float, delta: float, releases: int = 1, accountant: str = "rdp"
+) -> Plan:
+    """The release multiplier of the ``dp-features`` mechanism: ``releases`` Gaussian
+    releases (one per data version the budget is to cover) that together spend
+    ``epsilon_target``. No training step is accounted: the head never leaves the device."""
+    _check_budget(epsilon_target, delta)
+    if releases < 1:
+        raise ValueError("releases must be positive")
+
+    def releases_eps(sigma: float) -> float:
+        return epsilon([Event(sigma, 1.0, releases, "release")], delta=delta, accountant=accountant)
+
+    sigma = _solve(epsilon_target, releases_eps)
+    return Plan(0.0, 1.0, 0, sigma, releases, releases_eps(sigma), delta, accountant)

@@ -12,6 +12,10 @@ below, FPR from above) make the bound hold with that confidence; the threshold i
 on one half of the runs and evaluated on the other, so choosing it costs no validity.
 A bound above the claimed epsilon proves the claim wrong; the deliberately broken
 mechanism here (noise scaled by 1 / true count) shows the audit can fail.
+
+Both formal releases are audited: ``dp`` releases sums of the head's unit embeddings,
+``dp-features`` sums of raw backbone features, which the mechanism clips to norm <= 1
+(``space="features"`` draws vectors of norms up to 3, and a canary of norm 3).
 """
 
 from __future__ import annotations
@@ -86,15 +90,24 @@ def canary_audit(
     runs: int = 20_000,
     delta: float = 1e-5,
     seed: int = 0,
+    space: str = "embeddings",
 ) -> AuditResult:
     """``runs`` releases of one class (sums and counts noised with multiplier ``sigma``),
-    half of them with the canary; the claim is the accountant's epsilon for one release."""
+    half of them with the canary; the claim is the accountant's epsilon for one release.
+    ``space``: ``embeddings`` (unit vectors, as the head yields) or ``features`` (norms
+    from 0 to 3, and a canary of norm 3, as raw backbone features may have)."""
+    if space not in ("embeddings", "features"):
+        raise ValueError(f"space must be embeddings or features, got {space!r}")
     rng = np.random.default_rng(seed)
     base = rng.normal(size=(n, dim))
     base /= np.linalg.norm(base, axis=1, keepdims=True)
     canary = rng.normal(size=dim)
     canary /= np.linalg.norm(canary)
-    with_canary = np.vstack([base, canary[None]])
+    scale = 1.0
+    if space == "features":
+        base *= rng.uniform(0.0, 3.0, size=(n, 1))
+        scale = 3.0
+    with_canary = np.vstack([base, scale * canary[None]])
     params = MechanismParams(sum_sigma=sigma, count_sigma=sigma)
     member = rng.random(runs) < 0.5
     stats = np.empty(runs)

@@ -2,8 +2,11 @@
 
 Per-sample gradients (Opacus GradSampleModule), each clipped to ``max_grad_norm``,
 Gaussian noise of ``noise_multiplier * max_grad_norm`` on their sum, and Poisson sampling:
-each step takes every example independently with probability ``q = batch / samples``, which
-is the sampling the accountant's subsampled-Gaussian analysis assumes. The head must use
+each step takes every example independently with probability ``q``, which is the sampling
+the accountant's subsampled-Gaussian analysis assumes. ``q``, the number of steps and the
+divisor of the noisy sum come from the public schedule (``accounting.sgd_schedule``),
+never from the number of examples held; masks and noise come from the agent's secret
+generator (``privacy.randomness``), never from the run's seed. The head must use
 GroupNorm (BatchNorm mixes the samples of a batch, so one example's gradient would depend
 on the others). A loss that compares a sample with statistics of its batch is not
 per-sample either: without global prototypes (round 0) the contrastive objectives fall
@@ -12,7 +15,6 @@ back to the classifier's cross-entropy.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 import weakref
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from edge_agent.head import InputMajorLinear
+from edge_agent.privacy.accounting import Schedule
 from edge_agent.train import (
     Guidance,
     LocalModel,
@@ -64,6 +67,15 @@ def _per_sample_loss(
     return fedpcl_objective(z, y, g, cfg) + 0.0 * logits.sum()
 
 
+def _noise_step(dp_opt: Any, noise: torch.Generator) -> None:
+    std = dp_opt.noise_multiplier * dp_opt.max_grad_norm
+    for p in dp_opt.params:
+        draw = torch.normal(0.0, std, size=p.shape, generator=noise, dtype=p.dtype)
+        p.grad = (draw / dp_opt.expected_batch_size).view_as(p)
+    dp_opt.original_optimizer.step()
+    dp_opt.original_optimizer.zero_grad(set_to_none=True)
+
+
 def train_round_dp(
     model: LocalModel,
     optimiser: torch.optim.Optimizer,
@@ -73,12 +85,12 @@ def train_round_dp(
     method: str,
     guidance: Guidance,
     cfg: TrainConfig,
-    generator: torch.Generator,
+    schedule: Schedule,
+    noise: torch.Generator,
     noise_multiplier: float,
     max_grad_norm: float,
-    seeded: bool = False,
-) -> tuple[RoundMetrics, float, int]:
-    """Returns (metrics, sample rate q, steps taken): what the accountant composes."""
+) -> RoundMetrics:
+    """``schedule.steps`` DP-SGD steps, each on a Poisson sample drawn with ``noise``."""
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
@@ -88,8 +100,6 @@ def train_round_dp(
         raise ValueError("DP-SGD is not supported for feddbp (its dual branch shares a classifier)")
     start = time.perf_counter()
     n = len(labels)
-    q = min(1.0, cfg.batch_size / n)
-    steps_per_epoch = math.ceil(n / cfg.batch_size)
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     # One wrapper per model for its whole life: Opacus's hooks do not come back on a
     # module that was wrapped and released before.
@@ -101,22 +111,20 @@ def train_round_dp(
         optimiser,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
-        expected_batch_size=max(1, round(q * n)),
+        expected_batch_size=schedule.expected_batch,
         loss_reduction="mean",
+        generator=noise,
     )
-    # Opacus draws its noise from torch's global generator. Seeded only in simulations:
-    # on a device, noise an observer could reproduce from a known seed protects nothing.
-    if seeded:
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
-    else:
-        torch.seed()
-    total, taken = 0.0, 0
+    total, nonempty = 0.0, 0
     wrapped.train()
-    for _ in range(cfg.epochs * steps_per_epoch):
-        mask = torch.rand(n, generator=generator) < q  # Poisson sampling
+    for _ in range(schedule.steps):
+        mask = torch.rand(n, generator=noise) < schedule.sample_rate  # Poisson sampling
         idx = torch.nonzero(mask).flatten()
-        taken += 1  # an empty draw is still a step of the mechanism
         if len(idx) == 0:
+            # An empty draw is still a step of the mechanism the accountant prices: the
+            # noise alone, scaled as a batch's would be. Skipping it would make "nothing
+            # moved" an output whose probability depends on how many examples there are.
+            _noise_step(dp_opt, noise)
             continue
         r = torch.from_numpy(np.asarray(features[idx.numpy()], dtype=np.float32))
         dp_opt.zero_grad(set_to_none=True)
@@ -127,8 +135,11 @@ def train_round_dp(
             loss.backward()
         dp_opt.step()
         total += float(loss.detach())
+        nonempty += 1
     dp_opt.zero_grad(set_to_none=True)  # drop the last per-sample gradients (memory)
-    metrics = RoundMetrics(
-        loss=total / max(taken, 1), samples=n, steps=taken, seconds=time.perf_counter() - start
+    return RoundMetrics(
+        loss=total / max(nonempty, 1),
+        samples=n,
+        steps=schedule.steps,
+        seconds=time.perf_counter() - start,
     )
-    return metrics, q, taken

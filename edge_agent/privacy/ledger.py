@@ -5,6 +5,10 @@ events per round. It is rewritten atomically (temp file, fsync, rename, director
 *before* the update that the events pay for is stored or published, so a crash can only
 make the ledger count a release that never left the device (conservative), never forget
 one that did. Entries are only ever appended; the spent epsilon never goes down.
+
+A spend made with reproducible noise (``privacy.reproducible_noise_seed``) is marked so;
+one such spend voids the guarantee of the whole ledger, whose ``guarantee`` then says
+``none (reproducible noise)`` for good.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.privacy.accounting import Event, epsilon
+from edge_agent.privacy.randomness import DP_GUARANTEE, REPRODUCIBLE
 from protocol.files import atomic_write
 
 
@@ -22,6 +27,14 @@ from protocol.files import atomic_write
 class Spend:
     round: int
     events: tuple[Event, ...]
+    reproducible: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "events": [e.to_json() for e in self.events],
+            "guarantee": REPRODUCIBLE if self.reproducible else DP_GUARANTEE,
+        }
 
 
 class LedgerError(ValueError):
@@ -46,7 +59,11 @@ class Ledger:
         try:
             data = json.loads(self.path.read_text())
             self.spends = [
-                Spend(int(s["round"]), tuple(Event.from_json(e) for e in s["events"]))
+                Spend(
+                    int(s["round"]),
+                    tuple(Event.from_json(e) for e in s["events"]),
+                    reproducible=s.get("guarantee", DP_GUARANTEE) != DP_GUARANTEE,
+                )
                 for s in data["spends"]
             ]
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -58,6 +75,11 @@ class Ledger:
                 f"accountant {data.get('accountant')}; the configuration says {self.delta} "
                 f"and {self.accountant}. Keep them, or start a new state directory."
             )
+
+    @property
+    def guarantee(self) -> str:
+        """What the ledger's spends claim together: nothing once any used replayable noise."""
+        return REPRODUCIBLE if any(s.reproducible for s in self.spends) else DP_GUARANTEE
 
     @property
     def history(self) -> list[Event]:
@@ -72,18 +94,17 @@ class Ledger:
         """Whether spending ``events`` keeps the total within the budget."""
         return self.spent(events) <= self.budget + 1e-9
 
-    def record(self, round_: int, events: list[Event]) -> float:
+    def record(self, round_: int, events: list[Event], *, reproducible: bool = False) -> float:
         """Append and make durable; returns the epsilon spent including these events."""
-        self.spends.append(Spend(round_, tuple(events)))
+        self.spends.append(Spend(round_, tuple(events), reproducible))
         total = self.spent()
         document: dict[str, Any] = {
             "budget_epsilon": self.budget,
             "delta": self.delta,
             "accountant": self.accountant,
             "epsilon_spent": total,
-            "spends": [
-                {"round": s.round, "events": [e.to_json() for e in s.events]} for s in self.spends
-            ],
+            "guarantee": self.guarantee,
+            "spends": [s.to_json() for s in self.spends],
         }
         atomic_write(self.path, json.dumps(document, indent=1).encode())
         return total

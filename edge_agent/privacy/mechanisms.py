@@ -3,10 +3,15 @@
 - ``none``: the exact local prototypes (FedPCL Eq. 5) of the classes present.
 - ``paper``: FedPCL A.2.4 as its released code applies it: ``C' = (1 - p) * C + e`` with
   ``e`` per coordinate from N(0, s^2) or Laplace(0, s). No formal guarantee.
-- ``dp``: a Gaussian mechanism on the per-class sums of ``z`` (each ``|z| = 1``, so the L2
-  sensitivity of a sum under adding or removing one example is 1) and on the per-class
-  counts (sensitivity 1); every class is sent, present or not, so the set of classes
-  reveals nothing; prototype = noisy sum / max(1, noisy count).
+- ``dp``: a Gaussian mechanism on the per-class sums of ``z`` and on the per-class counts;
+  every class is sent, present or not, so the set of classes reveals nothing; prototype =
+  noisy sum / max(1, noisy count). Each vector is clipped to norm <= 1 first, so the L2
+  sensitivity of a sum under adding or removing one example is 1 for *any* input (a zero
+  vector or one of norm 3 included), and so is the counts'. The noisy counts are sent
+  as they are drawn (clamped at 0) in 64-bit floats: the message's size does not depend
+  on them.
+- ``dp-features``: the same Gaussian release, applied once per data version to the frozen
+  backbone features instead of the trained head's embeddings (``MECHANISMS`` says which).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 class Release:
     classes: np.ndarray  # (k,) class indices sent
     prototypes: np.ndarray  # (k, d)
-    counts: np.ndarray  # (k,) non-negative integers
+    counts: np.ndarray  # (k,) non-negative: exact integers, or noisy floats under dp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,22 +69,39 @@ def release_paper(z: np.ndarray, labels: np.ndarray, num_classes: int,
     return Release(exact.classes, noisy.astype(np.float32), exact.counts)
 
 
+def clip_rows(x: np.ndarray, bound: float = 1.0) -> np.ndarray:
+    """Each row scaled down to L2 norm <= ``bound`` (rows already within it, the zero
+    row included, are left as they are)."""
+    x = np.asarray(x, dtype=np.float64)
+    norms = np.linalg.norm(x, axis=1, keepdims=True) if x.size else np.zeros((len(x), 1))
+    return x * np.minimum(1.0, bound / np.maximum(norms, np.finfo(np.float64).tiny))
+
+
 def release_dp(z: np.ndarray, labels: np.ndarray, num_classes: int,
                params: MechanismParams, rng: np.random.Generator) -> Release:  # fmt: skip
-    norms = np.linalg.norm(z, axis=1)
-    if len(z) and not np.allclose(norms, 1.0, atol=1e-3):
-        raise ValueError("dp release needs unit-norm embeddings (sensitivity 1)")
-    sums, counts = _sums(z, labels, num_classes)
+    sums, counts = _sums(clip_rows(z), labels, num_classes)  # sensitivity 1 each
     noisy_sums = sums + rng.normal(0.0, params.sum_sigma, size=sums.shape)
     noisy_counts = counts + rng.normal(0.0, params.count_sigma, size=counts.shape)
     protos = noisy_sums / np.maximum(1.0, noisy_counts)[:, None]
-    # Post-processing: counts travel as non-negative integers.
-    sent_counts = np.maximum(0, np.rint(noisy_counts)).astype(np.int64)
-    return Release(np.arange(num_classes), protos.astype(np.float32), sent_counts)
+    # Post-processing: a negative count carries no meaning for the aggregation.
+    return Release(np.arange(num_classes), protos.astype(np.float32), np.maximum(0.0, noisy_counts))
 
 
-MECHANISMS: dict[str, Mechanism] = {
-    "none": release_none,
-    "paper": release_paper,
-    "dp": release_dp,
+@dataclass(frozen=True)
+class MechanismSpec:
+    """A mechanism and what it is applied to: ``embeddings`` (the head's ``z``, every
+    round) or ``features`` (the frozen backbone features, once per data version).
+    ``formal``: it makes an (epsilon, delta) claim, accounted in the ledger."""
+
+    release: Mechanism
+    space: str = "embeddings"
+    formal: bool = False
+
+
+#: The release mechanisms by name (``[privacy] mechanism``).
+MECHANISMS: dict[str, MechanismSpec] = {
+    "none": MechanismSpec(release_none),
+    "paper": MechanismSpec(release_paper),
+    "dp": MechanismSpec(release_dp, formal=True),
+    "dp-features": MechanismSpec(release_dp, space="features", formal=True),
 }
