@@ -13,6 +13,11 @@ from typing import Literal
 #: The methods an agent trains for; ``edge_agent.train.LOSSES`` holds one objective each.
 METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
 
+#: Methods whose objective never trains the classifier (FedPCL Table 4: the projection
+#: head alone): a classifier figure for them would score an untrained layer, and a
+#: setting of the classifier does not apply to them.
+CLASSIFIER_FREE = frozenset({"fedpcl"})
+
 Norm = Literal["batch", "group"]
 Classifier = Literal["linear", "bounded"]
 
