@@ -1,6 +1,6 @@
 """An agent's figures on its own test split: by its method's inference rule
-(:mod:`edge_agent.inference`), and for every method by the nearest local prototype and by
-its classifier."""
+(:mod:`edge_agent.inference`), and for every method by cosine similarity to its local
+prototypes (FedPCL's rule) and by its classifier."""
 
 from __future__ import annotations
 
