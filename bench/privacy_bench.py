@@ -1,8 +1,8 @@
 """Privacy benchmarks: DP FedPCL at epsilon 8 against non-private Solo on digits-5 feature
 shift (same partition, same run), and the canary audit's empirical epsilon next to the
 claimed one (and next to a deliberately broken mechanism's). Solo has the agents' own
-linear classifier, as in ``edge-fleet privacy``: what a device keeps by not federating,
-not the paper's bounded baseline of ``edge-fleet compare``."""
+linear classifier, as under the fair protocol of ``edge-fleet privacy``: what a device
+keeps by not federating."""
 
 from __future__ import annotations
 
