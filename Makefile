@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= agent,coordinator,export,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
-.PHONY: demo test lint fmt bench venv clean
+.PHONY: demo test lint fmt bench bench-accuracy figures venv clean
 
 venv: $(STAMP)
 
@@ -36,8 +36,16 @@ fmt: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
+# Each writes only what it measured, with date, commit and machine; `make figures` then
+# rewrites the generated blocks of README.md and docs/ from the results files.
 bench: $(STAMP)
 	$(PY) bench/run.py
 
+bench-accuracy: $(STAMP)
+	$(PY) bench/run.py --suite accuracy
+
+figures: $(STAMP)
+	$(PY) bench/figures.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info bench/results.json
+	rm -rf $(VENV) build *.egg-info

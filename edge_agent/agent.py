@@ -16,47 +16,23 @@ from edge_agent import data as data_mod
 from edge_agent import losses
 from edge_agent.anchored import AnchoredLearner, FitSplit
 from edge_agent.config import AgentConfig
+from edge_agent.evaluation import Evaluator
 from edge_agent.features import FeatureCache, LoggedProgress, fingerprint
-from edge_agent.head import local_prototypes, predict
+from edge_agent.head import local_prototypes
+from edge_agent.inference import dense_globals, rule_of
 from edge_agent.privacy.accounting import Event, per_part_sigma, release_event, sgd_schedule
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
 from edge_agent.privacy.randomness import NONE, NoiseSource
 from edge_agent.state import StateDir
-from edge_agent.train import (
-    CLASSIFIER_FREE,
-    Guidance,
-    LocalModel,
-    embed,
-    in_batches,
-    make_optimiser,
-    train_round,
-)
+from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
-
-#: How each method predicts: FedPCL by the nearest local prototype (FedPCL 3.3,
-#: "Prototype-based Inference"), and FedProto, the prototype baseline, the same way
-#: (DESIGN.md); FedAvg and FPL (built on FedAvg: its Algorithm 1 outputs the global model)
-#: by the *global* model the round produced, not by a device's locally trained copy (which
-#: would be a personalised variant); FedDBP by its decision branch's features against the
-#: (personalised) global prototypes its decision loss trains them towards (FedDBP 3.1:
-#: "we employ the decision feature z_d ... to perform prototype-based inference"; no
-#: figure before the first global prototypes); Solo by its classifier. The local prototype
-#: figure is recorded every round whatever the method, the classifier figure for every
-#: method that trains a classifier.
-INFERENCE = {
-    "fedpcl": "prototype",
-    "fedproto": "prototype",
-    "fedavg": "global",
-    "fpl": "global",
-    "feddbp": "decision",
-}
 
 #: Methods whose server averages the clients' models (head and classifier) each round.
 AVERAGED = frozenset({"fedavg", "fpl"})
@@ -146,6 +122,11 @@ class Agent:
             )
             self.test_labels = test.labels
             del test
+        self.evaluator = (
+            None
+            if self.test_features is None or self.test_labels is None
+            else Evaluator(method=cfg.method, features=self.test_features, labels=self.test_labels)
+        )
         cache.prune(keep_bundle=self.bundle_id)
         if not cache.shared:
             # What the data was before it changed: its rows are copied by now.
@@ -334,21 +315,13 @@ class Agent:
             "bytes_up": len(payload),
             "bytes_down": received_bytes,
         }
-        if self.test_features is not None and self.test_labels is not None:
-            scores = self.accuracies(self.test_features, self.test_labels, protos, counts, guidance)
-            # FedAvg's and FPL's own figure is filled in when the global model arrives
-            # (_adopt_global); FedDBP's is None until global prototypes exist. A
-            # dp-features device predicts with its classifier (edge_agent.anchored).
-            rule = (
-                self.learner.predict_rule
-                if self.learner
-                else INFERENCE.get(cfg.method, "classifier")
-            )
-            record["test_accuracy"] = scores.get(rule)
-            record["test_accuracy_prototype"] = scores["prototype"]
-            record["test_accuracy_classifier"] = (
-                None if cfg.method in CLASSIFIER_FREE and not self.learner else scores["classifier"]
-            )
+        if self.evaluator is not None:
+            # The figures of the head just trained; a method that predicts with what the
+            # coordinator returns is scored when that arrives (_adopt_global). A
+            # dp-features device predicts by the rule its validation split chose
+            # (edge_agent.anchored), with the model it chose.
+            rule = self.learner.predict_rule if self.learner is not None else None
+            record.update(self.evaluator.after_training(self.predictor, protos, counts, rule=rule))
         if self.learner is not None:
             self.learner.save()
         self.state.save_round(
@@ -447,18 +420,34 @@ class Agent:
         }
 
     def _adopt_global(self, announcement: RoundAnnouncement) -> None:
-        """FedAvg, FPL: continue from the announced global model and score it. The score
-        belongs to the round whose updates were averaged into it, the previous one, so
-        the last round's figure arrives with the final announcement."""
-        if self.cfg.method not in AVERAGED or not self._load_weights(announcement.extras):
-            return
-        if self.test_features is None or self.test_labels is None or announcement.round < 1:
-            return
-        _, logits = embed(self.model, self.test_features)
-        accuracy = float((logits.argmax(1) == self.test_labels).mean())
-        self.state.amend_round(
-            announcement.round - 1, test_accuracy=accuracy, test_accuracy_global=accuracy
-        )
+        """Take what the coordinator returned for the previous round: FedAvg's and FPL's
+        averaged model (the device continues from it), the global prototypes the
+        method's inference rule compares against. A method that predicts with them is
+        scored on them here, under the round whose updates built them; the last round's
+        figure arrives with the final announcement. Both are kept in the state folder, so
+        ``edge-agent predict`` predicts with what was scored."""
+        method = self.cfg.method
+        if method in AVERAGED:
+            if not self._load_weights(announcement.extras):
+                return
+            self.state.save_model(self.model)
+        if rule_of(method).prototypes == "global":
+            dense = dense_globals(
+                announcement, client=self.cfg.agent_id, num_classes=self.num_classes,
+                dim=self.cfg.train.out_dim,
+            )  # fmt: skip
+            if dense is None:
+                return
+            self.state.save_globals(*dense)
+        if (
+            self.evaluator is not None
+            and self.learner is None  # dp-features: scored by its own rule, after training
+            and rule_of(method).from_server
+            and announcement.round >= 1
+        ):
+            self.state.amend_round(
+                announcement.round - 1, **self.evaluator.from_server(self.model, self.state)
+            )
 
     def _load_weights(self, extras: Any) -> bool:
         """Load the announced arrays that fit this model; whether there were any (FPL's
@@ -472,36 +461,6 @@ class Agent:
         if fitting:
             self.model.load_state_dict(fitting, strict=False)
         return bool(fitting)
-
-    def accuracies(
-        self,
-        features: np.ndarray,
-        labels: np.ndarray,
-        protos: np.ndarray,
-        counts: np.ndarray,
-        guidance: Guidance,
-    ) -> dict[str, float | None]:
-        """Test accuracy by nearest local prototype and by the linear classifier; with a
-        decision branch (FedDBP), also by that branch's features against the nearest of
-        the normalised global prototypes (None before there are any)."""
-        z, logits = embed(self.predictor, features)
-        pred, _ = predict(
-            torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0)
-        )
-        scores: dict[str, float | None] = {
-            "prototype": float((pred.numpy() == labels).mean()),
-            "classifier": float((logits.argmax(1) == labels).mean()),
-        }
-        if self.model.decision is not None:
-            scores["decision"] = None
-            if guidance.has_globals:
-                (z_d,) = in_batches(self.model.decision, features)  # eval mode: embed set it
-                unit = torch.nn.functional.normalize(guidance.global_protos, dim=1)
-                # Both sides are unit vectors: the nearest in Euclidean distance is the
-                # one with the largest dot product.
-                pred_d, _ = predict(torch.from_numpy(z_d), unit, guidance.global_present)
-                scores["decision"] = float((pred_d.numpy() == labels).mean())
-        return scores
 
 
 def cache_features(

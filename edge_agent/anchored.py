@@ -16,8 +16,8 @@ Which ``w``? An anchor can be noisy (a small epsilon) or from other domains, and
 that helps one device can hurt another. The device trains a probe per candidate weight on
 a fit split of its data, scores each on the rest (its validation split; neither leaves the
 device), trains one model per weight on all its data, and predicts with the full-data
-model whose probes scored best over the last rounds, by the rule (its classifier, or the
-nearest of its own local prototypes, FedPCL's rule) that scored best. ``w = 0`` with the
+model whose probes scored best over the last rounds, by the rule (its classifier, or
+cosine similarity to its own local prototypes, FedPCL's rule) that scored best. ``w = 0`` with the
 classifier trains and predicts exactly as Solo does (same initialisation, same data
 order), and the device leaves it only for a candidate whose probes beat it by at least
 one validation sample on average: a device whose held-out data does not say the anchors
@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from edge_agent import inference as inf
 from edge_agent import losses
-from edge_agent.head import local_prototypes, predict
+from edge_agent.head import local_prototypes
 from edge_agent.train import (
     Guidance,
     LocalModel,
@@ -132,12 +133,11 @@ def anchored_loss(method: str, weight: float) -> LossFn:
     return loss
 
 
-#: How a candidate predicts: by its classifier (Solo's rule) or by the nearest of the
-#: device's own local prototypes (edge_agent.head.predict).
-RULES = ("classifier", "prototype")
+#: How a candidate predicts (keys of ``edge_agent.inference.RULES``): by its classifier
+#: (Solo's rule) or by cosine similarity to the device's own local prototypes (FedPCL's).
+RULES = ("classifier", "local_prototype_cosine")
 
 
-@torch.inference_mode()
 def rule_accuracies(
     model: LocalModel,
     fit_x: np.ndarray,
@@ -145,26 +145,23 @@ def rule_accuracies(
     x: np.ndarray,
     y: np.ndarray,
     num_classes: int,
-) -> tuple[float, float]:
-    """Accuracy on (x, y) by each of :data:`RULES`, prototypes from (fit_x, fit_y)."""
+) -> tuple[float, ...]:
+    """Accuracy on (x, y) by each of :data:`RULES`, prototypes from (fit_x, fit_y): the
+    inference functions the device predicts with."""
     if len(y) == 0:
-        return 0.0, 0.0
-    model.eval()
-    z_fit, _ = model(torch.from_numpy(fit_x))
-    protos, counts = local_prototypes(z_fit, torch.from_numpy(fit_y), num_classes)
-    z, logits = model(torch.from_numpy(np.asarray(x, dtype=np.float32)))
-    by_proto, _ = predict(z, protos, counts > 0)
-    return (
-        float((logits.argmax(1).numpy() == y).mean()),
-        float((by_proto.numpy() == y).mean()),
-    )
+        return (0.0,) * len(RULES)
+    fit = inf.outputs_of(model, fit_x)
+    protos, counts = local_prototypes(torch.from_numpy(fit.z), torch.from_numpy(fit_y), num_classes)
+    refs = inf.References(local=protos.numpy(), local_present=counts.numpy() > 0)
+    out = inf.outputs_of(model, x)
+    return tuple(inf.accuracy(inf.RULES[rule](out, refs), y) for rule in RULES)
 
 
 @dataclass(frozen=True)
 class Choice:
     weight: float
     rule: str  # one of RULES
-    val_accuracies: tuple[tuple[float, float], ...]  # per candidate weight, per rule
+    val_accuracies: tuple[tuple[float, ...], ...]  # per candidate weight, per rule
 
 
 class AnchoredLearner:
@@ -221,7 +218,7 @@ class AnchoredLearner:
         feature_dim, out_dim = features.shape[1], self.cfg.out_dim
         # Common random numbers: this round's data order, the same for every weight.
         full_order, probe_order = generator.get_state(), self.probe_order.get_state()
-        scores: list[tuple[float, float]] = []
+        scores: list[tuple[float, ...]] = []
         metrics: RoundMetrics | None = None
         for k, weight in enumerate(self.weights):
             loss = anchored_loss(self.method, weight)

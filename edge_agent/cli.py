@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_status = sub.add_parser("status", help="print this agent's state as JSON")
     p_status.add_argument("--config", "-c", type=Path, required=True, help="agent TOML file")
     p_predict = sub.add_parser(
-        "predict", help="classify images with the local prototypes; JSON lines"
+        "predict",
+        help="classify images by the method's inference rule, as the fleet scores it; JSON lines",
     )
     p_predict.add_argument("--config", "-c", type=Path, required=True, help="agent TOML file")
     p_predict.add_argument(
@@ -306,11 +307,9 @@ def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    import torch
-
-    from edge_agent.head import predict
+    from edge_agent import inference
     from edge_agent.state import StateDir
-    from edge_agent.train import LocalModel, embed
+    from edge_agent.train import LocalModel
     from export.errors import BundleError
     from export.runtime import BackboneRuntime
 
@@ -321,32 +320,47 @@ def cmd_predict(args: argparse.Namespace) -> int:
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    loaded = state.load_prototypes()
-    if loaded is None:
+    rule = inference.rule_of(cfg.method)
+    refs = inference.stored_references(state)
+    if state.load_prototypes() is None:
         raise UsageError(
             f"no prototypes in {cfg.state_dir} yet: the agent has not answered a round"
         )
-    protos, counts = loaded
+    rule_name = rule.rule
+    if cfg.privacy.mechanism == "dp-features":
+        # The rule this device's own validation split chose (edge_agent.anchored), with
+        # the model it chose (the head checkpoint): what its rounds were scored by.
+        rule_name = next((h["predict_rule"] for h in reversed(state.snapshot.history)
+                          if "predict_rule" in h), "classifier")  # fmt: skip
+    else:
+        try:
+            inference.check_references(cfg.method, refs)
+        except inference.MissingReference as exc:
+            raise UsageError(f"{cfg.method} predicts by {rule.summary}: {exc}") from None
     try:
         runtime = BackboneRuntime(cfg.bundle, settings=cfg.runtime)
     except BundleError as exc:
         raise UsageError(str(exc)) from exc
-    model = LocalModel(in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train)
+    model = LocalModel(
+        in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train,
+        dual=cfg.method == "feddbp",
+    )  # fmt: skip
     if not state.load_model(model):
         raise UsageError(f"no head checkpoint in {cfg.state_dir} that fits this bundle")
-    present = torch.from_numpy(counts > 0)
     answered = 0
     for name, image in _images(args.input, cfg.data.image_size):
         start = time.perf_counter()
-        z, _ = embed(model, runtime.extract(image))
-        cls, score = predict(torch.from_numpy(z), torch.from_numpy(protos), present)
+        outputs = inference.outputs_of(model, runtime.extract(image))
+        # The function the simulated fleet scores this device with.
+        chosen = inference.RULES[rule_name](outputs, refs)
         latency = (time.perf_counter() - start) * 1e3
         print(
             json.dumps(
                 {
                     "input": name,
-                    "class": cfg.classes[int(cls[0])],
-                    "score": round(float(score[0]), 5),
+                    "class": cfg.classes[int(chosen.classes[0])],
+                    "score": round(float(chosen.scores[0]), 5),
+                    "rule": rule_name,
                     "latency_ms": round(latency, 3),
                 }
             )

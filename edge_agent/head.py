@@ -106,14 +106,3 @@ def local_prototypes(
     sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
     counts = torch.bincount(y, minlength=num_classes).to(z.dtype)
     return sums / counts.clamp(min=1)[:, None], counts
-
-
-def predict(
-    z: torch.Tensor, prototypes: torch.Tensor, present: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prototype-based inference: the class whose prototype has the largest dot product with
-    ``z``, among ``present`` classes. Returns (class indices, scores)."""
-    scores = z @ prototypes.T  # (B, C)
-    scores = scores.masked_fill(~present[None, :], float("-inf"))
-    best = scores.max(dim=1)
-    return best.indices, best.values

@@ -8,6 +8,8 @@ Layout::
     state.json          agent id, bundle id, last round answered, pending update, history
     head.npz            model weights as plain arrays (no pickle)
     prototypes.npz      local prototypes and counts, for prediction
+    globals.npz         the last global prototypes announced to this device, for the methods
+                        that predict with them (edge_agent.inference)
     update-<round>.bin  the encoded update of the last round, until it is published
     feature_release.npz dp-features: the data version's one noisy release, sent every round
     anchored.npz        dp-features: the candidate models (edge_agent.anchored)
@@ -122,7 +124,7 @@ class StateDir:
     def reset_for_bundle(self, bundle_id: str) -> None:
         """A new bundle starts the head afresh: old weights embed other features."""
         if self.snapshot.bundle_id != bundle_id:
-            for name in ("head.npz", "prototypes.npz"):
+            for name in ("head.npz", "prototypes.npz", "globals.npz"):
                 (self.root / name).unlink(missing_ok=True)
             self._commit(
                 Snapshot(agent_id=self.agent_id, bundle_id=bundle_id, history=self.snapshot.history)
@@ -139,10 +141,7 @@ class StateDir:
         metrics: dict[str, Any],
     ) -> None:
         """Persist everything a round produced, then commit it with state.json."""
-        atomic_write(
-            self.root / "head.npz",
-            _npz_bytes({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
-        )
+        self.save_model(model)
         atomic_write(
             self.root / "prototypes.npz", _npz_bytes({"prototypes": prototypes, "counts": counts})
         )
@@ -151,6 +150,26 @@ class StateDir:
         self._commit(
             replace(self.snapshot, last_round=round_, pending_round=round_, history=history)
         )
+
+    def save_model(self, model: nn.Module) -> None:
+        """Replace head.npz outside a round's commit (FedAvg's adopted global model): a
+        crash before the next commit resumes from a model the device would adopt again."""
+        atomic_write(
+            self.root / "head.npz",
+            _npz_bytes({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
+        )
+
+    def save_globals(self, prototypes: np.ndarray, present: np.ndarray) -> None:
+        atomic_write(
+            self.root / "globals.npz", _npz_bytes({"prototypes": prototypes, "present": present})
+        )
+
+    def load_globals(self) -> tuple[np.ndarray, np.ndarray] | None:
+        path = self.root / "globals.npz"
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            return data["prototypes"], data["present"]
 
     def pending_update(self) -> tuple[int, bytes] | None:
         r = self.snapshot.pending_round

@@ -236,11 +236,6 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
-#: Methods whose objective never trains the classifier (FedPCL Table 4: the projection
-#: head alone): a classifier figure for them would score an untrained layer.
-CLASSIFIER_FREE = frozenset({"fedpcl"})
-
-
 def loss_for(method: str) -> LossFn:
     try:
         return LOSSES[method]

@@ -13,6 +13,11 @@ from typing import Literal
 #: The methods an agent trains for; ``edge_agent.train.LOSSES`` holds one objective each.
 METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
 
+#: Methods whose objective never trains the classifier (FedPCL Table 4: the projection
+#: head alone): a classifier figure for them would score an untrained layer, and a
+#: setting of the classifier does not apply to them.
+CLASSIFIER_FREE = frozenset({"fedpcl"})
+
 Norm = Literal["batch", "group"]
 Classifier = Literal["linear", "bounded"]
 
@@ -35,8 +40,8 @@ class TrainConfig:
     # "bounded" passes its output through ReLU and L2 normalisation before the softmax, as
     # the code behind FedPCL's published Solo and FedAvg figures does: every logit lies in
     # [0, 1], so no prediction can be confident and cross-entropy keeps pulling. A device
-    # gets the stronger linear one; `edge-fleet compare` runs Solo and FedAvg bounded to
-    # reproduce the paper's comparison (docs/fleet.md).
+    # gets the stronger linear one; `edge-fleet ... --protocol paper` gives every method
+    # with a classifier the bounded one, to reproduce the paper's comparison (docs/fleet.md).
     classifier: Classifier = "linear"
     # FedDBP's loss weights (its paper: 1.0, 10.0, 1.0) for the decision-branch CE, the
     # shared-branch L2 alignment and the decision-branch contrast.

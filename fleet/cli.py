@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet import commands, privacy
+from fleet import commands, glyphs, privacy
 from protocol.cliutil import make_parser, run
 
 
@@ -14,13 +14,15 @@ def build_parser() -> argparse.ArgumentParser:
         "edge-fleet",
         "Simulate a whole ProtoFleet fleet (broker, coordinator, agents) on one machine:\n"
         "`run` one method, `compare` methods x seeds on the same partitions, `demo` the\n"
-        "feature-shift comparison `make demo` shows. Reports: report.json, report.md, PNGs.",
+        "feature-shift comparison `make demo` shows. Reports: report.json, report.md, PNGs.\n"
+        "`glyphs` writes a second benchmark data set (rendered Greek letters) for --data.",
     )
     # Hundreds of agents log a few lines per round each: warnings only unless asked.
     parser.set_defaults(log_level="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parsers(sub)
     privacy.add_parser(sub)
+    glyphs.add_parser(sub)
     return parser
 
 
@@ -33,5 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "compare": commands.cmd_compare,
             "demo": commands.cmd_demo,
             "privacy": privacy.main,
+            "glyphs": glyphs.main,
         },
     )

@@ -11,7 +11,10 @@ from typing import Any
 
 from edge_agent.train_config import METHODS
 from fleet import report as report_mod
+from fleet.central import CENTRAL, CENTRAL_TRAIN
+from fleet.central import run as run_central
 from fleet.partition import SPLITS, Partition, digits5, from_directory, from_npz
+from fleet.protocols import PROTOCOLS, protocol_train
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
@@ -58,13 +61,9 @@ def add_common_options(
     clients: int,
     out: str,
     one_split: bool = True,
-    reference: bool = True,
 ) -> None:
     """The data, federation and output options. ``one_split=False`` hides ``--split`` from
-    the help of a command that sweeps several (it still parses, to be refused by name).
-    ``reference`` says whether the command runs methods with :data:`REFERENCE_TRAIN`; it
-    is kept in the parsed arguments, so the help and :func:`spec_for` cannot disagree."""
-    parser.set_defaults(reference_train=reference)
+    the help of a command that sweeps several (it still parses, to be refused by name)."""
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
@@ -90,17 +89,14 @@ def add_common_options(
     fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
     fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
     fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
-    # The classifier the example names is the one a user would switch to.
-    classifier, reference_note = (
-        ("linear", "; without classifier=..., solo and fedavg use classifier=bounded, as the "
-                   "paper's released code runs them (docs/fleet.md)")
-        if reference
-        else ("bounded", "")
-    )  # fmt: skip
+    fl.add_argument("--protocol", choices=list(PROTOCOLS), default="fair",
+                    help="fair (default): every method with a classifier has a plain linear "
+                         "one; paper: the bounded classifier of FedPCL's released code for "
+                         "every method that has one (docs/fleet.md)")  # fmt: skip
     fl.add_argument("--train-param", action=TrainParams, default={}, metavar="KEY=VALUE",
                     help="any other key of the agents' [train] table (edge-agent example-config) "
-                         "for every method, e.g. tau=0.2, fpl_tau=0.07, lr=1e-4, norm=group, "
-                         f"classifier={classifier}; repeatable{reference_note}")  # fmt: skip
+                         "for every method, over the protocol's settings, e.g. tau=0.2, "
+                         "fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
     fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),
                     help="backbone bundle; the zoo is built there if missing (default runs/zoo)")  # fmt: skip
     fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
@@ -218,20 +214,6 @@ def partition_for(args: argparse.Namespace, seed: int) -> Partition:
     return from_directory(args.data, image_size=args.image_size, seed=seed)
 
 
-#: A method's [train] settings as the code behind the paper's figures ran it, where they
-#: differ from the agents' defaults. FedPCL's released code trains and scores its two
-#: baselines, Solo and FedAvg, through one model whose classifier output goes through
-#: ReLU and L2 normalisation before the log-softmax: FedPCL Table 1's Solo and FedAvg are
-#: that classifier's figures, and a comparison that reproduces the table runs them so.
-#: FedProto, FPL and FedDBP keep the linear classifier of their own papers' code. A real
-#: device keeps the agent's default (linear), and so does ``edge-fleet privacy``, whose
-#: Solo stands for the best a device does on its own.
-REFERENCE_TRAIN: dict[str, dict[str, Any]] = {
-    "solo": {"classifier": "bounded"},
-    "fedavg": {"classifier": "bounded"},
-}
-
-
 def spec_for(
     args: argparse.Namespace,
     *,
@@ -243,10 +225,9 @@ def spec_for(
 ) -> RunSpec:
     """One run of a sweep from the shared options. Every run of a sweep shares one feature
     cache under ``--out``: the backbones see each image once, whatever the method. The
-    [train] table layers, each over the one before: the method's :data:`REFERENCE_TRAIN`
-    (for a command that runs them, see :func:`add_common_options`), ``--train-param``, and
-    the sweep's own settings (DP-SGD's GroupNorm)."""
-    base = REFERENCE_TRAIN.get(method, {}) if args.reference_train else {}
+    [train] table layers, each over the one before: what ``--protocol`` gives the method
+    (:mod:`fleet.protocols`), ``--train-param``, and the sweep's own settings (DP-SGD's GroupNorm)."""
+    base = protocol_train(args.protocol, method)
     extra["extra_train"] = {**base, **args.train_param, **extra.get("extra_train", {})}
     return RunSpec(
         method=method,
@@ -358,14 +339,20 @@ def _sweep(
         # The same partition for every method.
         partition = first if seed == seeds[0] else partition_for(args, seed)
         description = partition.description.replace(f", seed {seed}", "")
-        for method in methods:
+        # The methods, then the ceiling on the same partition and feature cache.
+        for method in [*methods, CENTRAL]:
+            central = method == CENTRAL
             spec = spec_for(args, method=method, bundle=bundle, seed=seed,
-                            out=sweep / f"{method}-seed{seed}")  # fmt: skip
-            result, resumed = run_or_resume(spec, partition, run=run_fleet)
-            results[method][seed] = result
-            final = report_mod.run_summary(result)["final_mean"]
+                            out=sweep / f"{method}-seed{seed}",
+                            **({"extra_train": CENTRAL_TRAIN} if central else {}))  # fmt: skip
+            result, resumed = run_or_resume(
+                spec, partition, run=run_central if central else run_fleet
+            )
+            results.setdefault(method, {})[seed] = result
+            summary = report_mod.run_summary(result)
             how = "read back" if resumed else f"{result.wall_seconds:.0f} s"
-            print(f"{method:>9} seed {seed}: final mean accuracy {final:.3f} ({how})",
+            print(f"{method:>9} seed {seed}: final mean accuracy {summary['final_mean']:.3f}, "
+                  f"best {summary['best_mean']:.3f} at round {summary['best_round']} ({how})",
                   file=sys.stderr, flush=True)  # fmt: skip
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("command", "log_format", "log_level")}  # fmt: skip

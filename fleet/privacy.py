@@ -26,7 +26,7 @@ from edge_agent.privacy.accounting import Plan, plan, plan_features
 from edge_agent.privacy.randomness import guarantee
 from fleet import commands
 from fleet.partition import Partition
-from fleet.report import run_summary, settings, to_json
+from fleet.report import arm_settings, protocol_line, run_summary, settings, to_json
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
 from protocol.cliutil import UsageError
@@ -60,11 +60,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    # Solo here is what a device keeps by not federating: the agents' own classifier, not
-    # the paper's baseline settings that compare runs.
-    commands.add_common_options(
-        parser, rounds=20, clients=5, out="runs/privacy", one_split=False, reference=False
-    )
+    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
     parser.set_defaults(transport="memory")
 
 
@@ -164,6 +160,7 @@ def _sweep(
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
     arm_train: dict[str, dict[str, Any]] = {}  # each arm's [train] settings beyond defaults
+    arm_full: dict[str, dict[str, Any]] = {}  # and everything that shaped it, in full
     arm_privacy: dict[str, dict[str, Any]] = {}  # each arm's [privacy] table and guarantee
     for split in splits:
         if args.data is None:
@@ -197,6 +194,7 @@ def _sweep(
                 )  # fmt: skip
                 result, _ = run_or_resume(spec, partition, run=run_fleet)
                 arm_train.setdefault(name, dict(spec.extra_train))
+                arm_full.setdefault(name, arm_settings(spec, protocol=args.protocol))
                 formal = privacy.get("mechanism") in FORMAL
                 arm_privacy.setdefault(name, {**privacy, "guarantee": guarantee(
                     formal=formal, reproducible=args.reproducible_noise)})  # fmt: skip
@@ -210,7 +208,8 @@ def _sweep(
     document = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                            if k not in ("command", "log_format", "log_level")},
                 "epsilons": epsilons, "delta": args.delta, "mechanisms": mechanisms,
-                "results": results, "train": arm_train, "privacy": arm_privacy,
+                "results": results, "train": arm_train, "settings": arm_full,
+                "privacy": arm_privacy,
                 "label_inference_tv": attacks}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(to_json(document))
@@ -262,10 +261,13 @@ def _label(split: str, document: dict[str, Any]) -> str:
 def markdown(document: dict[str, Any]) -> str:
     splits = list(document["results"])
     names = list(next(iter(document["results"].values())))
-    data = Path(document.get("config", {}).get("data") or "digits-5").name
+    config = document.get("config", {})
+    data = Path(config.get("data") or "digits-5").name
+    protocol = f"; {config['protocol']} protocol" if config.get("protocol") else ""
     lines = [
-        f"# Privacy on {data} (delta {document['delta']:g} for the whole run)",
+        f"# Privacy on {data} (delta {document['delta']:g} for the whole run{protocol})",
         "",
+        *([line, ""] if (line := protocol_line(config)) else []),
         "Final mean test accuracy (%) over the clients.",
         *_guarantee_lines(document),
         *([f"Settings: {line}."] if (line := settings(document.get("config", {}))) else []),

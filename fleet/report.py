@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.runner import RunResult
+from fleet.runner import RunResult, RunSpec
 
 
 def _mean(values: Sequence[float | None]) -> float:
@@ -34,6 +34,16 @@ def final_accuracy(result: RunResult, rule: str = "accuracy") -> dict[str, float
     return out
 
 
+def best_of(curve: Sequence[float | None]) -> tuple[float, int | None]:
+    """(best, its round) of a mean-accuracy-by-round curve; rounds counted from 1 (the
+    number of rounds done, as the plots' x axis), None for a curve with no figure."""
+    scored = [(v, r) for r, v in enumerate(curve, start=1) if v is not None and not math.isnan(v)]
+    if not scored:
+        return float("nan"), None
+    best = max(v for v, _ in scored)
+    return best, next(r for v, r in scored if v == best)  # the first round to reach it
+
+
 def run_summary(result: RunResult) -> dict[str, Any]:
     final = final_accuracy(result)
     per_domain: dict[str, list[float]] = {}
@@ -42,17 +52,21 @@ def run_summary(result: RunResult) -> dict[str, Any]:
     answered = [
         (u, d) for c in result.clients for u, d in zip(c.bytes_up, c.bytes_down, strict=True) if u
     ]
+    by_round = [_mean([c.accuracy[r] for c in result.clients]) for r in range(result.spec.rounds)]
+    best, best_round = best_of(by_round)
     return {
         "accuracy": {c.name: list(c.accuracy) for c in result.clients},
         "final": final,
         "final_mean": _mean(list(final.values())),
+        # The round whose mean over clients is highest: read as the papers' best-round
+        # figures are, and optimistic as they are (the round is chosen on the test splits).
+        "best_mean": best,
+        "best_round": best_round,
         "final_mean_prototype": _mean(list(final_accuracy(result, "accuracy_prototype").values())),
         "final_mean_classifier": _mean(
             list(final_accuracy(result, "accuracy_classifier").values())
         ),
-        "mean_by_round": [
-            _mean([c.accuracy[r] for c in result.clients]) for r in range(result.spec.rounds)
-        ],
+        "mean_by_round": by_round,
         "per_domain": {d: _mean(v) for d, v in per_domain.items()},
         "bytes_up": {c.name: list(c.bytes_up) for c in result.clients},
         "bytes_down": {c.name: list(c.bytes_down) for c in result.clients},
@@ -68,16 +82,22 @@ def run_summary(result: RunResult) -> dict[str, Any]:
 def build_report(
     results: dict[str, dict[int, RunResult]], *, config: dict[str, Any], partition: str
 ) -> dict[str, Any]:
-    """``results[method][seed]`` -> the report.json document."""
+    """``results[method][seed]`` -> the report.json document. A ``central`` entry is the
+    comparison's ceiling (fleet.central)."""
     methods: dict[str, Any] = {}
     for method, by_seed in results.items():
         runs = {str(seed): run_summary(r) for seed, r in sorted(by_seed.items())}
         finals = [runs[s]["final_mean"] for s in runs]
+        bests = [runs[s]["best_mean"] for s in runs]
         domains = sorted({d for r in runs.values() for d in r["per_domain"]})
+        spec = next(iter(by_seed.values())).spec
         methods[method] = {
             "runs": runs,
             "final_mean": _mean(finals),
             "final_std": _std(finals),
+            "best_mean": _mean(bests),
+            "best_std": _std(bests),
+            "best_round": {s: runs[s]["best_round"] for s in runs},  # per seed
             "final_mean_prototype": _mean([runs[s]["final_mean_prototype"] for s in runs]),
             "final_mean_classifier": _mean([runs[s]["final_mean_classifier"] for s in runs]),
             "per_domain": {
@@ -98,10 +118,36 @@ def build_report(
             ),
             "peak_mb": max(r["peak_mb"] for r in runs.values()),
             # The [train] settings the method ran with beyond the agents' defaults: what
-            # --train-param and the sweep's reference settings made of them.
-            "train": dict(next(iter(by_seed.values())).spec.extra_train),
+            # the protocol, --train-param and the sweep's own settings made of them.
+            "train": dict(spec.extra_train),
+            # Everything that shaped the arm, in full.
+            "settings": arm_settings(spec, protocol=config.get("protocol")),
         }
     return {"config": config, "partition": partition, "methods": methods}
+
+
+def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
+    """One arm's full settings: protocol, every [train] key (defaults included), how it
+    predicts, rounds, transport and privacy."""
+    from edge_agent.train_config import TrainConfig
+    from fleet.central import CENTRAL
+    from fleet.runner import train_table
+    from protocol.settings import build
+
+    if spec.method == CENTRAL:
+        inference = "classifier (one head on every client's training data pooled)"
+    else:
+        from edge_agent.inference import rule_of  # numpy only
+
+        inference = rule_of(spec.method).rule
+    return {
+        "protocol": protocol,
+        "train": asdict(build(TrainConfig, train_table(spec), prefix="train.")),
+        "inference": inference,
+        "rounds": spec.rounds,
+        "transport": spec.transport,
+        "privacy": dict(spec.privacy) or {"mechanism": "none"},
+    }
 
 
 def _cell(mean: float, std: float, *, with_std: bool = True) -> str:
@@ -164,36 +210,62 @@ def train_note(config: dict[str, Any], train: dict[str, dict[str, Any]] | None =
     return "train: " + ", ".join(parts) if parts else ""
 
 
-#: Said under a report's settings when a method ran with the bounded classifier.
-BOUNDED_NOTE = (
-    "classifier=bounded: the classifier's outputs pass through ReLU and L2 normalisation "
-    "before the softmax, as in the code behind FedPCL's published Solo and FedAvg figures; "
-    "`--train-param classifier=linear` runs every method with a plain linear classifier."
-)
+def _best_cell(m: dict[str, Any], *, with_std: bool) -> str:
+    """'74.1 (0.6) @ 14-20': best-round mean (std) over seeds and the rounds they peaked."""
+    rounds = sorted(r for r in (m.get("best_round") or {}).values() if r is not None)
+    if not rounds:
+        return _cell(m.get("best_mean", math.nan), 0.0, with_std=False)
+    at = str(rounds[0]) if rounds[0] == rounds[-1] else f"{rounds[0]}-{rounds[-1]}"
+    return f"{_cell(m['best_mean'], m['best_std'], with_std=with_std)} @ {at}"
+
+
+def protocol_line(config: dict[str, Any]) -> str:
+    """'Fair protocol: every method ...' for a report made under a --protocol, or ''."""
+    from fleet.protocols import PROTOCOLS
+
+    chosen = PROTOCOLS.get(config.get("protocol") or "")
+    return chosen.summary[0].upper() + chosen.summary[1:] + "." if chosen else ""
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds."""
-    methods = report["methods"]
-    domains = sorted({d for m in methods.values() for d in m["per_domain"]})
-    seeds = _seeds(methods)
-    train = method_train(report)
-    bounded = any(t.get("classifier") == "bounded" for t in (train or {}).values())
-    head = ["method", *domains, "mean"]
+    """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds,
+    then the final and best-round means; the ceiling (central) last."""
+    from fleet.central import CENTRAL
+
+    everything = report["methods"]
+    methods = {k: v for k, v in everything.items() if k != CENTRAL}
+    domains = sorted({d for m in everything.values() for d in m["per_domain"]})
+    seeds = _seeds(everything)
+    config = report.get("config", {})
+    train = method_train({"methods": methods})
+    head = ["method", *domains, "final", "best (round)"]
     several = len(seeds) > 1
     over = f"mean (std) over seeds {', '.join(seeds)}" if several else f"seed {seeds[0]}"
+    protocol = config.get("protocol")
     lines = [
-        f"# Fleet report: {report['partition']}",
+        f"# Fleet report, {protocol} protocol: {report['partition']}"
+        if protocol
+        else f"# Fleet report: {report['partition']}",
         "",
-        f"Final test accuracy (%) of each client on its own test split, {over}; a "
-        "domain's cell averages its clients.",
-        *([f"Settings: {line}."] if (line := settings(report.get("config", {}), train)) else []),
-        *([BOUNDED_NOTE] if bounded else []),
+        *([line, ""] if (line := protocol_line(config)) else []),
+        f"Test accuracy (%) of each client on its own test split, {over}: by domain and "
+        "overall after the last round (final), and the best round's overall mean with the "
+        "round(s) it came in (best; chosen on the test splits, so optimistic, as papers' "
+        "best-round figures are).",
+        *([f"Settings: {line}."] if (line := settings(config, train)) else []),
+        *(
+            [
+                f"{CENTRAL} is the ceiling: one linear head trained on every client's "
+                "training data pooled, same head, optimiser and epochs; solo is the floor."
+            ]
+            if CENTRAL in everything
+            else []
+        ),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
     ]
-    for name, m in methods.items():
+    for name, m in everything.items():
         cells = [
             _cell(
                 m["per_domain"].get(d, math.nan), m["per_domain_std"].get(d, 0.0), with_std=several
@@ -201,15 +273,17 @@ def markdown(report: dict[str, Any]) -> str:
             for d in domains
         ]
         cells.append(_cell(m["final_mean"], m["final_std"], with_std=several))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        cells.append(_best_cell(m, with_std=several))
+        label = f"{name} (ceiling)" if name == CENTRAL else name
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Every method by both inference rules on each device's own trained head "
-        f"({'mean over seeds' if several else f'seed {seeds[0]}'}, %).",
-        f"The table above uses each method's own rule: {_rules(methods)}.",
-        *_no_classifier(methods),
+        "Every method by both device-side rules on each device's own trained head "
+        f"({'mean over seeds' if several else f'seed {seeds[0]}'}, final round, %).",
+        f"The table above uses each method's own rule: {_rules(list(methods))}.",
+        *_no_classifier(list(methods)),
         "",
-        "| method | nearest local prototype | classifier |",
+        "| method | cosine to local prototypes | classifier |",
         "|---|---:|---:|",
     ]
     for name, m in methods.items():
@@ -247,25 +321,24 @@ def write(
 
 
 def _rules(methods: Sequence[str]) -> str:
-    """'fedproto and fedpcl by the nearest local prototype; ...' for the methods shown."""
-    from edge_agent.agent import INFERENCE  # torch: only when a report is written
+    """'fedpcl by cosine similarity to its local prototypes; ...' for the methods shown,
+    those that share a rule named together."""
+    from edge_agent.inference import METHOD_RULES
 
-    rule_of = {m: INFERENCE.get(m, "classifier") for m in methods}
-    names = {"prototype": "the nearest local prototype", "global": "the round's global model",
-             "decision": "its decision branch's nearest global prototype",
-             "classifier": "the classifier"}  # fmt: skip
+    by_text: dict[str, list[str]] = {}
+    for m in methods:
+        rule = METHOD_RULES.get(m)
+        by_text.setdefault(rule.summary if rule else "its classifier", []).append(m)
     parts = []
-    for rule, text in names.items():
-        users = [m for m in methods if rule_of[m] == rule]
-        if users:
-            who = " and ".join([", ".join(users[:-1]), users[-1]] if len(users) > 1 else users)
-            parts.append(f"{who} by {text}")
+    for text, users in by_text.items():
+        who = " and ".join([", ".join(users[:-1]), users[-1]] if len(users) > 1 else users)
+        parts.append(f"{who} by {text}")
     return "; ".join(parts)
 
 
 def _no_classifier(methods: Sequence[str]) -> list[str]:
     """The note for the methods that train no classifier, if any is shown."""
-    from edge_agent.train import CLASSIFIER_FREE  # torch: only when a report is written
+    from edge_agent.train_config import CLASSIFIER_FREE
 
     free = [m for m in methods if m in CLASSIFIER_FREE]
     return (
@@ -306,10 +379,30 @@ def pyplot() -> Any:
     return plt
 
 
+def _title(report: dict[str, Any], text: str) -> str:
+    config = report.get("config", {})
+    from fleet.central import CENTRAL
+
+    note = train_note(
+        config, method_train({"methods": {k: v for k, v in report["methods"].items()
+                                          if k != CENTRAL}})
+    )  # fmt: skip
+    protocol = f"{config['protocol']} protocol; " if config.get("protocol") else ""
+    return protocol + text + (f"; {note}" if note else "")
+
+
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
+    """Each method's mean accuracy by round (band: std over seeds); the ceiling (central)
+    and the floor (solo's final) as horizontal lines."""
+    from fleet.central import CENTRAL
+
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, m in report["methods"].items():
+        if name == CENTRAL:
+            ax.axhline(100 * m["final_mean"], color="black", linestyle="--", linewidth=1.2,
+                       label=f"{CENTRAL}: pooled data (ceiling)")  # fmt: skip
+            continue
         runs = list(m["runs"].values())
         curves = np.array([r["mean_by_round"] for r in runs], dtype=float) * 100
         mean = np.nanmean(curves, axis=0)
@@ -318,10 +411,12 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
         if len(runs) > 1:
             std = np.nanstd(curves, axis=0)
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+        if name == "solo":
+            ax.axhline(100 * m["final_mean"], color=line.get_color(), linestyle=":",
+                       linewidth=1.2, label="solo final (floor)")  # fmt: skip
     ax.set_xlabel("round")
     ax.set_ylabel("mean client test accuracy (%)")
-    note = train_note(report.get("config", {}), method_train(report))
-    ax.set_title(report["partition"] + (f"; {note}" if note else ""), fontsize=9)
+    ax.set_title(_title(report, report["partition"]), fontsize=9)
     return finish(plt, fig, ax, path)
 
 
@@ -336,6 +431,8 @@ def finish(plt: Any, fig: Any, ax: Any, path: Path, *, legend_size: int = 8) -> 
 
 
 def plot_domains(report: dict[str, Any], path: Path) -> Path:
+    from fleet.central import CENTRAL
+
     plt = pyplot()
     methods = report["methods"]
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
@@ -343,21 +440,26 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
         domains = []
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * (len(domains) + 1) + 2), 4.2), dpi=120)
     groups = [*domains, "mean"]
-    width = 0.8 / max(1, len(methods))
+    bars = {k: v for k, v in methods.items() if k != CENTRAL}
+    width = 0.8 / max(1, len(bars))
     x = np.arange(len(groups))
     seeds = _seeds(methods)
     several = len(seeds) > 1  # one seed has no spread: no error bars that are always 0
-    for i, (name, m) in enumerate(methods.items()):
+    for i, (name, m) in enumerate(bars.items()):
         values = [m["per_domain"].get(d, math.nan) for d in domains] + [m["final_mean"]]
         errors = [m["per_domain_std"].get(d, 0.0) for d in domains] + [m["final_std"]]
         ax.bar(x + i * width - 0.4 + width / 2, np.array(values) * 100, width,
                yerr=np.array(errors) * 100 if several else None, capsize=2, label=name)  # fmt: skip
+    if CENTRAL in methods:  # the ceiling of each group as a line across its bars
+        m = methods[CENTRAL]
+        values = [m["per_domain"].get(d, math.nan) for d in domains] + [m["final_mean"]]
+        ax.hlines(np.array(values) * 100, x - 0.42, x + 0.42, colors="black",
+                  linestyles="--", linewidth=1.2, label=f"{CENTRAL} (ceiling)")  # fmt: skip
     ax.set_xticks(x, groups)
     ax.set_ylabel("final test accuracy (%)")
     ax.set_ylim(0, 100)
     over = "mean over seeds, bars: std" if several else f"seed {seeds[0]}"
-    note = train_note(report.get("config", {}), method_train(report))
-    ax.set_title(f"final accuracy per domain ({over})" + (f"; {note}" if note else ""), fontsize=9)
+    ax.set_title(_title(report, f"final accuracy per domain ({over})"), fontsize=9)
     return finish(plt, fig, ax, path)
 
 

@@ -94,7 +94,7 @@ class ClientRecord:
     name: str
     domain: str
     accuracy: tuple[float | None, ...]  # per round, by the method's own inference rule
-    accuracy_prototype: tuple[float | None, ...]  # per round, nearest local prototype
+    accuracy_prototype: tuple[float | None, ...]  # per round, cosine to local prototypes
     accuracy_classifier: tuple[float | None, ...]  # per round, the linear classifier
     bytes_up: tuple[int, ...]
     bytes_down: tuple[int, ...]

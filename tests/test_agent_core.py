@@ -338,7 +338,12 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
         by_round = {h["round"]: h for h in agent.state.snapshot.history}
         for round_, weights in ((0, first), (1, second)):
             assert by_round[round_]["test_accuracy"] == global_accuracy(agent, weights)
-            assert by_round[round_]["test_accuracy_global"] == by_round[round_]["test_accuracy"]
+        # The device keeps the last global model: `edge-agent predict` uses what was scored.
+        kept = LocalModel(in_dim=agent.runtime.feature_dim, num_classes=10, cfg=agent.cfg.train)
+        assert agent.state.load_model(kept)
+        for name, value in kept.state_dict().items():
+            if name in second:
+                np.testing.assert_array_equal(value.numpy(), second[name])
     # The test can tell the models apart: averaging two domains' heads gives other
     # scores than either device's locally trained copy.
     assert any(
@@ -351,7 +356,8 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
     small_zoo, tmp_path
 ):
     """FedDBP 3.1: prototype-based inference on the decision branch's features, against
-    the personalised global prototypes the coordinator sent this client."""
+    the personalised global prototypes the coordinator sent this client; scored when they
+    arrive, under the round whose prototypes built them."""
     import torch
 
     cfg = agent_config(tmp_path / "d", small_zoo, agent_id="dev-d", domain="clean",
@@ -360,8 +366,14 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
     agent = Agent(cfg)
     first = agent.handle(announcement(agent.bundle_id, 0, method="feddbp"))
     assert first.payload is not None
-    assert agent.state.snapshot.history[-1]["test_accuracy"] is None  # no prototypes yet
+    assert agent.state.snapshot.history[-1]["test_accuracy"] is None  # not known yet
     update = PrototypeUpdate.from_wire(first.payload)
+    assert agent.test_features is not None and agent.test_labels is not None
+    assert agent.model.decision is not None
+    labels = agent.test_labels
+    with torch.no_grad():  # the decision branch as round 0 left it
+        agent.model.eval()
+        z_d = agent.model.decision(torch.from_numpy(np.array(agent.test_features))).numpy()
     # This client's personalised set is its own prototypes; the plain global set is
     # another set of the same vectors (the classes rolled by one).
     personal = update.prototypes.astype(np.float32)
@@ -370,18 +382,16 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
         announcement(agent.bundle_id, 1, method="feddbp", global_classes=update.classes,
                      global_prototypes=shared, client_globals={"dev-d": personal})
     )  # fmt: skip
-    record = agent.state.snapshot.history[-1]
-    assert agent.test_features is not None and agent.test_labels is not None
-    assert agent.model.decision is not None
-    labels = agent.test_labels
-    with torch.no_grad():
-        agent.model.eval()
-        z_d = agent.model.decision(torch.from_numpy(np.array(agent.test_features))).numpy()
+    by_round = {h["round"]: h for h in agent.state.snapshot.history}
 
     def nearest(protos: np.ndarray) -> float:  # the paper's Euclidean distance, normalised
         unit = protos / np.linalg.norm(protos, axis=1, keepdims=True)
         dist = ((z_d[:, None, :] - unit[None]) ** 2).sum(axis=2)
         return float(np.mean(np.asarray(update.classes)[dist.argmin(1)] == labels))
 
-    assert record["test_accuracy"] == pytest.approx(nearest(personal))
+    assert by_round[0]["test_accuracy"] == pytest.approx(nearest(personal))
     assert nearest(personal) != nearest(shared)  # the test tells the two sets apart
+    assert by_round[1]["test_accuracy"] is None  # until round 2 brings its prototypes
+    stored = agent.state.load_globals()
+    assert stored is not None
+    np.testing.assert_array_equal(stored[0][list(update.classes)], personal)

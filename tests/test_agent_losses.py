@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from edge_agent import losses
-from edge_agent.head import ProjectionHead, local_prototypes, predict
+from edge_agent.head import ProjectionHead, local_prototypes
 
 Z = torch.tensor([[1.0, 0.0]])
 Y = torch.tensor([0])
@@ -84,13 +84,6 @@ def test_local_prototypes_and_counts():
     protos, counts = local_prototypes(z, torch.tensor([0, 1, 0]), 3)
     torch.testing.assert_close(protos, torch.tensor([[0.75, 0.0], [0.0, 1.0], [0.0, 0.0]]))
     torch.testing.assert_close(counts, torch.tensor([2.0, 1.0, 0.0]))
-
-
-def test_prediction_ignores_absent_classes():
-    z = torch.tensor([[0.0, 1.0], [-1.0, 0.0]])
-    classes, scores = predict(z, PROTOS, torch.tensor([True, False, True]))
-    assert classes.tolist() == [0, 2]  # class 1 would win the first sample but is absent
-    assert scores.tolist() == [0.0, 1.0]
 
 
 def test_head_outputs_unit_norm_embeddings():

@@ -258,20 +258,24 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     for path in configs:
         train = load_agent_config(path).train
         assert (train.tau, train.lr, train.out_dim) == (0.2, 2e-3, 32)
-        # Solo as the paper's released code runs it; FedPCL has no classifier to change.
-        method = path.parents[2].name.split("-")[0]
-        assert train.classifier == {"solo": "bounded", "fedpcl": "linear"}[method]
+        assert train.classifier == "linear"  # the fair protocol, every method
     assert "| solo |" in result.stdout and "| fedpcl |" in result.stdout
+    assert "| central (ceiling) |" in result.stdout
     for name in ("report.json", "report.md", "accuracy_vs_round.png", "backbone_contribution.png"):
         assert (tmp_path / name).exists()
         assert str(tmp_path / name) in result.stdout
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report["methods"]) == {"solo", "fedpcl"}
-    assert report["config"]["transport"] == "mqtt"
+    assert set(report["methods"]) == {"solo", "fedpcl", "central"}
+    assert report["config"]["transport"] == "mqtt" and report["config"]["protocol"] == "fair"
     assert report["config"]["train_param"] == {"tau": 0.2, "lr": 2e-3}
-    assert report["methods"]["solo"]["train"] == {"classifier": "bounded", "tau": 0.2, "lr": 2e-3}
+    assert report["methods"]["solo"]["train"] == {"tau": 0.2, "lr": 2e-3}
+    for method in ("solo", "fedpcl", "central"):
+        m = report["methods"][method]
+        assert 0 <= m["final_mean"] <= 1 and m["final_mean"] <= m["best_mean"] <= 1
+        assert m["settings"]["train"]["classifier"] == "linear"
     table = (tmp_path / "report.md").read_text()
-    assert "train: lr=0.002, tau=0.2, classifier=bounded for solo." in table
+    assert table.startswith("# Fleet report, fair protocol: ")
+    assert "train: lr=0.002, tau=0.2." in table
 
 
 @pytest.fixture

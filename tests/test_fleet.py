@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from edge_agent.config import load as load_agent_config
-from edge_agent.head import predict
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel, embed
 from export.runtime import BackboneRuntime
@@ -29,7 +28,6 @@ from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
 from fleet.broker import MosquittoBroker, free_port
 from fleet.report import (
-    BOUNDED_NOTE,
     build_report,
     markdown,
     plot_domains,
@@ -216,31 +214,42 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
     assert m["per_domain"] == pytest.approx({"clean": 0.7, "photo": 0.5})
     assert m["mean_by_round"] == pytest.approx([0.45, 0.6])
     assert m["bytes_up_per_client_round"] == 100
+    # Best rounds: seed 0's mean by round is (0.45, 0.7), seed 1's (0.45, 0.5): both at 2.
+    assert m["best_mean"] == pytest.approx(0.6) and m["best_std"] == pytest.approx(0.1)
+    assert m["best_round"] == {"0": 2, "1": 2}
+    assert doc["methods"]["fedpcl"]["runs"]["0"]["best_round"] == 2
     table = markdown(doc)
-    assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) |" in table
-    assert "own rule: fedpcl by the nearest local prototype." in table
+    assert "| method | clean | photo | final | best (round) |" in table
+    assert "| fedpcl | 70.0 (10.0) | 50.0 (10.0) | 60.0 (10.0) | 60.0 (10.0) @ 2 |" in table
+    assert "own rule: fedpcl by cosine similarity to its local prototypes." in table
     both = {m: results["fedpcl"] for m in ("solo", "fedproto", "fedavg", "fpl", "feddbp")}
     other = markdown(build_report(both, config={}, partition="toy"))
     assert (
-        "own rule: fedproto by the nearest local prototype; fedavg and fpl by the round's"
-        " global model; feddbp by its decision branch's nearest global prototype; solo by the"
-        " classifier." in other
+        "own rule: solo by its classifier; fedproto by Euclidean distance to the global "
+        "prototypes; fedavg and fpl by the round's global model; feddbp by its decision "
+        "branch's distance to its personalised global prototypes." in other
     )
     assert "no classifier is trained" in table and "no classifier is trained" not in other
-    assert "(mean over seeds, %)" in table
+    assert "(mean over seeds, final round, %)" in table
     one = markdown(build_report({"fedpcl": {0: results["fedpcl"][0]}}, config={}, partition="t"))
-    assert "seed 0; a domain's cell" in one and "(seed 0, %)" in one and "mean over" not in one
+    assert "seed 0: by domain" in one and "(seed 0, final round, %)" in one
+    assert "mean over" not in one and "| 70.0 @ 2 |" in one
     assert "Settings:" not in table  # no configuration given, nothing to state
+    assert table.startswith("# Fleet report: toy\n")  # no protocol given, none stated
     assert m["train"] == {}
-    config = {"rounds": 2, "epochs": 3, "out_dim": 32, "transport": "memory"}
+    config = {"rounds": 2, "epochs": 3, "out_dim": 32, "transport": "memory", "protocol": "paper"}
     trained = {"tau": 0.2, "classifier": "bounded"}
     same = {"fedpcl": {s: fake_result(tmp_path, "fedpcl", s, [[0.5]], trained) for s in (0, 1)}}
     stated = markdown(build_report(same, config=config, partition="toy"))
+    # The protocol in the first line, what it means in the next paragraph.
+    assert stated.startswith("# Fleet report, paper protocol: toy\n\nPaper protocol: every ")
     assert (
         "Settings: 2 rounds, 3 local epochs per round, head output 32, memory transport, "
         "train: classifier=bounded, tau=0.2." in stated
     )
-    assert BOUNDED_NOTE in stated
+    settings = build_report(same, config=config, partition="toy")["methods"]["fedpcl"]["settings"]
+    assert settings["protocol"] == "paper" and settings["inference"] == "local_prototype_cosine"
+    assert settings["train"]["classifier"] == "bounded" and settings["train"]["lr"] == 1e-3
     # Settings some methods had and others not are named with their methods.
     mixed = {
         method: {0: fake_result(tmp_path, method, 0, [[0.5]], {"tau": 0.2, **extra})}
@@ -254,13 +263,22 @@ def test_report_means_stds_and_table(tmp_path: Path) -> None:
         "train: tau=0.2, classifier=bounded for solo and fedavg, lr=0.002 for fedavg."
         in markdown(doc_mixed)
     )
-    assert BOUNDED_NOTE not in markdown(build_report(results, config=config, partition="toy"))
+    # The ceiling: a row of its own, last, and no traffic or device-rule row.
+    with_central = {**results, "central": {0: fake_result(tmp_path, "central", 0, [[0.9, 0.95]]),
+                                           1: fake_result(tmp_path, "central", 1, [[0.9, 0.85]])}}  # fmt: skip
+    ceiling = markdown(build_report(with_central, config={}, partition="toy"))
+    rows = [line for line in ceiling.splitlines() if line.startswith("| ")]
+    # Seed 0 peaks at round 2 (0.95), seed 1 at round 1 (0.9).
+    assert rows[2] == "| central (ceiling) | 90.0 (5.0) | - | 90.0 (5.0) | 92.5 (2.5) @ 1-2 |"
+    assert ceiling.count("| central") == 1 and "is the ceiling" in ceiling
     # A report with no per-method record (a privacy sweep) states its --train-param.
     assert train_note({"train_param": {"tau": 0.2}}, None) == "train: tau=0.2"
     assert train_note({"train_param": {"tau": 0.2}}, {}) == "train: tau=0.2"
     assert train_note({}, None) == ""
-    # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed).
-    png = plot_domains(doc, tmp_path / "domains.png").read_bytes()
+    # Two seeds: the per-domain plot draws their spread (the fleet test draws one seed),
+    # and the ceiling as a line.
+    png = plot_domains(build_report(with_central, config={}, partition="toy"),
+                       tmp_path / "domains.png").read_bytes()  # fmt: skip
     assert png.startswith(PNG) and len(png) > 5_000
 
     # Figures that do not exist are null: NaN is not JSON, also inside a dataclass.
@@ -284,9 +302,7 @@ def test_small_helpers() -> None:
     assert text == 'a = 1\nb = "x\\"y"\n[t]\nc = [1.5, 2]\nd = true\n'
 
 
-def test_compare_runs_solo_and_fedavg_as_the_papers_code_and_train_param_wins(
-    tmp_path: Path,
-) -> None:
+def test_the_protocol_sets_every_classifier_alike_and_train_param_wins(tmp_path: Path) -> None:
     from fleet.cli import build_parser
     from fleet.commands import spec_for
 
@@ -298,22 +314,28 @@ def test_compare_runs_solo_and_fedavg_as_the_papers_code_and_train_param_wins(
         spec = spec_for(args, method=method, bundle=tmp_path, seed=0, out=tmp_path, **kwargs)
         return spec.extra_train
 
-    for method in ("solo", "fedavg"):
-        assert train_of([], method) == {"classifier": "bounded"}
-    for method in ("fedpcl", "fedproto", "fpl", "feddbp"):
-        assert train_of([], method) == {}
-    # --train-param is every method's and wins over the reference settings.
-    given = ["--train-param", "classifier=linear", "--train-param", "tau=0.2"]
+    with_classifier = ("solo", "fedavg", "fedproto", "fpl", "feddbp")
+    for command in ("compare", "run", "demo", "privacy"):
+        # The fair default: the agents' own (linear) classifier for every method.
+        for method in (*with_classifier, "fedpcl"):
+            assert train_of([], method, command) == {}
+        # The paper's protocol: its released code's classifier for every method that has
+        # one, never for some baselines alone; FedPCL has none.
+        paper = ["--protocol", "paper"]
+        for method in with_classifier:
+            assert train_of(paper, method, command) == {"classifier": "bounded"}
+        assert train_of(paper, "fedpcl", command) == {}
+    # --train-param is every method's and wins over the protocol's settings.
+    given = ["--protocol", "paper", "--train-param", "classifier=linear", "--train-param",
+             "tau=0.2"]  # fmt: skip
     assert train_of(given, "solo") == {"classifier": "linear", "tau": 0.2}
     assert train_of(given, "fedpcl") == {"classifier": "linear", "tau": 0.2}
-    assert train_of(["--train-param", "tau=0.2"], "fedavg") == {"classifier": "bounded", "tau": 0.2}
-    for command in ("run", "demo"):
-        assert train_of([], "solo", command) == {"classifier": "bounded"}
-    # The privacy sweep keeps the agents' own defaults; its own settings win over
-    # --train-param.
-    assert train_of([], "solo", "privacy") == {}
+    assert train_of(["--train-param", "tau=0.2"], "fedavg") == {"tau": 0.2}
+    # A sweep's own settings win over --train-param.
     assert train_of(["--train-param", "norm=batch"], "fedpcl", "privacy",
                     extra_train={"norm": "group"}) == {"norm": "group"}  # fmt: skip
+    with pytest.raises(SystemExit):  # argparse's usage error: not a protocol
+        build_parser().parse_args(["compare", "--protocol", "reference"])
 
 
 # -- whole fleets ----------------------------------------------------------------------------
@@ -334,8 +356,10 @@ def independent_accuracy(client_dir: Path) -> float:
         x = data["x"].astype(np.float32) / 255
         y = data["y"]
     z, _ = embed(model, runtime.extract(x))
-    pred, _ = predict(torch.from_numpy(z), torch.from_numpy(protos), torch.from_numpy(counts > 0))
-    return float((pred.numpy() == y).mean())
+    # FedPCL's rule, computed here by hand: cosine similarity to the local prototypes.
+    unit = protos / np.maximum(np.linalg.norm(protos, axis=1, keepdims=True), 1e-12)
+    scores = np.where(counts[None] > 0, z @ unit.T, -np.inf)
+    return float((scores.argmax(1) == y).mean())
 
 
 @pytest.mark.broker
@@ -599,11 +623,14 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     table = (tmp_path / "report.md").read_text()
     assert "| fedpcl dp eps=8 |" in table
     assert "Settings: 2 rounds, 1 local epoch per round, head output 32, memory transport." in table
-    # Solo here is what a device keeps on its own: the agents' classifier, not the paper's
-    # baseline protocol that compare runs (classifier=bounded).
+    # The fair protocol's Solo: the agents' own classifier; each arm's settings in full.
     assert report["train"]["solo (no privacy)"] == {}
     assert report["train"]["fedpcl dp eps=8"] == {"norm": "group"}
     assert report["train"]["fedpcl dp-features eps=8"] == {}
+    arm = report["settings"]["fedpcl dp eps=8"]
+    assert arm["protocol"] == "fair" and arm["train"]["norm"] == "group"
+    assert arm["privacy"]["mechanism"] == "dp" and arm["privacy"]["epsilon"] == 8.0
+    assert table.startswith("# Privacy on digits-5 (delta 1e-05 for the whole run; fair protocol)")
 
 
 def test_a_privacy_report_marks_reproducible_noise_as_no_guarantee() -> None:
@@ -754,3 +781,38 @@ def test_a_sweep_in_this_process_lets_go_of_its_out_folder_when_it_ends(
     assert cmd_run(build_parser().parse_args(argv)) == 0  # not main(): it sets up logging
     assert "report.json" in capsys.readouterr().out
     assert (out / ".lock").exists() and holder(out / ".lock") is None
+
+
+@pytest.mark.slow
+def test_a_device_predicts_exactly_as_the_fleet_scored_it_for_every_method(
+    small_zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`edge-agent predict` on a device's state after the last round gives, image by
+    image, the predictions whose accuracy the simulation recorded as the device's final
+    figure: the same rule through the same function, on what the device keeps."""
+    from edge_agent.cli import build_parser as agent_parser
+    from edge_agent.cli import cmd_predict
+    from edge_agent.train_config import METHODS
+
+    partition = part.digits5(clients=2, split="feature", seed=1, train=40, test=30)
+    for method in METHODS:
+        spec = RunSpec(method=method, rounds=3, bundle=small_zoo, out=tmp_path / method,
+                       transport="memory", out_dim=32, progress=False,
+                       feature_cache=tmp_path / "cache")  # fmt: skip
+        result = run(spec, partition)
+        for record in result.clients:
+            client = spec.out / "clients" / record.name
+            test = client / "data" / "test.npz"
+            args = agent_parser().parse_args(
+                ["predict", "--config", str(client / "agent.toml"), str(test)]
+            )
+            capsys.readouterr()
+            assert cmd_predict(args) == 0
+            rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+            with np.load(test) as data:
+                labels = data["y"]
+            predicted = np.array([int(r["class"]) for r in rows])  # classes "0".."9"
+            assert len(predicted) == len(labels) == 30
+            final = record.accuracy[-1]
+            assert final is not None, method
+            assert float((predicted == labels).mean()) == final, (method, record.name)

@@ -493,7 +493,9 @@ def test_dp_features_trains_alone_when_no_anchor_helps(small_zoo: Path, tmp_path
     record, alone = agent.state.snapshot.history[-1], solo.state.snapshot.history[-1]
     assert record["anchor_weight"] == 0.0
     # The rule (classifier or own prototypes) is the device's choice on its validation split.
-    assert record["test_accuracy"] == alone[f"test_accuracy_{record['predict_rule']}"]
+    figure = {"classifier": "test_accuracy_classifier",
+              "local_prototype_cosine": "test_accuracy_prototype"}[record["predict_rule"]]  # fmt: skip
+    assert record["test_accuracy"] == alone[figure]
     assert agent.predictor is agent.model
     for a, b in zip(agent.model.parameters(), solo.model.parameters(), strict=True):
         assert torch.equal(a, b)

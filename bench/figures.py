@@ -1,0 +1,289 @@
+"""The figures of README.md and docs/, generated from the committed results files.
+
+A generated block in a Markdown file sits between ``<!-- figures:NAME -->`` and
+``<!-- /figures:NAME -->``; :data:`BLOCKS` holds one generator per NAME, reading
+bench/results.json (``make bench``) and bench/accuracy.json (``make bench-accuracy``).
+``make figures`` rewrites every block; ``--check`` only says which differ (a test runs
+it). A figure whose section was not measured in the file's run says so: nothing is
+carried over from older runs or typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FILES = (ROOT / "README.md", ROOT / "docs" / "fleet.md")
+SOURCES = (HERE / "results.json", HERE / "accuracy.json")
+BLOCK = re.compile(
+    r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S
+)
+
+
+@dataclass(frozen=True)
+class Results:
+    """Every measured key, with the section (and so the run) it comes from."""
+
+    values: dict[str, float]
+    section_of: dict[str, str]
+    sections: dict[str, dict[str, Any]]
+
+    @classmethod
+    def load(cls, paths: tuple[Path, ...] = SOURCES) -> Results:
+        values: dict[str, float] = {}
+        section_of: dict[str, str] = {}
+        sections: dict[str, dict[str, Any]] = {}
+        for path in paths:
+            if not path.exists():
+                continue
+            document = json.loads(path.read_text())
+            for name, section in document.get("sections", {}).items():
+                sections[name] = section
+                for key, value in section["results"].items():
+                    values[key] = value
+                    section_of[key] = name
+        return cls(values, section_of, sections)
+
+    def get(self, key: str) -> float | None:
+        return self.values.get(key)
+
+    def provenance(self, section: str) -> str:
+        """'2026-11-25, commit 1a2b3c4d5e6f, 2 cores (AMD EPYC)' or 'not measured'."""
+        s = self.sections.get(section)
+        if s is None:
+            return "not measured"
+        m = s["machine"]
+        return f"{s['date'][:10]}, commit {s['commit']}, {m['cores']} cores ({m['cpu']})"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+
+
+# -- accuracy ---------------------------------------------------------------------------------
+
+METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp", "central")
+SETTING_NAMES = {"feature": "feature shift", "label": "label shift (alpha 0.5)",
+                 "feature-label": "feature & label shift", "glyphs": "glyphs-5"}  # fmt: skip
+ACCURACY = "bench.accuracy_bench"
+
+
+def _final(r: Results, prefix: str) -> str:
+    mean, std = r.get(f"{prefix}.final_mean"), r.get(f"{prefix}.final_std")
+    return "-" if mean is None else f"{_pct(mean)} ({_pct(std)})"
+
+
+def _best(r: Results, prefix: str) -> str:
+    mean, std = r.get(f"{prefix}.best_mean"), r.get(f"{prefix}.best_std")
+    low, high = r.get(f"{prefix}.best_round_min"), r.get(f"{prefix}.best_round_max")
+    if mean is None:
+        return "-"
+    at = (
+        ""
+        if low is None or high is None
+        else (f" @ {low:.0f}" if low == high else f" @ {low:.0f}-{high:.0f}")
+    )
+    return f"{_pct(mean)} ({_pct(std)}){at}"
+
+
+def _accuracy_caption(r: Results) -> str:
+    rounds, clients, seeds = (r.get(f"accuracy.{k}") for k in ("rounds", "clients", "seeds"))
+    if rounds is None or clients is None or seeds is None:
+        return "Not measured: run `make bench-accuracy`."
+    return (
+        f"{clients:.0f} clients, the full zoo, {rounds:.0f} rounds, {seeds:.0f} seeds (0-"
+        f"{seeds - 1:.0f}); test accuracy in %, mean (std) over seeds: final round, and best "
+        "round with the round(s) it came in (chosen on the test splits: optimistic). "
+        f"Measured by `make bench-accuracy`: {r.provenance(ACCURACY)}."
+    )
+
+
+def protocol_table(protocol: str) -> Callable[[Results], str]:
+    def block(r: Results) -> str:
+        settings = ("feature", "label", "feature-label")
+        head = ["method"] + [
+            f"{SETTING_NAMES[s]}: {w}" for s in settings for w in ("final", "best")
+        ]
+        lines = [_accuracy_caption(r), "", "| " + " | ".join(head) + " |",
+                 "|---" + "|---:" * (len(head) - 1) + "|"]  # fmt: skip
+        for method in METHODS:
+            cells = []
+            for s in settings:
+                prefix = f"accuracy.{protocol}.{s}.{method}"
+                cells += [_final(r, prefix), _best(r, prefix)]
+            label = f"{method} (ceiling)" if method == "central" else method
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    return block
+
+
+def glyphs_table(r: Results) -> str:
+    head = ["method"] + [f"{p}: {w}" for p in ("fair", "paper") for w in ("final", "best")]
+    lines = [_accuracy_caption(r), "", "| " + " | ".join(head) + " |",
+             "|---" + "|---:" * (len(head) - 1) + "|"]  # fmt: skip
+    for method in METHODS:
+        cells = []
+        for p in ("fair", "paper"):
+            prefix = f"accuracy.{p}.glyphs.{method}"
+            cells += [_final(r, prefix), _best(r, prefix)]
+        label = f"{method} (ceiling)" if method == "central" else method
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+#: FedPCL's margins the comparison is held to (final means over seeds, points).
+TARGETS = (("solo", 1.0), ("fedavg", -3.0), ("fedproto", -2.0))
+
+
+def targets(r: Results) -> str:
+    """FedPCL's margin over each baseline in the fair protocol, against its target."""
+    lines = [
+        "| setting (fair protocol) | "
+        + " | ".join(f"fedpcl - {b} (target {t:+.0f})" for b, t in TARGETS)
+        + " |",
+        "|---" + "|---:" * len(TARGETS) + "|",
+    ]
+    for setting in ("feature", "label", "feature-label", "glyphs"):
+        mine = r.get(f"accuracy.fair.{setting}.fedpcl.final_mean")
+        cells = []
+        for baseline, target in TARGETS:
+            theirs = r.get(f"accuracy.fair.{setting}.{baseline}.final_mean")
+            if mine is None or theirs is None:
+                cells.append("not measured")
+                continue
+            gap = 100 * (mine - theirs)
+            cells.append(f"{gap:+.1f} ({'met' if gap >= target - 1e-9 else 'missed'})")
+        lines.append(f"| {SETTING_NAMES[setting]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def demo(r: Results) -> str:
+    """The table `make demo` prints (seed 0, feature shift, over MQTT)."""
+    domains = sorted(
+        {k.split(".")[3] for k in r.values if k.startswith("accuracy.demo.solo.")} - {"mean"}
+    )
+    if not domains:
+        return "Not measured: run `make bench-accuracy`."
+    lines = ["| method | " + " | ".join(domains) + " | final |",
+             "|---" + "|---:" * (len(domains) + 1) + "|"]  # fmt: skip
+    for method in ("solo", "fedavg", "fedproto", "fedpcl", "central"):
+        cells = [_pct(r.get(f"accuracy.demo.{method}.{d}")) for d in [*domains, "mean"]]
+        label = f"{method} (ceiling)" if method == "central" else method
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    seconds = r.get("accuracy.demo.wall_seconds")
+    return (
+        "```\n"
+        + "\n".join(lines)
+        + "\n```\n\n"
+        + f"(final accuracy per domain, seed 0; from `make bench-accuracy`: "
+        f"{r.provenance(ACCURACY)}; the fleet runs took {_num(seconds)} s in all)"
+    )
+
+
+def comparison(r: Results) -> str:
+    """README's summary of the fair comparison under feature shift."""
+    get = {m: r.get(f"accuracy.fair.feature.{m}.final_mean") for m in METHODS}
+    paper = {m: r.get(f"accuracy.paper.feature.{m}.final_mean") for m in METHODS}
+    if any(v is None for v in get.values()):
+        return "Not measured: run `make bench-accuracy`."
+    return (
+        f"Under feature shift, over seeds 0-2, final round (fair protocol): Solo "
+        f"{_pct(get['solo'])}, FedAvg {_pct(get['fedavg'])}, FedProto {_pct(get['fedproto'])}, "
+        f"FedPCL {_pct(get['fedpcl'])}, FPL {_pct(get['fpl'])}, FedDBP {_pct(get['feddbp'])}; "
+        f"one head on the pooled data (the ceiling) {_pct(get['central'])}. Under the paper's "
+        f"protocol Solo gives {_pct(paper['solo'])} and FedAvg {_pct(paper['fedavg'])}. "
+        f"Measured by `make bench-accuracy`: {r.provenance(ACCURACY)}."
+    )
+
+
+# -- performance ------------------------------------------------------------------------------
+
+
+def bench_table(r: Results) -> str:
+    """Every key of bench/results.json, by section, each section with its run."""
+    perf = [n for n in r.sections if n != ACCURACY]
+    if not perf:
+        return "Not measured: run `make bench`."
+    lines = ["| key | value |", "| --- | ---: |"]
+    for name in perf:
+        section = r.sections[name]
+        lines.append(f"| **{name.removeprefix('bench.')}** | {r.provenance(name)} |")
+        for key, value in section["results"].items():
+            lines.append(f"| `{key}` | {_num(value)} |")
+    return "\n".join(lines)
+
+
+def traffic(r: Results) -> str:
+    up = r.get("fleet.bytes_up_per_client_round_fedpcl")
+    avg = r.get("fleet.bytes_up_per_client_round_fedavg")
+    if up is None or avg is None:
+        return "Traffic: not measured (`make bench`)."
+    return (
+        f"Prototypes cost {up / 1000:.1f} kB per device per round; FedAvg's weights "
+        f"{avg / 1000:,.0f} kB (`make bench`: {r.provenance(r.section_of['fleet.bytes_up_per_client_round_fedpcl'])})."
+    )
+
+
+BLOCKS: dict[str, Callable[[Results], str]] = {
+    "fair-table": protocol_table("fair"),
+    "paper-table": protocol_table("paper"),
+    "glyphs-table": glyphs_table,
+    "targets": targets,
+    "demo": demo,
+    "comparison": comparison,
+    "bench-table": bench_table,
+    "traffic": traffic,
+}
+
+
+def render(text: str, results: Results) -> str:
+    """``text`` with every marked block regenerated; an unknown block name is an error."""
+
+    def fill(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in BLOCKS:
+            raise KeyError(f"no generator for the block figures:{name}")
+        return f"{match[1]}{BLOCKS[name](results)}\n{match[4]}"
+
+    return BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="rewrite nothing; exit 1 naming the files whose blocks differ")  # fmt: skip
+    args = parser.parse_args(argv)
+    results = Results.load()
+    stale = []
+    for path in FILES:
+        text = path.read_text()
+        new = render(text, results)
+        if new != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    for path in stale:
+        print(f"{'stale' if args.check else 'rewritten'}: {path.relative_to(ROOT)}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""An agent's figures on its own test split: by its method's inference rule
+(:mod:`edge_agent.inference`), and for every method by cosine similarity to its local
+prototypes (FedPCL's rule) and by its classifier."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edge_agent import inference as inf
+from edge_agent.state import StateDir
+from edge_agent.train import LocalModel
+from edge_agent.train_config import CLASSIFIER_FREE
+
+
+class Evaluator:
+    def __init__(self, *, method: str, features: np.ndarray, labels: np.ndarray) -> None:
+        self.method = method
+        self.rule = inf.rule_of(method)
+        self.features = features  # (N, K*d_e) cached
+        self.labels = labels
+
+    def after_training(
+        self, model: LocalModel, protos: np.ndarray, counts: np.ndarray, *, rule: str | None = None
+    ) -> dict[str, Any]:
+        """A round's figures once its head is trained. ``test_accuracy`` (the method's
+        own rule) is None for a method predicting with the coordinator's output, which
+        :meth:`from_server` fills in when it arrives. ``rule`` (a key of
+        ``inference.RULES``) overrides the method's: a dp-features device predicts by the
+        rule its validation split chose, and trains its classifier whatever the method."""
+        out = inf.outputs_of(model, self.features)
+        refs = inf.References(local=protos, local_present=counts > 0)
+        by_rule = inf.RULES
+        if rule is not None:
+            own = self._accuracy(by_rule[rule], out, refs)
+        else:
+            own = None if self.rule.from_server else self._own(out, refs)
+        return {
+            "test_accuracy": own,
+            "test_accuracy_prototype": self._accuracy(by_rule["local_prototype_cosine"], out, refs),
+            "test_accuracy_classifier": (
+                None
+                if self.method in CLASSIFIER_FREE and rule is None
+                else self._accuracy(by_rule["classifier"], out, refs)
+            ),
+        }
+
+    def from_server(self, model: LocalModel, state: StateDir) -> dict[str, Any]:
+        """The method's own figure on the model and prototypes the device holds once the
+        coordinator's output is adopted: exactly what ``edge-agent predict`` uses."""
+        out = inf.outputs_of(model, self.features)
+        return {"test_accuracy": self._own(out, inf.stored_references(state))}
+
+    def _own(self, out: inf.Outputs, refs: inf.References) -> float | None:
+        # inference.predict: the very function `edge-agent predict` calls.
+        return self._accuracy(lambda o, r: inf.predict(self.method, o, r), out, refs)
+
+    def _accuracy(self, rule: inf.Rule, out: inf.Outputs, refs: inf.References) -> float | None:
+        try:
+            return inf.accuracy(rule(out, refs), self.labels)
+        except inf.MissingReference:
+            return None  # FedDBP's round 0 before any global prototype, for instance
