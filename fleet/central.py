@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fleet.partition import Partition
 from fleet.runner import ClientRecord, RunResult, RunSpec, train_table
+
+if TYPE_CHECKING:
+    from export.runtime import BackboneRuntime
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +30,15 @@ CENTRAL = "central"
 CENTRAL_TRAIN = {"classifier": "linear"}
 
 
-def _features(spec: RunSpec, partition: Partition, runtime: object) -> list[tuple[np.ndarray, ...]]:
+def _features(
+    spec: RunSpec, partition: Partition, runtime: BackboneRuntime
+) -> list[tuple[np.ndarray, ...]]:
     """(train features, train labels, test features, test labels) per client, through the
     agents' own loader and feature cache: the sweep's methods filled it already."""
     from edge_agent import data as data_mod
     from edge_agent.agent import cache_features
     from edge_agent.features import FeatureCache
-    from export.runtime import BackboneRuntime
 
-    assert isinstance(runtime, BackboneRuntime)
     root = spec.feature_cache or spec.out / "feature-cache"
     cache = FeatureCache(root, shared=True)
     out = []
@@ -102,7 +105,3 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     )
     log.info("central: %d samples pooled, %d rounds", len(train_y), rounds)
     return RunResult(spec, records, tuple(seconds), 0.0, time.perf_counter() - started)
-
-
-def spec_path(sweep: Path, seed: int) -> Path:
-    return sweep / f"{CENTRAL}-seed{seed}"

@@ -3,6 +3,7 @@ Mosquitto, the embedded amqtt broker and the in-memory transport."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -816,3 +817,28 @@ def test_a_device_predicts_exactly_as_the_fleet_scored_it_for_every_method(
             final = record.accuracy[-1]
             assert final is not None, method
             assert float((predicted == labels).mean()) == final, (method, record.name)
+
+
+def test_glyphs5_is_deterministic_balanced_and_reads_back_as_clients(tmp_path: Path) -> None:
+    from fleet import glyphs
+    from fleet.cli import build_parser
+
+    a = glyphs.make(seed=3, train=20, test=10)
+    b = glyphs.make(seed=3, train=20, test=10)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["train_x_0"], glyphs.make(seed=4, train=20, test=10)["train_x_0"])
+    for i, domain in enumerate(glyphs.DOMAINS):
+        assert a[f"train_x_{i}"].shape == (20, 3, 32, 32) and a[f"train_x_{i}"].dtype == np.uint8
+        assert np.bincount(a[f"train_y_{i}"], minlength=10).tolist() == [2] * 10
+        assert str(a[f"domain_{i}"]) == domain
+    # The domains look different: mean colours per domain are far apart.
+    means = [a[f"train_x_{i}"].mean() for i in range(5)]
+    assert max(means) - min(means) > 20
+    out = tmp_path / "g.npz"
+    args = build_parser().parse_args(["glyphs", "--out", str(out), "--train", "20", "--test", "10"])
+    assert glyphs.main(args) == 0
+    clients = part.from_npz(out).clients
+    assert [c.domain for c in clients] == list(glyphs.DOMAINS)
+    assert len(clients[0].train_y) == 20 and len(clients[4].test_y) == 10
+    with pytest.raises(UsageError, match="train must be at least 10"):
+        glyphs.main(argparse.Namespace(out=out, seed=0, train=5, test=1))
