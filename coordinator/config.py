@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from coordinator.admission import AVERAGED, Admission
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import validate_id
 from protocol.settings import load_config
@@ -32,6 +33,11 @@ class ModelSettings:
     #: Server-side strategy parameters, e.g. ``weighting = "paper"`` for FedPCL.
     strategy: Mapping[str, Scalar] = field(default_factory=dict)
     announce_dtype: Literal["f2", "f4"] = "f4"
+    #: FedAvg and FPL: the bundle's feature size (``feature_dim`` in its bundle.json) and
+    #: the devices' ``[train] norm``. With ``dim`` and the class list they fix the shapes
+    #: of the weights devices send (protocol.weights), so no update can choose them.
+    feature_dim: int = 0
+    norm: Literal["batch", "group"] = "batch"
 
     def __post_init__(self) -> None:
         if self.method not in available():
@@ -42,6 +48,12 @@ class ModelSettings:
             raise ValueError("classes must be unique")
         if self.dim < 1:
             raise ValueError("dim must be positive")
+        if self.method in AVERAGED and self.feature_dim < 1:
+            raise ValueError(
+                f"feature_dim is required for {self.method}: the bundle's feature size "
+                "(feature_dim in its bundle.json), which fixes the shapes of the weights "
+                "devices send"
+            )
         # Built once here so that a bad [model.strategy] is reported with the file's name
         # when the configuration is read, not by the first round.
         make_strategy(self.method, robust=None, **self.strategy)
@@ -79,6 +91,27 @@ class RoundSettings:
 
 
 @dataclass(frozen=True)
+class AdmissionSettings:
+    """Public bounds every update must meet before it is stored (coordinator.admission).
+
+    ``max_count``: the most samples one device may claim for one class; an update claiming
+    more is rejected, so a device cannot outweigh the fleet by its counts. ``max_value``:
+    the largest magnitude of any prototype or weight value (prototypes are unit-norm means:
+    well inside 1 without noise). Together they keep every aggregate finite.
+    """
+
+    max_count: float = 100_000.0
+    max_value: float = 1_000.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_count <= 1e9:
+            raise ValueError(f"max_count must be in (0, 1e9], got {self.max_count}")
+        # An announcement may carry float16 (announce_dtype = "f2"): its largest value.
+        if not 0 < self.max_value <= 65504:
+            raise ValueError(f"max_value must be in (0, 65504], got {self.max_value}")
+
+
+@dataclass(frozen=True)
 class MetricsSettings:
     port: int = 0  # 0 disables the Prometheus endpoint
     host: str = "127.0.0.1"
@@ -97,12 +130,28 @@ class CoordinatorConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     robust: RobustOptions = field(default_factory=RobustOptions)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         validate_id(self.coordinator_id, field="coordinator_id")
+
+    def admission_checks(self) -> Admission:
+        model = self.model
+        return Admission.for_fleet(
+            fleet=self.fleet,
+            bundle=model.bundle,
+            method=model.method,
+            classes=len(model.classes),
+            dim=model.dim,
+            max_count=self.admission.max_count,
+            max_value=self.admission.max_value,
+            feature_dim=model.feature_dim,
+            norm=model.norm,
+            allow_list=self.rounds.allow_list,
+        )
 
     @property
     def database(self) -> Path:

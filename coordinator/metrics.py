@@ -25,6 +25,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.updates_quarantined = Counter(
+            "protofleet_updates_quarantined",
+            "Stored updates set aside on resume because they fail today's admission checks",
+            registry=self.registry,
+        )
         self.clients_online = Gauge(
             "protofleet_clients_online",
             "Clients whose last status is online",

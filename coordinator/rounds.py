@@ -90,6 +90,8 @@ class RoundManager:
         self._deadline = latest.deadline
         self._announcement = RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
         self._done = latest.closed_at is not None  # the final round is stored closed
+        self._admission = config.admission_checks()
+        self._quarantine_failing(latest.round)
         self._clients = {c for c, _ in store.updates(latest.round)}
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
@@ -145,7 +147,7 @@ class RoundManager:
             )
         except ProtocolError as exc:
             return Decision(exc.reason)
-        reject = self._mismatch(update, topic_client)
+        reject = self._admission.check(update, topic_client=topic_client)
         if reject:
             return Decision(reject, update.round, update.client)
         with self._lock:
@@ -160,24 +162,37 @@ class RoundManager:
             self._arrivals.append(now)
         return Decision(ACCEPTED, update.round, update.client)
 
-    def _mismatch(self, update: PrototypeUpdate, topic_client: str | None) -> str | None:
-        model = self.config.model
-        if topic_client is not None and update.client != topic_client:
-            return "client_mismatch"
-        if update.fleet != self.config.fleet:
-            return "wrong_fleet"
-        if update.bundle != model.bundle:
-            return "wrong_bundle"
-        if update.method != model.method:
-            return "wrong_method"
-        allow = self.config.rounds.allow_list
-        if allow and update.client not in allow:
-            return "not_allowed"
-        if any(c >= len(model.classes) for c in update.classes):
-            return "unknown_class"
-        if update.prototypes.shape[1] != model.dim:
-            return "wrong_dim"
-        return None
+    def _quarantine_failing(self, round_: int) -> None:
+        """Set aside the open round's stored updates that today's checks refuse.
+
+        They were admitted by an older version or another configuration (a reload that
+        lowered ``admission.max_count``, say); aggregating them could fail at every
+        restart, so they leave the round, counted, and the service keeps serving."""
+        for client, payload in self.store.updates(round_):
+            try:
+                update = PrototypeUpdate.from_wire(payload, max_bytes=len(payload))
+            except ProtocolError as exc:
+                reason: str | None = exc.reason
+            else:
+                reason = self._admission.check(update)
+                if reason is None and update.round != round_:
+                    reason = "wrong_round"
+            if reason is None:
+                continue
+            self.store.quarantine(round_, client, reason)
+            self.metrics.updates_quarantined.inc()
+            log.warning(
+                "round %d: the stored update of %s fails today's checks (%s); quarantined",
+                round_,
+                client,
+                reason,
+                extra={
+                    "event": "update_quarantined",
+                    "round": round_,
+                    "client": client,
+                    "reason": reason,
+                },
+            )
 
     def record_status(
         self, payload: bytes | bytearray, *, topic_client: str | None = None

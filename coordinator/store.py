@@ -9,9 +9,11 @@ primary key).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,14 @@ CREATE TABLE IF NOT EXISTS clients (
     updated_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine (
+    round INTEGER NOT NULL,
+    client TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    payload BLOB NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (round, client)
+);
 CREATE TABLE IF NOT EXISTS contributions (
     client TEXT PRIMARY KEY,
     last_round INTEGER NOT NULL,
@@ -106,6 +116,22 @@ class Store:
         with self._lock:
             self._db.close()
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT; on an error, ROLLBACK if a transaction is still open
+        and raise the error itself. SQLite rolls back on its own after some errors (a full
+        disk among them); a ROLLBACK then fails with "no transaction is active", and
+        raising that would hide the cause."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            raise
+
     def _one(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         row = self._db.execute(sql, args).fetchone()
         return None if row is None else row[0]
@@ -157,8 +183,7 @@ class Store:
         running tally (last round, updates accepted) moves in the same transaction, and
         outlives the payloads that ``keep_rounds`` drops."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 cursor = self._db.execute(
                     "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
                     (round_, client, received_at, payload),
@@ -171,11 +196,24 @@ class Store:
                         "last_at = excluded.last_at, updates = updates + 1",
                         (client, round_, received_at),
                     )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             return added
+
+    def quarantine(self, round_: int, client: str, reason: str) -> None:
+        """Move a stored update that fails today's admission checks out of its round, kept
+        aside for a look by hand; counted as a rejection ``quarantined_<reason>``."""
+        with self._lock, self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO quarantine "
+                "SELECT round, client, received_at, payload, ? FROM updates "
+                "WHERE round = ? AND client = ?",
+                (reason, round_, client),
+            )
+            self._db.execute("DELETE FROM updates WHERE round = ? AND client = ?", (round_, client))
+            self._db.execute(
+                "INSERT INTO rejections VALUES (?, 1) "
+                "ON CONFLICT (reason) DO UPDATE SET count = count + 1",
+                (f"quarantined_{reason}",),
+            )
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
         # In client order, not arrival order: float sums depend on their order, and a
@@ -208,28 +246,20 @@ class Store:
         ``keep_rounds`` closed ones are dropped in the same transaction; their timing rows
         stay. A service that runs for months would otherwise keep every update it ever
         received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+        with self._lock, self._transaction():
+            self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
+            self._db.execute(
+                "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
+                (closed + 1, closed_at, deadline, announcement),
+            )
+            if keep_rounds > 0:
+                oldest_kept = closed - keep_rounds + 1
+                self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
                 self._db.execute(
-                    "UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed)
+                    "UPDATE rounds SET announcement = X'' "
+                    "WHERE round < ? AND length(announcement) > 0",
+                    (oldest_kept,),
                 )
-                self._db.execute(
-                    "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
-                    (closed + 1, closed_at, deadline, announcement),
-                )
-                if keep_rounds > 0:
-                    oldest_kept = closed - keep_rounds + 1
-                    self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
-                    self._db.execute(
-                        "UPDATE rounds SET announcement = X'' "
-                        "WHERE round < ? AND length(announcement) > 0",
-                        (oldest_kept,),
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
 
     def close_round(self, round_: int, *, closed_at: float) -> None:
         with self._lock:
@@ -289,6 +319,7 @@ class Store:
                 else 0
             )
             identity = self._one("SELECT value FROM meta WHERE key = 'identity'")
+            quarantined = self._one("SELECT COUNT(*) FROM quarantine")
         return {
             "identity": json.loads(identity) if identity else None,
             "round": None
@@ -304,4 +335,5 @@ class Store:
             "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
             "clients_online": sum(1 for row in clients if row[1] == "online"),
             "rejections": rejections,
+            "quarantined": quarantined,
         }

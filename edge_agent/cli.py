@@ -216,6 +216,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "cache_entries": FeatureCache(cfg.data.feature_cache or state.cache_dir).entries(),
         "active_providers": snap.extra.get("active_providers"),
         "privacy": _privacy_status(cfg, snap.extra),
+        # Announcements refused as no coordinator of this fleet would send them, by reason.
+        "ignored_announcements": snap.extra.get("ignored_announcements", {}),
         "last_metrics": snap.history[-1] if snap.history else None,
     }
     json.dump(report, sys.stdout, indent=2)

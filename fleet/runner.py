@@ -171,7 +171,7 @@ def _privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
 
 
 def _coordinator_tables(
-    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int
+    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int, *, feature_dim: int
 ) -> dict[str, Any]:
     return {
         "fleet": FLEET,
@@ -182,6 +182,9 @@ def _coordinator_tables(
             "bundle": bundle_id,
             "classes": list(classes),
             "dim": spec.out_dim,
+            # With dim and the classes they fix the weights FedAvg and FPL devices send.
+            "feature_dim": feature_dim,
+            "norm": train_table(spec).get("norm", "batch"),
         },
         "rounds": {
             "min_clients": clients,
@@ -221,7 +224,9 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         # Written for both transports: reports and users can reopen any agent from it.
         (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
         agents.append(tables)
-    coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents))
+    coord = _coordinator_tables(
+        spec, bundle.id, partition.classes, len(agents), feature_dim=bundle.feature_dim
+    )
     samples = None
     if spec.transport == "memory":
         peak, samples = _run_memory(spec, agents, coord)

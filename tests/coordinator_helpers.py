@@ -16,12 +16,19 @@ DIM = 4
 
 
 def config(
-    state_dir: Path, *, method: str = "fedpcl", port: int = 1883, **rounds: object
+    state_dir: Path,
+    *,
+    method: str = "fedpcl",
+    port: int = 1883,
+    feature_dim: int = 0,
+    **rounds: object,
 ) -> CoordinatorConfig:
     return CoordinatorConfig(
         fleet="lab",
         state_dir=state_dir,
-        model=ModelSettings(method=method, bundle=BUNDLE, classes=CLASSES, dim=DIM),
+        model=ModelSettings(
+            method=method, bundle=BUNDLE, classes=CLASSES, dim=DIM, feature_dim=feature_dim
+        ),
         rounds=RoundSettings(**rounds),  # type: ignore[arg-type]
         mqtt=MqttSettings(port=port),
     )

@@ -8,7 +8,8 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import StateError, Store
 from protocol import AgentState, Status
-from tests.coordinator_helpers import config, hand_globals, stand_in_update
+from protocol.weights import averaged_weight_shapes
+from tests.coordinator_helpers import CLASSES, DIM, config, hand_globals, stand_in_update
 
 
 class Clock:
@@ -241,17 +242,25 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in(tmp_path):
     # arrival order, a few of 65,536 averages round differently (seeded: 7 here), and two
     # runs of the same fleet drifted apart from there.
     rng = np.random.default_rng(0)
+    # A head of 4 x 16,384 first-layer weights: 65,536 averages again.
+    shapes = averaged_weight_shapes(feature_dim=16_384, out_dim=DIM, num_classes=len(CLASSES))
     ups = [
         dataclasses.replace(
             stand_in_update(i, 0, method="fedavg"),
-            extras={"w": rng.normal(size=(256, 256)).astype(np.float32)},
+            extras={n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()},
         )
         for i in range(7)
     ]
     announcements = []
     for name, order in (("forward", ups), ("reversed", ups[::-1])):
         clock = Clock()
-        cfg = config(tmp_path / name, method="fedavg", min_clients=7, wait_after_quorum_s=0.0)
+        cfg = config(
+            tmp_path / name,
+            method="fedavg",
+            feature_dim=16_384,
+            min_clients=7,
+            wait_after_quorum_s=0.0,
+        )
         m = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=clock)
         for u in order:
             clock.now += 1.0  # arrival times differ as well as the order
@@ -260,4 +269,6 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in(tmp_path):
         assert nxt is not None and nxt.round == 1
         announcements.append(nxt)
     first, second = announcements
-    assert first.extras["w"].tobytes() == second.extras["w"].tobytes()
+    assert set(first.extras) == set(shapes)
+    for name in shapes:
+        assert first.extras[name].tobytes() == second.extras[name].tobytes()
