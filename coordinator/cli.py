@@ -121,9 +121,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         summary = store.summary()
     finally:
         store.close()
+    open_round = summary["round"]
+    if open_round is not None and open_round["closed_at"] is None:
+        open_round["stalled"] = cfg.stalled(
+            round_=open_round["number"],
+            updates=open_round["updates"],
+            extensions=open_round["extensions"],
+        )
     report = {
         "fleet": cfg.fleet,
         "database": str(cfg.database),
+        # Signed messages, or the explicit choice to go without them.
+        "security": "insecure" if cfg.security.insecure else "signed",
         "running_pid": holder(cfg.run_lock),  # null: no coordinator has this database open
         **summary,
     }

@@ -14,6 +14,7 @@ from typing import Literal
 from coordinator.admission import AVERAGED, Admission
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import validate_id
+from protocol.security import CoordinatorSecurity
 from protocol.settings import load_config
 from protocol.transport import MqttSettings
 
@@ -63,11 +64,17 @@ class ModelSettings:
 class RoundSettings:
     """When a round closes: ``min_clients`` updates and ``wait_after_quorum`` seconds more
     (or every allow-listed client), or the deadline with at least ``min_clients``;
-    otherwise the deadline is extended by ``timeout_s``."""
+    otherwise the deadline is extended by ``timeout_s``, up to ``max_extensions`` times,
+    after which the round closes with at least ``floor`` updates."""
 
     min_clients: int = 1
     wait_after_quorum_s: float = 5.0
     timeout_s: float = 300.0
+    #: Deadline extensions without the quorum; after them a round closes with what it
+    #: has if that is at least ``floor`` updates. Below the floor it keeps waiting and
+    #: says why (status, the protofleet_round_stalled metric): never stuck silently.
+    max_extensions: int = 3
+    floor: int = 1
     #: 0 runs forever; otherwise the coordinator publishes a final announcement and stops.
     max_rounds: int = 0
     allow_list: tuple[str, ...] = ()
@@ -80,6 +87,10 @@ class RoundSettings:
             raise ValueError("min_clients must be at least 1")
         if self.wait_after_quorum_s < 0 or self.timeout_s <= 0:
             raise ValueError("wait_after_quorum_s must be >= 0 and timeout_s > 0")
+        if self.max_extensions < 0:
+            raise ValueError("max_extensions must be >= 0")
+        if not 1 <= self.floor <= self.min_clients:
+            raise ValueError(f"floor must be in [1, min_clients = {self.min_clients}]")
         if self.max_rounds < 0:
             raise ValueError("max_rounds must be >= 0")
         if self.keep_rounds < 0:
@@ -131,12 +142,23 @@ class CoordinatorConfig:
     rounds: RoundSettings = field(default_factory=RoundSettings)
     robust: RobustOptions = field(default_factory=RobustOptions)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    security: CoordinatorSecurity = field(default_factory=CoordinatorSecurity)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         validate_id(self.coordinator_id, field="coordinator_id")
+
+    def stalled(self, *, round_: int, updates: int, extensions: int) -> str | None:
+        """Why the open round cannot close, when it cannot: said by status and metrics."""
+        rounds = self.rounds
+        if extensions < rounds.max_extensions or updates >= rounds.floor:
+            return None
+        return (
+            f"round {round_} has {updates} update(s) after {extensions} deadline extensions, "
+            f"below rounds.floor = {rounds.floor}: it closes once that many devices answer"
+        )
 
     def admission_checks(self) -> Admission:
         model = self.model

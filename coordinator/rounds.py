@@ -10,17 +10,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
+from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
+from protocol.auth import sign, signature_problem
+from protocol.receipts import payload_digest
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M")
 
 ACCEPTED = "accepted"
 
@@ -32,6 +37,9 @@ class Decision:
     reason: str
     round: int | None = None
     client: str | None = None
+    #: The SHA-256 of the update stored for (round, client), when one is: what the
+    #: device's receipt names (for a duplicate, the digest of the first copy).
+    digest: str | None = None
 
     @property
     def accepted(self) -> bool:
@@ -59,6 +67,9 @@ class RoundManager:
         )
         self._clock = clock
         self._lock = threading.RLock()
+        self.keys = CoordinatorKeys.load(config.security)
+        self.run_id = store.run_id()
+        self.metrics.insecure.set(1 if self.keys.insecure else 0)
         self._dtype: type[np.floating[Any]] = (
             np.float16 if config.model.announce_dtype == "f2" else np.float32
         )
@@ -87,12 +98,18 @@ class RoundManager:
             )
         self._round = latest.round
         self._opened_at = latest.opened_at
+        self._extensions = latest.extensions
         self._deadline = latest.deadline
-        self._announcement = RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
+        # Signed afresh: the key (or security.insecure) may have changed since it was stored.
+        self._announcement = self.sign(
+            RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
+        )
         self._done = latest.closed_at is not None  # the final round is stored closed
         self._admission = config.admission_checks()
         self._quarantine_failing(latest.round)
-        self._clients = {c for c, _ in store.updates(latest.round)}
+        # Digests of the open round's stored updates, by client, for receipts.
+        self._digests = {c: payload_digest(p) for c, p in store.updates(latest.round)}
+        self._clients = set(self._digests)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
@@ -100,6 +117,15 @@ class RoundManager:
         # status messages after a restart, and repeating "offline" for each says nothing.
         self._logged_status: dict[str, tuple[str, str]] = {}
         self.metrics.current_round.set(self._round)
+        self.metrics.round_opened.set(self._opened_at)
+        self.metrics.round_extensions.set(self._extensions)
+        self.metrics.round_stalled.set(
+            1
+            if config.stalled(
+                round_=self._round, updates=len(self._arrivals), extensions=self._extensions
+            )
+            else 0
+        )
 
     # -- state -------------------------------------------------------------------------
 
@@ -123,6 +149,8 @@ class RoundManager:
         decision = self._judge(payload, topic_client)
         if decision.accepted:
             self.metrics.updates_accepted.inc()
+            assert decision.client is not None and decision.round is not None
+            self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
         else:
             self.metrics.updates_rejected.labels(reason=decision.reason).inc()
             self.store.count_rejection(decision.reason)
@@ -147,7 +175,7 @@ class RoundManager:
             )
         except ProtocolError as exc:
             return Decision(exc.reason)
-        reject = self._admission.check(update, topic_client=topic_client)
+        reject = self._admission.check(update, topic_client=topic_client) or self._forged(update)
         if reject:
             return Decision(reject, update.round, update.client)
         with self._lock:
@@ -157,10 +185,25 @@ class RoundManager:
             if not self.store.add_update(
                 self._round, update.client, bytes(payload), received_at=now
             ):
-                return Decision("duplicate", update.round, update.client)
+                stored = self._digests.get(update.client)
+                return Decision("duplicate", update.round, update.client, stored)
+            digest = self._digests[update.client] = payload_digest(payload)
             self._clients.add(update.client)
             self._arrivals.append(now)
-        return Decision(ACCEPTED, update.round, update.client)
+        return Decision(ACCEPTED, update.round, update.client, digest)
+
+    def _forged(self, update: PrototypeUpdate) -> str | None:
+        """Why ``update`` is not signed by its enrolled device for this run, if it is not."""
+        if self.keys.insecure:
+            return None
+        return signature_problem(update, self.keys.devices.get(update.client), run=self.run_id)
+
+    def sign(self, message: M) -> M:
+        """``message`` signed by the coordinator for this run (as is, when insecure)."""
+        unsigned = dataclasses.replace(message, auth=None)  # type: ignore[type-var]
+        if self.keys.signer is None:
+            return unsigned
+        return sign(unsigned, self.keys.signer, run=self.run_id)
 
     def _quarantine_failing(self, round_: int) -> None:
         """Set aside the open round's stored updates that today's checks refuse.
@@ -174,7 +217,7 @@ class RoundManager:
             except ProtocolError as exc:
                 reason: str | None = exc.reason
             else:
-                reason = self._admission.check(update)
+                reason = self._admission.check(update) or self._forged(update)
                 if reason is None and update.round != round_:
                     reason = "wrong_round"
             if reason is None:
@@ -255,10 +298,14 @@ class RoundManager:
             now = self._clock()
             due = self.close_time()
             if due is None:
-                if now >= self._deadline:
-                    self._extend(now)
-                    return self._announcement
-                return None
+                if now < self._deadline:
+                    return None
+                rounds = self.config.rounds
+                have = len(self._arrivals)
+                if self._extensions >= rounds.max_extensions and have >= rounds.floor:
+                    return self._close(now)  # with what it has, below the quorum
+                self._extend(now)
+                return self._announcement
             if now < due:
                 return None
             return self._close(now)
@@ -266,15 +313,27 @@ class RoundManager:
     def _extend(self, now: float) -> None:
         have = len(self._arrivals)
         self._deadline = now + self.config.rounds.timeout_s
+        self._extensions += 1
+        stalled = self.config.stalled(round_=self._round, updates=have, extensions=self._extensions)
+        self.metrics.round_extensions.set(self._extensions)
+        self.metrics.round_stalled.set(1 if stalled else 0)
         log.warning(
-            "round %d: deadline passed with %d of %d required updates; extended by %.0f s",
+            "round %d: deadline passed with %d of %d required updates; extended by %.0f s%s",
             self._round,
             have,
             self.config.rounds.min_clients,
             self.config.rounds.timeout_s,
-            extra={"event": "deadline_extended", "round": self._round, "updates": have},
+            f" ({stalled})" if stalled else "",
+            extra={
+                "event": "deadline_extended",
+                "round": self._round,
+                "updates": have,
+                "stalled": bool(stalled),
+            },
         )
-        self._announcement = self._rebuild(self._announcement, deadline=self._deadline)
+        self._announcement = self.sign(
+            dataclasses.replace(self._announcement, deadline=self._deadline)
+        )
         self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
 
     def _close(self, now: float) -> RoundAnnouncement:
@@ -301,6 +360,15 @@ class RoundManager:
             self.store.close_round(finished, closed_at=now)
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - self._opened_at)
+        if len(updates) < self.config.rounds.min_clients:
+            log.warning(
+                "round %d: closing with %d update(s), below min_clients = %d, after %d "
+                "deadline extensions (rounds.max_extensions)",
+                self._round,
+                len(updates),
+                self.config.rounds.min_clients,
+                self._extensions,
+            )
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",
             self._round,
@@ -316,11 +384,19 @@ class RoundManager:
             },
         )
         self._round, self._opened_at, self._deadline = finished, now, deadline
+        self._extensions = 0
+        self.metrics.round_extensions.set(0)
+        self.metrics.round_stalled.set(0)
+        self.metrics.round_opened.set(now)
         self._announcement, self._done, self._clients, self._arrivals = nxt, final, set(), []
+        self._digests = {}
         self.metrics.current_round.set(finished)
         return nxt
 
     # -- announcements -----------------------------------------------------------------
+
+    def _signed_announcement(self, **fields: Any) -> RoundAnnouncement:
+        return self.sign(RoundAnnouncement(**fields))
 
     def _announce(
         self, round_: int, result: Aggregate, *, deadline: float, final: bool = False
@@ -331,7 +407,7 @@ class RoundManager:
         protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
             len(result.global_classes), dim
         )
-        return RoundAnnouncement(
+        return self._signed_announcement(
             fleet=self.config.fleet,
             round=round_,
             bundle=model.bundle,
@@ -345,7 +421,3 @@ class RoundManager:
             client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
             extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
         )
-
-    @staticmethod
-    def _rebuild(old: RoundAnnouncement, *, deadline: float) -> RoundAnnouncement:
-        return dataclasses.replace(old, deadline=deadline)

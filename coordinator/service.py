@@ -9,7 +9,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from coordinator.rounds import RoundManager
+from coordinator.rounds import Decision, RoundManager
 from protocol import (
     RoundAnnouncement,
     TopicError,
@@ -19,6 +19,8 @@ from protocol import (
     status_filter,
     update_filter,
 )
+from protocol.receipts import Receipt
+from protocol.topics import receipt_topic
 from protocol.transport import (
     TakeoverWatch,
     close_with_last_word,
@@ -104,8 +106,25 @@ class CoordinatorService:
             decision = self.manager.offer(message.payload, topic_client=topic.client)
             if decision.accepted:
                 self._wake.set()
+            if decision.digest is not None:
+                self._send_receipt(client, decision)
         elif topic.kind is TopicKind.STATUS:
             self.manager.record_status(message.payload, topic_client=topic.client)
+
+    def _send_receipt(self, client: mqtt.Client, decision: Decision) -> None:
+        """Tell the device its update is stored (a duplicate gets the same answer): it
+        re-sends until it hears this, since the broker's PUBACK does not mean stored."""
+        assert decision.round is not None and decision.client is not None
+        assert decision.digest is not None
+        receipt = self.manager.sign(
+            Receipt(
+                fleet=self.config.fleet,
+                round=decision.round,
+                client=decision.client,
+                digest=decision.digest,
+            )
+        )
+        client.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire(), qos=1)
 
     # -- driver ------------------------------------------------------------------------
 

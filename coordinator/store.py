@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     opened_at REAL NOT NULL,
     deadline REAL NOT NULL,
     closed_at REAL,
-    announcement BLOB NOT NULL
+    announcement BLOB NOT NULL,
+    extensions INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS updates (
     round INTEGER NOT NULL,
@@ -92,6 +94,7 @@ class RoundRow:
     deadline: float
     closed_at: float | None
     announcement: bytes
+    extensions: int = 0
 
 
 class Store:
@@ -105,6 +108,11 @@ class Store:
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             self._db.executescript(SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(rounds)")}
+            if "extensions" not in columns:  # a database from before deadline extensions counted
+                self._db.execute(
+                    "ALTER TABLE rounds ADD COLUMN extensions INTEGER NOT NULL DEFAULT 0"
+                )
             if self._db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
                 self._db.execute(BACKFILL)
         except sqlite3.DatabaseError as exc:
@@ -157,12 +165,27 @@ class Store:
                     "method or bundle."
                 )
 
+    def run_id(self) -> str:
+        """This fleet's coordinator run: drawn once, when the database is new. Signed
+        updates name it, so one from an earlier database cannot be replayed into this."""
+        with self._lock:
+            run = self._one("SELECT value FROM meta WHERE key = 'run'")
+            if run is None:
+                run = secrets.token_hex(8)
+                self._db.execute("INSERT INTO meta VALUES ('run', ?)", (run,))
+            return str(run)
+
     def latest_round(self) -> RoundRow | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT round, opened_at, deadline, closed_at, announcement FROM rounds ORDER BY round DESC LIMIT 1"
+                "SELECT round, opened_at, deadline, closed_at, announcement, extensions "
+                "FROM rounds ORDER BY round DESC LIMIT 1"
             ).fetchone()
-        return None if row is None else RoundRow(row[0], row[1], row[2], row[3], bytes(row[4]))
+        return (
+            None
+            if row is None
+            else RoundRow(row[0], row[1], row[2], row[3], bytes(row[4]), int(row[5]))
+        )
 
     def open_first_round(self, announcement: bytes, *, opened_at: float, deadline: float) -> None:
         with self._lock:
@@ -174,7 +197,8 @@ class Store:
     def extend_deadline(self, round_: int, deadline: float, announcement: bytes) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE rounds SET deadline = ?, announcement = ? WHERE round = ?",
+                "UPDATE rounds SET deadline = ?, announcement = ?, extensions = extensions + 1 "
+                "WHERE round = ?",
                 (deadline, announcement, round_),
             )
 
@@ -299,7 +323,8 @@ class Store:
         with self._lock:
             db = self._db
             latest = db.execute(
-                "SELECT round, opened_at, deadline, closed_at FROM rounds ORDER BY round DESC LIMIT 1"
+                "SELECT round, opened_at, deadline, closed_at, extensions FROM rounds "
+                "ORDER BY round DESC LIMIT 1"
             ).fetchone()
             completed = self._one("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL")
             # Every client heard from: by its status messages, its updates, or both.
@@ -330,6 +355,7 @@ class Store:
                 "deadline": latest[2],
                 "closed_at": latest[3],
                 "updates": in_round,
+                "extensions": latest[4],
             },
             "rounds_completed": completed,
             "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],

@@ -19,6 +19,7 @@ from edge_agent import losses
 from edge_agent.config import AgentConfig
 from edge_agent.features import FeatureCache, LoggedProgress
 from edge_agent.head import local_prototypes, predict
+from edge_agent.keys import AgentKeys
 from edge_agent.privacy.accounting import Event, per_part_sigma, release_event
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
@@ -60,7 +61,15 @@ INFERENCE = {
 
 #: Decisions on announcements no coordinator of this fleet sends: they say nothing of the
 #: fleet's open round.
-IGNORED = frozenset({"wrong_fleet", "wrong_dim", "implausible_round"})
+IGNORED = frozenset(
+    {
+        "wrong_fleet",
+        "wrong_dim",
+        "implausible_round",
+        "announcement_unsigned",
+        "announcement_bad_signature",
+    }
+)
 
 #: Seconds between two saves (and log lines) of the ignored-announcement counts.
 IGNORED_SAVE_S = 10.0
@@ -143,6 +152,7 @@ class Agent:
             self.state.snapshot.extra.get("ignored_announcements", {})
         )
         self._ignored_saved = -math.inf
+        self.keys = AgentKeys.load(cfg.security)
         if runtime is None:
             bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
             runtime = BackboneRuntime(
@@ -220,6 +230,13 @@ class Agent:
         cfg = self.cfg
         if announcement.fleet != cfg.fleet:
             return Decision("wrong_fleet")
+        forged = self.keys.announcement_problem(announcement)
+        if forged is not None:
+            return self._ignore(
+                f"announcement_{forged}",
+                f"round {announcement.round}: {forged.replace('_', ' ')} (not signed by the "
+                "pinned coordinator key, security.coordinator)",
+            )
         mismatch = _mismatch(announcement, cfg, self.bundle_id)
         if mismatch is not None:
             reason, why = mismatch
@@ -337,6 +354,8 @@ class Agent:
                 delta=privacy.delta if dp else None,
             ),
         )
+        run = announcement.auth.run if announcement.auth is not None else None
+        update = self.keys.sign(update, run=run)
         payload = update.to_wire()
         record: dict[str, Any] = {
             "loss": metrics.loss,

@@ -209,6 +209,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "agent_id": cfg.agent_id,
         "fleet": cfg.fleet,
         "method": cfg.method,
+        # Signed messages, or the explicit choice to go without them.
+        "security": "insecure" if cfg.security.insecure else "signed",
         "running_pid": holder(cfg.run_lock),  # null: no agent runs on this state
         "bundle_id": snap.bundle_id,
         "last_round": snap.last_round,

@@ -195,6 +195,37 @@ def _coordinator_tables(
     }
 
 
+@dataclass(frozen=True)
+class FleetKeys:
+    """Ed25519 keys of a simulated fleet, so it runs the signed path a deployment runs:
+    ``coordinator.key`` and ``.pub``, ``agents/<name>.key``, ``devices/<name>.pub`` (the
+    coordinator's enrolment folder)."""
+
+    root: Path
+
+    def agent_table(self, name: str) -> dict[str, Any]:
+        return {
+            "key": str(self.root / "agents" / f"{name}.key"),
+            "coordinator": str(self.root / "coordinator.pub"),
+        }
+
+    def coordinator_table(self) -> dict[str, Any]:
+        return {"key": str(self.root / "coordinator.key"), "devices": str(self.root / "devices")}
+
+
+def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
+    """Make the keys a run lacks; a resumed run keeps its own (its stored updates are
+    signed with them)."""
+    from protocol.auth import generate_ed25519
+
+    if not (root / "coordinator.key").exists():
+        generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
+    for name in names:
+        if not (root / "agents" / f"{name}.key").exists():
+            generate_ed25519(root / "agents" / f"{name}.key", root / "devices" / f"{name}.pub")
+    return FleetKeys(root)
+
+
 # -- running -----------------------------------------------------------------------------------
 
 
@@ -217,16 +248,19 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     agents: list[dict[str, Any]] = []
+    keys = fleet_keys(spec.out / "keys", [c.name for c in partition.clients])
     for i, client in enumerate(partition.clients):
         tables = _agent_tables(
             spec, client, spec.out / "clients" / client.name, partition.classes, i
         )
+        tables["security"] = keys.agent_table(client.name)
         # Written for both transports: reports and users can reopen any agent from it.
         (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
         agents.append(tables)
     coord = _coordinator_tables(
         spec, bundle.id, partition.classes, len(agents), feature_dim=bundle.feature_dim
     )
+    coord["security"] = keys.coordinator_table()
     samples = None
     if spec.transport == "memory":
         peak, samples = _run_memory(spec, agents, coord)

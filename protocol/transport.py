@@ -40,6 +40,9 @@ class MqttSettings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 60.0
+    #: Agents: seconds before an update the coordinator has not confirmed with a receipt
+    #: is sent again (then twice as long each time, up to 120 s), until the round closes.
+    resend_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -48,6 +51,8 @@ class MqttSettings:
             raise ValueError("mqtt.tls_cert and mqtt.tls_key must be given together")
         if self.max_payload_bytes < 1024:
             raise ValueError("mqtt.max_payload_bytes must be at least 1024")
+        if not 0 < self.resend_s <= 3600:
+            raise ValueError(f"mqtt.resend_s must be in (0, 3600], got {self.resend_s}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < mqtt.reconnect_min_s <= mqtt.reconnect_max_s")
 

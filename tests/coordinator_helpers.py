@@ -8,6 +8,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from protocol import PrototypeUpdate
+from protocol.security import CoordinatorSecurity
 from protocol.transport import MqttSettings
 
 BUNDLE = "f" * 64
@@ -31,6 +32,8 @@ def config(
         ),
         rounds=RoundSettings(**rounds),  # type: ignore[arg-type]
         mqtt=MqttSettings(port=port),
+        # Signatures have their tests (test_signatures.py); these are about other things.
+        security=CoordinatorSecurity(insecure=True),
     )
 
 

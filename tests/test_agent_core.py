@@ -235,6 +235,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     config.write_text(
         f'agent_id = "dev-e"\nfleet = "lab"\nstate_dir = "{cfg.state_dir}"\nbundle = "{small_zoo}"\n'
         f'[data]\ntrain = "{cfg.data.train}"\n[train]\nout_dim = 32\n'
+        "[security]\ninsecure = true\n"
     )
     bin_dir = Path(sys.executable).parent
 

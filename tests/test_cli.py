@@ -123,10 +123,11 @@ def test_unusable_broker_files_are_one_line_before_anything_starts(tmp_path):
     agent = (
         f'agent_id = "dev-a"\nfleet = "lab"\nstate_dir = "{agent_state}"\n'
         f'bundle = "{tmp_path / "zoo"}"\n[data]\ntrain = "{tmp_path / "train.npz"}"\n'
+        "[security]\ninsecure = true\n"
     )
     coordinator = (
         f'fleet = "lab"\nstate_dir = "{coordinator_state}"\n[model]\nmethod = "fedpcl"\n'
-        'bundle = "b"\nclasses = ["a", "b"]\ndim = 4\n'
+        'bundle = "b"\nclasses = ["a", "b"]\ndim = 4\n[security]\ninsecure = true\n'
     )
     cases = [
         ("edge-agent", agent, 'tls_ca = "{d}/ca.crt"', "mqtt.tls_ca {d}/ca.crt: No such file"),

@@ -230,7 +230,8 @@ def test_status_messages_update_the_client_table(tmp_path, caplog):
         # A restarted coordinator's session replays queued statuses: one line says it.
         for _ in range(3):
             m.record_status(offline.to_wire(), topic_client="dev-0")
-    assert [r.getMessage() for r in caplog.records] == ["client dev-0 is offline (lost)"]
+    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.rounds"]
+    assert said == ["client dev-0 is offline (lost)"]
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0
     assert summary["clients"][0]["updates_accepted"] is None  # it has sent none
@@ -272,3 +273,42 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in(tmp_path):
     assert set(first.extras) == set(shapes)
     for name in shapes:
         assert first.extras[name].tobytes() == second.extras[name].tobytes()
+
+
+def test_a_round_without_its_quorum_closes_above_the_floor_after_its_extensions(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=2, floor=1)
+    m.offer(stand_in_update(0, 0).to_wire())
+    for extension in (1, 2):
+        clock.now += 10.0
+        extended = m.poll()
+        assert extended is not None and extended.round == 0
+        assert m.metrics.value("protofleet_round_extensions") == extension
+    assert m.metrics.value("protofleet_round_stalled") == 0
+    clock.now += 10.0
+    closed = m.poll()
+    assert closed is not None and closed.round == 1 and set(closed.local_sets) == {"dev-0"}
+
+
+def test_a_round_below_its_floor_keeps_waiting_and_says_why(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=1, floor=2)
+    m.offer(stand_in_update(0, 0).to_wire())
+    for _ in range(3):
+        clock.now += 10.0
+        assert m.poll().round == 0
+    assert m.metrics.value("protofleet_round_stalled") == 1
+    summary = m.store.summary()["round"]
+    assert summary["extensions"] == 3
+    assert m.config.stalled(round_=0, updates=1, extensions=3) == (
+        "round 0 has 1 update(s) after 3 deadline extensions, below rounds.floor = 2: "
+        "it closes once that many devices answer"
+    )
+    # A restart keeps the count and the stall; a second update lets it close.
+    m.store.close()
+    again = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=1, floor=2)
+    assert again.metrics.value("protofleet_round_stalled") == 1
+    again.offer(stand_in_update(1, 0).to_wire())
+    clock.now += 10.0
+    assert again.poll().round == 1
+    assert again.metrics.value("protofleet_round_stalled") == 0

@@ -45,6 +45,8 @@ max_rounds = {rounds}
 allow_list = [{allow}]
 [mqtt]
 port = {port}
+[security]
+insecure = true                     # about other things: signatures have test_signatures.py
 """
     )
     return path
