@@ -75,6 +75,9 @@ class RoundSettings:
     #: says why (status, the protofleet_round_stalled metric): never stuck silently.
     max_extensions: int = 3
     floor: int = 1
+    #: A device's online status older than this counts as stale (devices restate it with
+    #: every round they handle), so a client that vanished does not stay "online".
+    online_ttl_s: float = 3600.0
     #: 0 runs forever; otherwise the coordinator publishes a final announcement and stops.
     max_rounds: int = 0
     allow_list: tuple[str, ...] = ()
@@ -87,6 +90,8 @@ class RoundSettings:
             raise ValueError("min_clients must be at least 1")
         if self.wait_after_quorum_s < 0 or self.timeout_s <= 0:
             raise ValueError("wait_after_quorum_s must be >= 0 and timeout_s > 0")
+        if self.online_ttl_s <= 0:
+            raise ValueError("online_ttl_s must be positive")
         if self.max_extensions < 0:
             raise ValueError("max_extensions must be >= 0")
         if not 1 <= self.floor <= self.min_clients:

@@ -5,9 +5,11 @@ way by the MQTT service, an in-memory fleet and the tests."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -113,6 +115,10 @@ class RoundManager:
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
+        # Clients whose statuses are stored: enrolled or allow-listed, or ever accepted.
+        self._known = set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors()
+        self._rejected: Counter[str] = Counter()
+        self._rejected_lock = threading.Lock()
         # What the log last said of each client: a persistent session replays queued
         # status messages after a restart, and repeating "offline" for each says nothing.
         self._logged_status: dict[str, tuple[str, str]] = {}
@@ -153,20 +159,52 @@ class RoundManager:
             self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
         else:
             self.metrics.updates_rejected.labels(reason=decision.reason).inc()
-            self.store.count_rejection(decision.reason)
-            log.info(
-                "rejected update from %s for round %s: %s",
-                decision.client or topic_client,
-                decision.round,
-                decision.reason,
-                extra={
-                    "event": "update_rejected",
-                    "round": decision.round,
-                    "client": decision.client or topic_client,
-                    "reason": decision.reason,
-                },
-            )
+            self._count_rejection(decision.reason)
+            if log.isEnabledFor(logging.DEBUG):  # one line each: a flood must stay cheap
+                log.debug(
+                    "rejected update from %s for round %s: %s",
+                    decision.client or topic_client,
+                    decision.round,
+                    decision.reason,
+                    extra={
+                        "event": "update_rejected",
+                        "round": decision.round,
+                        "client": decision.client or topic_client,
+                        "reason": decision.reason,
+                    },
+                )
         return decision
+
+    def _count_rejection(self, reason: str) -> None:
+        # Counted in memory and written by flush_rejections(): a burst of 20,000 junk
+        # messages must not become 20,000 SQLite transactions and log lines.
+        with self._rejected_lock:
+            self._rejected[reason] += 1
+
+    def flush_rejections(self) -> dict[str, int]:
+        """Write the rejections counted since the last flush to the database and log them
+        as one line (per reason); returns them. The service calls this every few seconds
+        and when it stops."""
+        with self._rejected_lock:
+            counts, self._rejected = self._rejected, Counter()
+        if not counts:
+            return {}
+        self.store.count_rejections(counts)
+        updates = {r: n for r, n in counts.items() if not r.startswith("status_")}
+        statuses = {r[len("status_") :]: n for r, n in counts.items() if r.startswith("status_")}
+        for what, table in (("updates", updates), ("status messages", statuses)):
+            if table:
+                # Duplicates are QoS 1 and re-sends doing their job; the rest deserve a look.
+                level = logging.INFO if set(table) <= {"duplicate"} else logging.WARNING
+                log.log(
+                    level,
+                    "rejected %d %s since the last report: %s",
+                    sum(table.values()),
+                    what,
+                    ", ".join(f"{n} {r}" for r, n in sorted(table.items())),
+                    extra={"event": "rejections", "counts": json.dumps(table, sort_keys=True)},
+                )
+        return dict(counts)
 
     def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
         try:
@@ -189,6 +227,7 @@ class RoundManager:
                 return Decision("duplicate", update.round, update.client, stored)
             digest = self._digests[update.client] = payload_digest(payload)
             self._clients.add(update.client)
+            self._known.add(update.client)
             self._arrivals.append(now)
         return Decision(ACCEPTED, update.round, update.client, digest)
 
@@ -243,12 +282,17 @@ class RoundManager:
         try:
             status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
         except ProtocolError as exc:
-            self.store.count_rejection(f"status_{exc.reason}")
+            self._count_rejection(f"status_{exc.reason}")
             return None
         if status.fleet != self.config.fleet or (
             topic_client is not None and status.client != topic_client
         ):
-            self.store.count_rejection("status_mismatch")
+            self._count_rejection("status_mismatch")
+            return None
+        if status.client not in self._known:
+            # Counted, not stored: invented ids would otherwise fill the clients table
+            # (and the online gauge) for good.
+            self._count_rejection("status_unknown_client")
             return None
         self.store.record_status(
             status.client,
@@ -258,12 +302,22 @@ class RoundManager:
             reason=status.reason,
             at=self._clock(),
         )
-        self.metrics.clients_online.set(self.store.online_count())
+        self.update_online()
         said = (status.state.value, status.reason or "-")
         if self._logged_status.get(status.client) != said:
             self._logged_status[status.client] = said
             log.info("client %s is %s (%s)", status.client, *said)
         return status
+
+    def count_foreign_announcement(self) -> None:
+        """Something other than this coordinator published on the round topic."""
+        self._count_rejection("foreign_announcement")
+
+    def update_online(self) -> None:
+        """The online gauge: devices whose last status is online and fresher than
+        ``rounds.online_ttl_s`` (devices restate it every round)."""
+        since = self._clock() - self.config.rounds.online_ttl_s
+        self.metrics.clients_online.set(self.store.online_count(since=since))
 
     # -- closing -----------------------------------------------------------------------
 

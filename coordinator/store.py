@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from protocol.cliutil import CommandFailed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -85,6 +88,19 @@ CLIENT_FIELDS = (
 
 class StateError(RuntimeError):
     """The state directory belongs to another fleet or is unreadable."""
+
+
+class StorageFault(CommandFailed):
+    """The database cannot be written (a full disk, an I/O error). The coordinator stops
+    taking updates and exits non-zero; systemd restarts it, and an update it had not yet
+    stored was never acknowledged, so the broker delivers it again."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(
+            f"storage error: {cause}; stopped taking updates (an unstored update is "
+            "delivered again after the restart)"
+        )
 
 
 @dataclass(frozen=True)
@@ -307,19 +323,36 @@ class Store:
                 (client, state, version, last_round, reason, at),
             )
 
-    def online_count(self) -> int:
+    def online_count(self, *, since: float = -math.inf) -> int:
+        """Clients whose last status is online and was received after ``since``."""
         with self._lock:
-            return int(self._one("SELECT COUNT(*) FROM clients WHERE state = 'online'"))
-
-    def count_rejection(self, reason: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO rejections VALUES (?, 1) ON CONFLICT (reason) DO UPDATE SET count = count + 1",
-                (reason,),
+            return int(
+                self._one(
+                    "SELECT COUNT(*) FROM clients WHERE state = 'online' AND updated_at > ?",
+                    (since,),
+                )
             )
 
-    def summary(self) -> dict[str, Any]:
-        """Everything ``edge-coordinator status`` prints, read in one snapshot."""
+    def contributors(self) -> set[str]:
+        """Every client that ever had an update accepted."""
+        with self._lock:
+            return {row[0] for row in self._db.execute("SELECT client FROM contributions")}
+
+    def count_rejection(self, reason: str) -> None:
+        self.count_rejections({reason: 1})
+
+    def count_rejections(self, counts: Mapping[str, int]) -> None:
+        """Add rejection counts (by reason) in one transaction."""
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO rejections VALUES (?, ?) "
+                "ON CONFLICT (reason) DO UPDATE SET count = count + excluded.count",
+                sorted(counts.items()),
+            )
+
+    def summary(self, *, online_since: float = -math.inf) -> dict[str, Any]:
+        """Everything ``edge-coordinator status`` prints, read in one snapshot; a client
+        counts as online if its last status says so and came after ``online_since``."""
         with self._lock:
             db = self._db
             latest = db.execute(
@@ -359,7 +392,9 @@ class Store:
             },
             "rounds_completed": completed,
             "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
-            "clients_online": sum(1 for row in clients if row[1] == "online"),
+            "clients_online": sum(
+                1 for row in clients if row[1] == "online" and row[5] > online_since
+            ),
             "rejections": rejections,
             "quarantined": quarantined,
         }

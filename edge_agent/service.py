@@ -289,6 +289,10 @@ class AgentService:
             and not decision.mismatch
             and decision.reason not in IGNORED
         ):
+            if self._open_round != announcement.round and self._open_round is not None:
+                # Restated every round: the coordinator counts an online status older
+                # than rounds.online_ttl_s as stale.
+                self._say_online(self._mismatch_said)
             self._open_round = announcement.round
             pending = self._pending
             if pending is not None and pending.round != announcement.round:

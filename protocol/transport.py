@@ -230,10 +230,12 @@ def make_client(
     client_id: str,
     *,
     will: tuple[str, bytes] | None = None,
+    manual_ack: bool = False,
 ) -> mqtt.Client:
     """A paho client with QoS-1-friendly defaults: persistent session, TLS, credentials,
-    and an optional retained Last Will. Raises :class:`CredentialsError` for an unusable
-    password or TLS file."""
+    and an optional retained Last Will. With ``manual_ack`` a received QoS 1 message is
+    acknowledged only by ``client.ack``: one left unacknowledged is delivered again after
+    a reconnect. Raises :class:`CredentialsError` for an unusable password or TLS file."""
     import paho.mqtt.client as mqtt
 
     credentials = load_credentials(settings)
@@ -243,6 +245,7 @@ def make_client(
         client_id=client_id,
         clean_session=False,
         protocol=mqtt.MQTTv311,
+        manual_ack=manual_ack,
     )
     # paho's default of 20 in-flight QoS 1 messages throttles a burst of updates.
     client.max_inflight_messages_set(1000)

@@ -94,6 +94,8 @@ def test_mismatched_updates_are_rejected_and_counted(tmp_path, change, reason):
     m = manager(tmp_path, Clock())
     bad = dataclasses.replace(stand_in_update(0, 0), **change)
     assert m.offer(bad.to_wire()).reason == reason
+    assert m.store.summary()["rejections"] == {}  # counted in memory ...
+    assert m.flush_rejections() == {reason: 1}  # ... and written every few seconds
     assert m.store.summary()["rejections"] == {reason: 1}
     assert m.metrics.value("protofleet_updates_rejected_total", reason=reason) == 1
 
@@ -107,6 +109,7 @@ def test_duplicates_malformed_and_foreign_clients(tmp_path):
     assert m.offer(stand_in_update(1, 0).to_wire()).reason == "not_allowed"
     assert m.offer(b"\xc1garbage").reason == "malformed"
     assert m.offer(b"x" * (2 << 20)).reason == "too_large"
+    m.flush_rejections()
     assert m.store.summary()["rejections"] == {
         "duplicate": 1,
         "client_mismatch": 1,
@@ -219,7 +222,7 @@ def test_state_of_another_fleet_is_refused(tmp_path):
 
 
 def test_status_messages_update_the_client_table(tmp_path, caplog):
-    m = manager(tmp_path, Clock())
+    m = manager(tmp_path, Clock(), allow_list=("dev-0",))
     online = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
     m.record_status(online.to_wire(), topic_client="dev-0")
     assert m.metrics.value("protofleet_clients_online") == 1
@@ -312,3 +315,30 @@ def test_a_round_below_its_floor_keeps_waiting_and_says_why(tmp_path):
     clock.now += 10.0
     assert again.poll().round == 1
     assert again.metrics.value("protofleet_round_stalled") == 0
+
+
+def test_statuses_of_unknown_clients_are_counted_not_stored_and_online_expires(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, online_ttl_s=60.0)
+
+    def say(client: str) -> None:
+        status = Status(fleet="lab", client=client, state=AgentState.ONLINE, version="x")
+        m.record_status(status.to_wire(), topic_client=client)
+
+    # Known: enrolled, allow-listed, or (as here, unsigned and open) once it has contributed.
+    assert m.offer(stand_in_update(0, 0).to_wire(), topic_client="dev-0").accepted
+    for i in range(2_000):  # a flood of invented ids, all "online"
+        say(f"ghost-{i}")
+    say("dev-0")
+    say("dev-1")  # before its first update: not known yet
+    assert m.flush_rejections() == {"status_unknown_client": 2_001}
+    assert [c["client"] for c in m.store.summary()["clients"]] == ["dev-0"]
+    assert m.metrics.value("protofleet_clients_online") == 1
+    assert m.offer(stand_in_update(1, 0).to_wire(), topic_client="dev-1").accepted
+    say("dev-1")
+    assert [c["client"] for c in m.store.summary()["clients"]] == ["dev-0", "dev-1"]
+    assert m.metrics.value("protofleet_clients_online") == 2
+    clock.now += 61.0  # neither restated its status within online_ttl_s
+    m.update_online()
+    assert m.metrics.value("protofleet_clients_online") == 0
+    assert m.store.summary(online_since=clock.now - 60.0)["clients_online"] == 0

@@ -179,3 +179,113 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
     shown = status("edge-agent", cfg)
     assert shown["last_round"] == 1
     assert shown["ignored_announcements"] == {"wrong_dim": 2}  # once per process
+
+
+def flood(address, topics: list[str], payloads: list[bytes], *, client_id: str) -> None:
+    """Publish every payload (QoS 1) as fast as the broker takes them."""
+    import paho.mqtt.client as mqtt
+
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    pub.max_inflight_messages_set(1000)
+    pub.connect(address.host, address.port)
+    pub.loop_start()
+    try:
+        infos = [pub.publish(t, p, qos=1) for t, p in zip(topics, payloads, strict=True)]
+        for info in infos:
+            info.wait_for_publish(120)
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+
+
+def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
+    from protocol import AgentState, Status, status_topic
+
+    config = coordinator_toml(tmp_path, mosquitto.address.port, clients=4)
+    proc = serve(config)
+    try:
+        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            fleet = Fleet(mosquitto, inbox, pub)
+            fleet.announcement(0)
+            fleet.send([stand_in_update(i, 0) for i in range(3)])  # known from here on
+            ghosts = [f"ghost-{i}" for i in range(20_000)]
+            flood(
+                mosquitto.address,
+                [status_topic("lab", g) for g in ghosts],
+                [
+                    Status(fleet="lab", client=g, state=AgentState.ONLINE, version="x").to_wire()
+                    for g in ghosts
+                ],
+                client_id="ghosts",
+            )
+            real = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
+            pub.publish(status_topic("lab", "dev-0"), real.to_wire(), qos=1).wait_for_publish(10)
+            fleet.send([stand_in_update(3, 0)])  # the round closes behind the flood
+            fleet.announcement(1, timeout=120)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    finally:
+        proc.kill()
+    shown = status("edge-coordinator", config)
+    assert [c["client"] for c in shown["clients"]] == ["dev-0", "dev-1", "dev-2", "dev-3"]
+    assert shown["clients_online"] == 1  # dev-0 said so; no ghost is stored
+    # The broker may drop what overflows the coordinator's queue; the rest is counted.
+    assert 0 < shown["rejections"]["status_unknown_client"] <= 20_000
+    # Summarised per interval, not a line per message (WARNING and above are shown).
+    assert len(stderr.splitlines()) < 20, stderr
+
+
+@pytest.mark.slow
+def test_20000_junk_messages_during_a_round_lose_no_honest_update(mosquitto, small_zoo, tmp_path):
+    from export import bundle as bundle_mod
+    from protocol import update_topic
+    from tests.process_helpers import agent_process
+    from tests.test_agent_service import write_config
+
+    bundle_id = bundle_mod.load(small_zoo).id
+    port = mosquitto.address.port
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'fleet = "lab"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[model]\nbundle = "{bundle_id}"\ndim = 32\n'
+        "[rounds]\nmin_clients = 3\nwait_after_quorum_s = 0.0\ntimeout_s = 600.0\n"
+        f"max_rounds = 1\n[mqtt]\nport = {port}\n[security]\ninsecure = true\n"
+    )
+    agents = []
+    for name, domain in (("dev-a", "clean"), ("dev-b", "inverted"), ("dev-c", "colour")):
+        cfg, _ = write_config(tmp_path / name, small_zoo, name, domain, port, epochs=3)
+        cfg.write_text(cfg.read_text().replace("[mqtt]\n", "[mqtt]\nresend_s = 1.0\n"))
+        agents.append(cfg)
+    rng = np.random.default_rng(7)
+    junk = [rng.bytes(int(n)) for n in rng.integers(1, 400, size=20_000)]
+    topics = [update_topic("lab", f"junk-{i % 50}") for i in range(len(junk))]
+    proc = serve(config)
+    procs = [agent_process(cfg) for cfg in agents]
+    try:
+        with connected(mosquitto.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox):
+            procs[0].wait_for("round 0: training", timeout=180)
+            flood(mosquitto.address, topics, junk, client_id="junk")
+            for agent in procs:
+                agent.wait_for("round 0: update stored by the coordinator", timeout=180)
+            final = Fleet(mosquitto, inbox, None).announcement(1, timeout=120)
+        assert set(final.local_sets) == {"dev-a", "dev-b", "dev-c"}
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+        assert len(stderr.splitlines()) < 30, stderr  # summaries, not 20,000 lines
+        for agent in procs:
+            assert agent.stop() == 0
+    finally:
+        proc.kill()
+        for agent in procs:
+            agent.close()
+    rejections = status("edge-coordinator", config)["rejections"]
+    junk_counted = sum(n for r, n in rejections.items() if r != "duplicate" and "status" not in r)
+    # Whatever the broker did not drop from the coordinator's full queue was counted.
+    assert 0 < junk_counted <= 20_000
+    # Duplicates are the devices' re-sends of updates already stored: answered, not lost.
+    assert set(rejections) - {"duplicate", "status_unknown_client"} <= {
+        "malformed", "field", "array", "id", "version", "too_large"
+    }  # fmt: skip
