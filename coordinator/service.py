@@ -37,6 +37,9 @@ from protocol.transport import (
 
 log = logging.getLogger(__name__)
 
+#: The longest wait between two attempts to reach the broker again.
+RECONNECT_MAX_S = 5.0
+
 
 class CoordinatorService:
     """Subscribes to updates and statuses, publishes retained round announcements.
@@ -62,6 +65,13 @@ class CoordinatorService:
         # A message is acknowledged once handled: one that could not be stored (a full
         # disk) stays unacknowledged and the broker delivers it again after the restart.
         self.client = make_client(self.config.mqtt, self.config.coordinator_id, manual_ack=True)
+        # paho doubles its reconnect delay up to the maximum: after a long broker outage a
+        # coordinator came back up to a minute after the broker. It is one client; trying
+        # every few seconds costs a broker nothing, and rounds resume within that time.
+        self.client.reconnect_delay_set(
+            min_delay=1,
+            max_delay=max(1, int(min(self.config.mqtt.reconnect_max_s, RECONNECT_MAX_S))),
+        )
         self._fault: BaseException | None = None
         self._flushed = time.monotonic()
         # Digests of the announcements this coordinator published lately, to tell its own

@@ -713,3 +713,25 @@ def test_a_sweep_in_this_process_lets_go_of_its_out_folder_when_it_ends(
     assert cmd_run(build_parser().parse_args(argv)) == 0  # not main(): it sets up logging
     assert "report.json" in capsys.readouterr().out
     assert (out / ".lock").exists() and holder(out / ".lock") is None
+
+
+def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from fleet.runner import _liveness
+    from protocol.cliutil import CommandFailed
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    done.wait()
+    crashed.wait()
+    log = tmp_path / "x.log"
+    finished = _liveness({"the coordinator": (done, log)}, lambda: None, lambda: None, grace_s=0)
+    finished()  # its final announcement may still be on its way: nothing to report
+    failed = _liveness({"the coordinator": (crashed, log)}, lambda: None, lambda: None, grace_s=0)
+    with pytest.raises(CommandFailed, match=r"the coordinator exited early \(status 3\)"):
+        failed()
+    worker = _liveness({"worker 0": (done, log)}, lambda: None, lambda: None, grace_s=0)
+    with pytest.raises(CommandFailed, match="worker 0 exited early"):
+        worker()  # a worker never finishes by itself
