@@ -71,6 +71,8 @@ def intake_rate(count: int = 5_000) -> tuple[float, float]:
             f'[model]\nbundle = "{BUNDLE}"\n'
             f"[rounds]\nmin_clients = {count + 1}\ntimeout_s = 3600.0\n"
             f"[mqtt]\nport = {broker.address.port}\n"
+            # Unsigned stand-in updates: the figure stays comparable with earlier runs.
+            "[security]\ninsecure = true\n"
         )
         proc = subprocess.Popen(
             [
@@ -121,6 +123,7 @@ def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
     from coordinator.store import Store
+    from protocol.security import CoordinatorSecurity
 
     now = [0.0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,6 +134,7 @@ def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
             rounds=RoundSettings(
                 min_clients=clients, wait_after_quorum_s=0.0, keep_rounds=keep_rounds
             ),
+            security=CoordinatorSecurity(insecure=True),
         )
         store = Store(cfg.database)
         manager = RoundManager(config=cfg, store=store, metrics=Metrics(), clock=lambda: now[0])

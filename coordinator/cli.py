@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sqlite3
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator import config as config_mod
-from coordinator.store import StateError, Store
+from coordinator.store import StateError, StorageFault, Store
 from protocol.cliutil import (
     UsageError,
     add_example_config,
@@ -76,6 +78,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         except (StateError, ValueError) as exc:
             store.close()
             raise CannotServe(str(exc)) from exc
+        except sqlite3.Error as exc:  # a full disk at start: one line, exit 1, a restart
+            store.close()
+            raise StorageFault(exc) from exc
         # The registry is the process's, so counters outlive reloads; the endpoint moves
         # when a reload changes its address (a refused reload rebinds the old one).
         wanted = (cfg.metrics.host, cfg.metrics.port) if cfg.metrics.port else None
@@ -118,12 +123,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     except StateError as exc:
         raise UsageError(str(exc)) from exc
     try:
-        summary = store.summary()
+        summary = store.summary(online_since=time.time() - cfg.rounds.online_ttl_s)
     finally:
         store.close()
+    open_round = summary["round"]
+    if open_round is not None and open_round["closed_at"] is None:
+        open_round["stalled"] = cfg.stalled(
+            round_=open_round["number"],
+            updates=open_round["updates"],
+            extensions=open_round["extensions"],
+        )
     report = {
         "fleet": cfg.fleet,
         "database": str(cfg.database),
+        # Signed messages, or the explicit choice to go without them.
+        "security": "insecure" if cfg.security.insecure else "signed",
         "running_pid": holder(cfg.run_lock),  # null: no coordinator has this database open
         **summary,
     }

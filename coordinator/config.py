@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from coordinator.admission import AVERAGED, Admission
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import validate_id
+from protocol.security import CoordinatorSecurity
 from protocol.settings import load_config
 from protocol.transport import MqttSettings
 
@@ -32,6 +34,11 @@ class ModelSettings:
     #: Server-side strategy parameters, e.g. ``weighting = "paper"`` for FedPCL.
     strategy: Mapping[str, Scalar] = field(default_factory=dict)
     announce_dtype: Literal["f2", "f4"] = "f4"
+    #: FedAvg and FPL: the bundle's feature size (``feature_dim`` in its bundle.json) and
+    #: the devices' ``[train] norm``. With ``dim`` and the class list they fix the shapes
+    #: of the weights devices send (protocol.weights), so no update can choose them.
+    feature_dim: int = 0
+    norm: Literal["batch", "group"] = "batch"
 
     def __post_init__(self) -> None:
         if self.method not in available():
@@ -42,6 +49,12 @@ class ModelSettings:
             raise ValueError("classes must be unique")
         if self.dim < 1:
             raise ValueError("dim must be positive")
+        if self.method in AVERAGED and self.feature_dim < 1:
+            raise ValueError(
+                f"feature_dim is required for {self.method}: the bundle's feature size "
+                "(feature_dim in its bundle.json), which fixes the shapes of the weights "
+                "devices send"
+            )
         # Built once here so that a bad [model.strategy] is reported with the file's name
         # when the configuration is read, not by the first round.
         make_strategy(self.method, robust=None, **self.strategy)
@@ -51,11 +64,20 @@ class ModelSettings:
 class RoundSettings:
     """When a round closes: ``min_clients`` updates and ``wait_after_quorum`` seconds more
     (or every allow-listed client), or the deadline with at least ``min_clients``;
-    otherwise the deadline is extended by ``timeout_s``."""
+    otherwise the deadline is extended by ``timeout_s``, up to ``max_extensions`` times,
+    after which the round closes with at least ``floor`` updates."""
 
     min_clients: int = 1
     wait_after_quorum_s: float = 5.0
     timeout_s: float = 300.0
+    #: Deadline extensions without the quorum; after them a round closes with what it
+    #: has if that is at least ``floor`` updates. Below the floor it keeps waiting and
+    #: says why (status, the protofleet_round_stalled metric): never stuck silently.
+    max_extensions: int = 3
+    floor: int = 1
+    #: A device's online status older than this counts as stale (devices restate it with
+    #: every round they handle), so a client that vanished does not stay "online".
+    online_ttl_s: float = 3600.0
     #: 0 runs forever; otherwise the coordinator publishes a final announcement and stops.
     max_rounds: int = 0
     allow_list: tuple[str, ...] = ()
@@ -68,6 +90,12 @@ class RoundSettings:
             raise ValueError("min_clients must be at least 1")
         if self.wait_after_quorum_s < 0 or self.timeout_s <= 0:
             raise ValueError("wait_after_quorum_s must be >= 0 and timeout_s > 0")
+        if self.online_ttl_s <= 0:
+            raise ValueError("online_ttl_s must be positive")
+        if self.max_extensions < 0:
+            raise ValueError("max_extensions must be >= 0")
+        if not 1 <= self.floor <= self.min_clients:
+            raise ValueError(f"floor must be in [1, min_clients = {self.min_clients}]")
         if self.max_rounds < 0:
             raise ValueError("max_rounds must be >= 0")
         if self.keep_rounds < 0:
@@ -76,6 +104,27 @@ class RoundSettings:
             validate_id(client, field="rounds.allow_list")
         if self.allow_list and self.min_clients > len(self.allow_list):
             raise ValueError("min_clients exceeds the number of allow-listed clients")
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Public bounds every update must meet before it is stored (coordinator.admission).
+
+    ``max_count``: the most samples one device may claim for one class; an update claiming
+    more is rejected, so a device cannot outweigh the fleet by its counts. ``max_value``:
+    the largest magnitude of any prototype or weight value (prototypes are unit-norm means:
+    well inside 1 without noise). Together they keep every aggregate finite.
+    """
+
+    max_count: float = 100_000.0
+    max_value: float = 1_000.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_count <= 1e9:
+            raise ValueError(f"max_count must be in (0, 1e9], got {self.max_count}")
+        # An announcement may carry float16 (announce_dtype = "f2"): its largest value.
+        if not 0 < self.max_value <= 65504:
+            raise ValueError(f"max_value must be in (0, 65504], got {self.max_value}")
 
 
 @dataclass(frozen=True)
@@ -97,12 +146,39 @@ class CoordinatorConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     robust: RobustOptions = field(default_factory=RobustOptions)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    security: CoordinatorSecurity = field(default_factory=CoordinatorSecurity)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         validate_id(self.coordinator_id, field="coordinator_id")
+
+    def stalled(self, *, round_: int, updates: int, extensions: int) -> str | None:
+        """Why the open round cannot close, when it cannot: said by status and metrics."""
+        rounds = self.rounds
+        if extensions < rounds.max_extensions or updates >= rounds.floor:
+            return None
+        return (
+            f"round {round_} has {updates} update(s) after {extensions} deadline extensions, "
+            f"below rounds.floor = {rounds.floor}: it closes once that many devices answer"
+        )
+
+    def admission_checks(self) -> Admission:
+        model = self.model
+        return Admission.for_fleet(
+            fleet=self.fleet,
+            bundle=model.bundle,
+            method=model.method,
+            classes=len(model.classes),
+            dim=model.dim,
+            max_count=self.admission.max_count,
+            max_value=self.admission.max_value,
+            feature_dim=model.feature_dim,
+            norm=model.norm,
+            allow_list=self.rounds.allow_list,
+        )
 
     @property
     def database(self) -> Path:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 
 class Metrics:
@@ -25,6 +32,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.updates_quarantined = Counter(
+            "protofleet_updates_quarantined",
+            "Stored updates set aside on resume because they fail today's admission checks",
+            registry=self.registry,
+        )
         self.clients_online = Gauge(
             "protofleet_clients_online",
             "Clients whose last status is online",
@@ -42,8 +54,41 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
             registry=self.registry,
         )
+        self.insecure = Gauge(
+            "protofleet_insecure",
+            "1 when security.insecure = true: messages are neither signed nor checked",
+            registry=self.registry,
+        )
+        self.client_last_accepted = Gauge(
+            "protofleet_client_last_accepted_round",
+            "The last round in which a device's update was accepted (a receipt was sent)",
+            ["client"],
+            registry=self.registry,
+        )
+        self.storage_errors = Counter(
+            "protofleet_storage_errors",
+            "Storage errors (each stops the coordinator; systemd restarts it)",
+            registry=self.registry,
+        )
+        # process_start_time_seconds: a restart loop (a full disk) shows in its changes.
+        ProcessCollector(registry=self.registry)
         self.current_round = Gauge(
             "protofleet_current_round", "The open round", registry=self.registry
+        )
+        self.round_opened = Gauge(
+            "protofleet_round_opened_timestamp_seconds",
+            "When the open round was opened (Unix seconds)",
+            registry=self.registry,
+        )
+        self.round_extensions = Gauge(
+            "protofleet_round_extensions",
+            "Deadline extensions of the open round so far",
+            registry=self.registry,
+        )
+        self.round_stalled = Gauge(
+            "protofleet_round_stalled",
+            "1 while the open round has used its extensions and is below rounds.floor",
+            registry=self.registry,
         )
 
     def serve(self, *, host: str, port: int) -> None:

@@ -5,22 +5,29 @@ way by the MQTT service, an in-memory fleet and the tests."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
+from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
+from protocol.auth import sign, signature_problem
+from protocol.receipts import payload_digest
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M")
 
 ACCEPTED = "accepted"
 
@@ -32,6 +39,9 @@ class Decision:
     reason: str
     round: int | None = None
     client: str | None = None
+    #: The SHA-256 of the update stored for (round, client), when one is: what the
+    #: device's receipt names (for a duplicate, the digest of the first copy).
+    digest: str | None = None
 
     @property
     def accepted(self) -> bool:
@@ -59,6 +69,9 @@ class RoundManager:
         )
         self._clock = clock
         self._lock = threading.RLock()
+        self.keys = CoordinatorKeys.load(config.security)
+        self.run_id = store.run_id()
+        self.metrics.insecure.set(1 if self.keys.insecure else 0)
         self._dtype: type[np.floating[Any]] = (
             np.float16 if config.model.announce_dtype == "f2" else np.float32
         )
@@ -87,17 +100,38 @@ class RoundManager:
             )
         self._round = latest.round
         self._opened_at = latest.opened_at
+        self._extensions = latest.extensions
         self._deadline = latest.deadline
-        self._announcement = RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
+        # Signed afresh: the key (or security.insecure) may have changed since it was stored.
+        self._announcement = self.sign(
+            RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
+        )
         self._done = latest.closed_at is not None  # the final round is stored closed
-        self._clients = {c for c, _ in store.updates(latest.round)}
+        self._admission = config.admission_checks()
+        self._quarantine_failing(latest.round)
+        # Digests of the open round's stored updates, by client, for receipts.
+        self._digests = {c: payload_digest(p) for c, p in store.updates(latest.round)}
+        self._clients = set(self._digests)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
+        # Clients whose statuses are stored: enrolled or allow-listed, or ever accepted.
+        self._known = set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors()
+        self._rejected: Counter[str] = Counter()
+        self._rejected_lock = threading.Lock()
         # What the log last said of each client: a persistent session replays queued
         # status messages after a restart, and repeating "offline" for each says nothing.
         self._logged_status: dict[str, tuple[str, str]] = {}
         self.metrics.current_round.set(self._round)
+        self.metrics.round_opened.set(self._opened_at)
+        self.metrics.round_extensions.set(self._extensions)
+        self.metrics.round_stalled.set(
+            1
+            if config.stalled(
+                round_=self._round, updates=len(self._arrivals), extensions=self._extensions
+            )
+            else 0
+        )
 
     # -- state -------------------------------------------------------------------------
 
@@ -121,22 +155,56 @@ class RoundManager:
         decision = self._judge(payload, topic_client)
         if decision.accepted:
             self.metrics.updates_accepted.inc()
+            assert decision.client is not None and decision.round is not None
+            self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
         else:
             self.metrics.updates_rejected.labels(reason=decision.reason).inc()
-            self.store.count_rejection(decision.reason)
-            log.info(
-                "rejected update from %s for round %s: %s",
-                decision.client or topic_client,
-                decision.round,
-                decision.reason,
-                extra={
-                    "event": "update_rejected",
-                    "round": decision.round,
-                    "client": decision.client or topic_client,
-                    "reason": decision.reason,
-                },
-            )
+            self._count_rejection(decision.reason)
+            if log.isEnabledFor(logging.DEBUG):  # one line each: a flood must stay cheap
+                log.debug(
+                    "rejected update from %s for round %s: %s",
+                    decision.client or topic_client,
+                    decision.round,
+                    decision.reason,
+                    extra={
+                        "event": "update_rejected",
+                        "round": decision.round,
+                        "client": decision.client or topic_client,
+                        "reason": decision.reason,
+                    },
+                )
         return decision
+
+    def _count_rejection(self, reason: str) -> None:
+        # Counted in memory and written by flush_rejections(): a burst of 20,000 junk
+        # messages must not become 20,000 SQLite transactions and log lines.
+        with self._rejected_lock:
+            self._rejected[reason] += 1
+
+    def flush_rejections(self) -> dict[str, int]:
+        """Write the rejections counted since the last flush to the database and log them
+        as one line (per reason); returns them. The service calls this every few seconds
+        and when it stops."""
+        with self._rejected_lock:
+            counts, self._rejected = self._rejected, Counter()
+        if not counts:
+            return {}
+        self.store.count_rejections(counts)
+        updates = {r: n for r, n in counts.items() if not r.startswith("status_")}
+        statuses = {r[len("status_") :]: n for r, n in counts.items() if r.startswith("status_")}
+        for what, table in (("updates", updates), ("status messages", statuses)):
+            if table:
+                # Duplicates are QoS 1 and re-sends doing their job; the rest deserve a look.
+                level = logging.INFO if set(table) <= {"duplicate"} else logging.WARNING
+                log.log(
+                    level,
+                    "rejected %d %s since the last report: %s",
+                    sum(table.values()),
+                    what,
+                    ", ".join(f"{n} {r}" for r, n in sorted(table.items())),
+                    extra={"event": "rejections", "counts": json.dumps(table, sort_keys=True)},
+                )
+        return dict(counts)
 
     def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
         try:
@@ -145,7 +213,7 @@ class RoundManager:
             )
         except ProtocolError as exc:
             return Decision(exc.reason)
-        reject = self._mismatch(update, topic_client)
+        reject = self._admission.check(update, topic_client=topic_client) or self._forged(update)
         if reject:
             return Decision(reject, update.round, update.client)
         with self._lock:
@@ -155,29 +223,58 @@ class RoundManager:
             if not self.store.add_update(
                 self._round, update.client, bytes(payload), received_at=now
             ):
-                return Decision("duplicate", update.round, update.client)
+                stored = self._digests.get(update.client)
+                return Decision("duplicate", update.round, update.client, stored)
+            digest = self._digests[update.client] = payload_digest(payload)
             self._clients.add(update.client)
+            self._known.add(update.client)
             self._arrivals.append(now)
-        return Decision(ACCEPTED, update.round, update.client)
+        return Decision(ACCEPTED, update.round, update.client, digest)
 
-    def _mismatch(self, update: PrototypeUpdate, topic_client: str | None) -> str | None:
-        model = self.config.model
-        if topic_client is not None and update.client != topic_client:
-            return "client_mismatch"
-        if update.fleet != self.config.fleet:
-            return "wrong_fleet"
-        if update.bundle != model.bundle:
-            return "wrong_bundle"
-        if update.method != model.method:
-            return "wrong_method"
-        allow = self.config.rounds.allow_list
-        if allow and update.client not in allow:
-            return "not_allowed"
-        if any(c >= len(model.classes) for c in update.classes):
-            return "unknown_class"
-        if update.prototypes.shape[1] != model.dim:
-            return "wrong_dim"
-        return None
+    def _forged(self, update: PrototypeUpdate) -> str | None:
+        """Why ``update`` is not signed by its enrolled device for this run, if it is not."""
+        if self.keys.insecure:
+            return None
+        return signature_problem(update, self.keys.devices.get(update.client), run=self.run_id)
+
+    def sign(self, message: M) -> M:
+        """``message`` signed by the coordinator for this run (as is, when insecure)."""
+        unsigned = dataclasses.replace(message, auth=None)  # type: ignore[type-var]
+        if self.keys.signer is None:
+            return unsigned
+        return sign(unsigned, self.keys.signer, run=self.run_id)
+
+    def _quarantine_failing(self, round_: int) -> None:
+        """Set aside the open round's stored updates that today's checks refuse.
+
+        They were admitted by an older version or another configuration (a reload that
+        lowered ``admission.max_count``, say); aggregating them could fail at every
+        restart, so they leave the round, counted, and the service keeps serving."""
+        for client, payload in self.store.updates(round_):
+            try:
+                update = PrototypeUpdate.from_wire(payload, max_bytes=len(payload))
+            except ProtocolError as exc:
+                reason: str | None = exc.reason
+            else:
+                reason = self._admission.check(update) or self._forged(update)
+                if reason is None and update.round != round_:
+                    reason = "wrong_round"
+            if reason is None:
+                continue
+            self.store.quarantine(round_, client, reason)
+            self.metrics.updates_quarantined.inc()
+            log.warning(
+                "round %d: the stored update of %s fails today's checks (%s); quarantined",
+                round_,
+                client,
+                reason,
+                extra={
+                    "event": "update_quarantined",
+                    "round": round_,
+                    "client": client,
+                    "reason": reason,
+                },
+            )
 
     def record_status(
         self, payload: bytes | bytearray, *, topic_client: str | None = None
@@ -185,12 +282,17 @@ class RoundManager:
         try:
             status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
         except ProtocolError as exc:
-            self.store.count_rejection(f"status_{exc.reason}")
+            self._count_rejection(f"status_{exc.reason}")
             return None
         if status.fleet != self.config.fleet or (
             topic_client is not None and status.client != topic_client
         ):
-            self.store.count_rejection("status_mismatch")
+            self._count_rejection("status_mismatch")
+            return None
+        if status.client not in self._known:
+            # Counted, not stored: invented ids would otherwise fill the clients table
+            # (and the online gauge) for good.
+            self._count_rejection("status_unknown_client")
             return None
         self.store.record_status(
             status.client,
@@ -200,12 +302,22 @@ class RoundManager:
             reason=status.reason,
             at=self._clock(),
         )
-        self.metrics.clients_online.set(self.store.online_count())
+        self.update_online()
         said = (status.state.value, status.reason or "-")
         if self._logged_status.get(status.client) != said:
             self._logged_status[status.client] = said
             log.info("client %s is %s (%s)", status.client, *said)
         return status
+
+    def count_foreign_announcement(self) -> None:
+        """Something other than this coordinator published on the round topic."""
+        self._count_rejection("foreign_announcement")
+
+    def update_online(self) -> None:
+        """The online gauge: devices whose last status is online and fresher than
+        ``rounds.online_ttl_s`` (devices restate it every round)."""
+        since = self._clock() - self.config.rounds.online_ttl_s
+        self.metrics.clients_online.set(self.store.online_count(since=since))
 
     # -- closing -----------------------------------------------------------------------
 
@@ -240,10 +352,14 @@ class RoundManager:
             now = self._clock()
             due = self.close_time()
             if due is None:
-                if now >= self._deadline:
-                    self._extend(now)
-                    return self._announcement
-                return None
+                if now < self._deadline:
+                    return None
+                rounds = self.config.rounds
+                have = len(self._arrivals)
+                if self._extensions >= rounds.max_extensions and have >= rounds.floor:
+                    return self._close(now)  # with what it has, below the quorum
+                self._extend(now)
+                return self._announcement
             if now < due:
                 return None
             return self._close(now)
@@ -251,15 +367,27 @@ class RoundManager:
     def _extend(self, now: float) -> None:
         have = len(self._arrivals)
         self._deadline = now + self.config.rounds.timeout_s
+        self._extensions += 1
+        stalled = self.config.stalled(round_=self._round, updates=have, extensions=self._extensions)
+        self.metrics.round_extensions.set(self._extensions)
+        self.metrics.round_stalled.set(1 if stalled else 0)
         log.warning(
-            "round %d: deadline passed with %d of %d required updates; extended by %.0f s",
+            "round %d: deadline passed with %d of %d required updates; extended by %.0f s%s",
             self._round,
             have,
             self.config.rounds.min_clients,
             self.config.rounds.timeout_s,
-            extra={"event": "deadline_extended", "round": self._round, "updates": have},
+            f" ({stalled})" if stalled else "",
+            extra={
+                "event": "deadline_extended",
+                "round": self._round,
+                "updates": have,
+                "stalled": bool(stalled),
+            },
         )
-        self._announcement = self._rebuild(self._announcement, deadline=self._deadline)
+        self._announcement = self.sign(
+            dataclasses.replace(self._announcement, deadline=self._deadline)
+        )
         self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
 
     def _close(self, now: float) -> RoundAnnouncement:
@@ -286,6 +414,15 @@ class RoundManager:
             self.store.close_round(finished, closed_at=now)
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - self._opened_at)
+        if len(updates) < self.config.rounds.min_clients:
+            log.warning(
+                "round %d: closing with %d update(s), below min_clients = %d, after %d "
+                "deadline extensions (rounds.max_extensions)",
+                self._round,
+                len(updates),
+                self.config.rounds.min_clients,
+                self._extensions,
+            )
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",
             self._round,
@@ -301,11 +438,19 @@ class RoundManager:
             },
         )
         self._round, self._opened_at, self._deadline = finished, now, deadline
+        self._extensions = 0
+        self.metrics.round_extensions.set(0)
+        self.metrics.round_stalled.set(0)
+        self.metrics.round_opened.set(now)
         self._announcement, self._done, self._clients, self._arrivals = nxt, final, set(), []
+        self._digests = {}
         self.metrics.current_round.set(finished)
         return nxt
 
     # -- announcements -----------------------------------------------------------------
+
+    def _signed_announcement(self, **fields: Any) -> RoundAnnouncement:
+        return self.sign(RoundAnnouncement(**fields))
 
     def _announce(
         self, round_: int, result: Aggregate, *, deadline: float, final: bool = False
@@ -316,7 +461,7 @@ class RoundManager:
         protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
             len(result.global_classes), dim
         )
-        return RoundAnnouncement(
+        return self._signed_announcement(
             fleet=self.config.fleet,
             round=round_,
             bundle=model.bundle,
@@ -330,7 +475,3 @@ class RoundManager:
             client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
             extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
         )
-
-    @staticmethod
-    def _rebuild(old: RoundAnnouncement, *, deadline: float) -> RoundAnnouncement:
-        return dataclasses.replace(old, deadline=deadline)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import sqlite3
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from coordinator.rounds import RoundManager
+from coordinator.rounds import Decision, RoundManager
+from coordinator.store import StorageFault
 from protocol import (
     RoundAnnouncement,
     TopicError,
@@ -19,6 +24,8 @@ from protocol import (
     status_filter,
     update_filter,
 )
+from protocol.receipts import Receipt, payload_digest
+from protocol.topics import receipt_topic
 from protocol.transport import (
     TakeoverWatch,
     close_with_last_word,
@@ -29,6 +36,9 @@ from protocol.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The longest wait between two attempts to reach the broker again.
+RECONNECT_MAX_S = 5.0
 
 
 class CoordinatorService:
@@ -41,6 +51,8 @@ class CoordinatorService:
     """
 
     TICK_S = 5.0  # the main loop wakes at least this often, round due or not
+    FLUSH_S = 5.0  # rejections counted in memory reach the database and log this often
+    REASSERT_S = 1.0  # the soonest the announcement is republished over a foreign one
 
     def __init__(self, *, manager: RoundManager, exit_when_done: bool = True) -> None:
         self.manager = manager
@@ -50,7 +62,22 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._last_tick: float | None = None
-        self.client = make_client(self.config.mqtt, self.config.coordinator_id)
+        # A message is acknowledged once handled: one that could not be stored (a full
+        # disk) stays unacknowledged and the broker delivers it again after the restart.
+        self.client = make_client(self.config.mqtt, self.config.coordinator_id, manual_ack=True)
+        # paho doubles its reconnect delay up to the maximum: after a long broker outage a
+        # coordinator came back up to a minute after the broker. It is one client; trying
+        # every few seconds costs a broker nothing, and rounds resume within that time.
+        self.client.reconnect_delay_set(
+            min_delay=1,
+            max_delay=max(1, int(min(self.config.mqtt.reconnect_max_s, RECONNECT_MAX_S))),
+        )
+        self._fault: BaseException | None = None
+        self._flushed = time.monotonic()
+        # Digests of the announcements this coordinator published lately, to tell its own
+        # retained message from anything else published on the round topic.
+        self._own: deque[str] = deque(maxlen=4)
+        self._reasserted = -math.inf
         self._takeover = TakeoverWatch(client_id=self.config.coordinator_id)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -66,7 +93,9 @@ class CoordinatorService:
             log.error("broker refused the connection: %s", reason)
             return
         fleet = self.config.fleet
-        client.subscribe([(update_filter(fleet), 1), (status_filter(fleet), 1)])
+        client.subscribe(
+            [(update_filter(fleet), 1), (status_filter(fleet), 1), (round_topic(fleet), 1)]
+        )
         # Republish on every (re)connect: the broker may have lost its retained store.
         self._publish(self.manager.announcement)
         self._connected.set()
@@ -93,6 +122,27 @@ class CoordinatorService:
             log.warning("%s; retrying", connect_failure(self.config.mqtt))
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        # Nothing may escape into paho's network thread: an exception there ends the
+        # thread, and with it every reconnect, leaving a coordinator up but deaf.
+        if self._fault is not None:
+            return  # intake has stopped; unacknowledged, so delivered again later
+        try:
+            self._handle(client, message)
+        except (sqlite3.Error, OSError) as exc:
+            self._stop_intake(exc)
+            return
+        except Exception as exc:
+            log.exception("unexpected error handling a message on %s", message.topic)
+            self._stop_intake(exc)
+            return
+        client.ack(message.mid, message.qos)
+
+    def _stop_intake(self, exc: BaseException) -> None:
+        self._fault = exc
+        self.manager.metrics.storage_errors.inc()
+        self._wake.set()
+
+    def _handle(self, client: mqtt.Client, message: mqtt.MQTTMessage) -> None:
         try:
             topic = parse_topic(message.topic)
         except TopicError:
@@ -104,15 +154,47 @@ class CoordinatorService:
             decision = self.manager.offer(message.payload, topic_client=topic.client)
             if decision.accepted:
                 self._wake.set()
+            if decision.digest is not None:
+                self._send_receipt(client, decision)
         elif topic.kind is TopicKind.STATUS:
             self.manager.record_status(message.payload, topic_client=topic.client)
+        elif topic.kind is TopicKind.ROUND:
+            self._check_round_topic(message.payload)
+
+    def _check_round_topic(self, payload: bytes | bytearray) -> None:
+        """Put this coordinator's announcement back when anything else is retained on the
+        round topic (a forged announcement, a cleared message): a device that connects
+        gets the retained message first. The broker's ACL keeps devices off this topic;
+        this is for a broker without one."""
+        if payload_digest(payload) in self._own:
+            return
+        self.manager.count_foreign_announcement()
+        now = time.monotonic()
+        if now - self._reasserted >= self.REASSERT_S:
+            self._reasserted = now
+            self._publish(self.manager.announcement)
+
+    def _send_receipt(self, client: mqtt.Client, decision: Decision) -> None:
+        """Tell the device its update is stored (a duplicate gets the same answer): it
+        re-sends until it hears this, since the broker's PUBACK does not mean stored."""
+        assert decision.round is not None and decision.client is not None
+        assert decision.digest is not None
+        receipt = self.manager.sign(
+            Receipt(
+                fleet=self.config.fleet,
+                round=decision.round,
+                client=decision.client,
+                digest=decision.digest,
+            )
+        )
+        client.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire(), qos=1)
 
     # -- driver ------------------------------------------------------------------------
 
     def _publish(self, announcement: RoundAnnouncement) -> None:
-        self.client.publish(
-            round_topic(self.config.fleet), announcement.to_wire(), qos=1, retain=True
-        )
+        payload = announcement.to_wire()
+        self._own.append(payload_digest(payload))
+        self.client.publish(round_topic(self.config.fleet), payload, qos=1, retain=True)
 
     def healthy(self) -> bool:
         """For the systemd watchdog: the main loop has ticked recently and paho's network
@@ -144,15 +226,32 @@ class CoordinatorService:
                 self._wake.wait(timeout=min(self.manager.seconds_until_due(), self.TICK_S) + 0.01)
                 self._wake.clear()
                 self._last_tick = time.monotonic()
-                announcement = self.manager.poll()
-                if announcement is not None:
-                    self._publish(announcement)
+                self._step()
         finally:
             self._shutdown()
+
+    def _step(self) -> None:
+        """One turn of the main loop; a storage error anywhere stops the service."""
+        try:
+            if self._fault is not None:
+                raise self._fault
+            announcement = self.manager.poll()
+            if announcement is not None:
+                self._publish(announcement)
+            if time.monotonic() - self._flushed >= self.FLUSH_S:
+                self._flushed = time.monotonic()
+                self.manager.flush_rejections()
+                self.manager.update_online()
+        except (sqlite3.Error, OSError) as exc:
+            self.manager.metrics.storage_errors.inc()
+            raise StorageFault(exc) from exc
 
     def _shutdown(self) -> None:
         # Our own disconnect below is not a lost connection to warn about.
         self._stop.set()
+        if self._fault is None:
+            with contextlib.suppress(sqlite3.Error, OSError):  # already stopping for it
+                self.manager.flush_rejections()
         # Let the last retained announcement reach the broker before disconnecting.
         close_with_last_word(
             self.client,

@@ -9,12 +9,18 @@ primary key).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import secrets
 import sqlite3
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from protocol.cliutil import CommandFailed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -23,7 +29,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     opened_at REAL NOT NULL,
     deadline REAL NOT NULL,
     closed_at REAL,
-    announcement BLOB NOT NULL
+    announcement BLOB NOT NULL,
+    extensions INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS updates (
     round INTEGER NOT NULL,
@@ -41,6 +48,14 @@ CREATE TABLE IF NOT EXISTS clients (
     updated_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine (
+    round INTEGER NOT NULL,
+    client TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    payload BLOB NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (round, client)
+);
 CREATE TABLE IF NOT EXISTS contributions (
     client TEXT PRIMARY KEY,
     last_round INTEGER NOT NULL,
@@ -75,6 +90,19 @@ class StateError(RuntimeError):
     """The state directory belongs to another fleet or is unreadable."""
 
 
+class StorageFault(CommandFailed):
+    """The database cannot be written (a full disk, an I/O error). The coordinator stops
+    taking updates and exits non-zero; systemd restarts it, and an update it had not yet
+    stored was never acknowledged, so the broker delivers it again."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(
+            f"storage error: {cause}; stopped taking updates (an unstored update is "
+            "delivered again after the restart)"
+        )
+
+
 @dataclass(frozen=True)
 class RoundRow:
     round: int
@@ -82,6 +110,7 @@ class RoundRow:
     deadline: float
     closed_at: float | None
     announcement: bytes
+    extensions: int = 0
 
 
 class Store:
@@ -95,6 +124,11 @@ class Store:
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             self._db.executescript(SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(rounds)")}
+            if "extensions" not in columns:  # a database from before deadline extensions counted
+                self._db.execute(
+                    "ALTER TABLE rounds ADD COLUMN extensions INTEGER NOT NULL DEFAULT 0"
+                )
             if self._db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
                 self._db.execute(BACKFILL)
         except sqlite3.DatabaseError as exc:
@@ -105,6 +139,22 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT; on an error, ROLLBACK if a transaction is still open
+        and raise the error itself. SQLite rolls back on its own after some errors (a full
+        disk among them); a ROLLBACK then fails with "no transaction is active", and
+        raising that would hide the cause."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            raise
 
     def _one(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         row = self._db.execute(sql, args).fetchone()
@@ -131,12 +181,27 @@ class Store:
                     "method or bundle."
                 )
 
+    def run_id(self) -> str:
+        """This fleet's coordinator run: drawn once, when the database is new. Signed
+        updates name it, so one from an earlier database cannot be replayed into this."""
+        with self._lock:
+            run = self._one("SELECT value FROM meta WHERE key = 'run'")
+            if run is None:
+                run = secrets.token_hex(8)
+                self._db.execute("INSERT INTO meta VALUES ('run', ?)", (run,))
+            return str(run)
+
     def latest_round(self) -> RoundRow | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT round, opened_at, deadline, closed_at, announcement FROM rounds ORDER BY round DESC LIMIT 1"
+                "SELECT round, opened_at, deadline, closed_at, announcement, extensions "
+                "FROM rounds ORDER BY round DESC LIMIT 1"
             ).fetchone()
-        return None if row is None else RoundRow(row[0], row[1], row[2], row[3], bytes(row[4]))
+        return (
+            None
+            if row is None
+            else RoundRow(row[0], row[1], row[2], row[3], bytes(row[4]), int(row[5]))
+        )
 
     def open_first_round(self, announcement: bytes, *, opened_at: float, deadline: float) -> None:
         with self._lock:
@@ -148,7 +213,8 @@ class Store:
     def extend_deadline(self, round_: int, deadline: float, announcement: bytes) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE rounds SET deadline = ?, announcement = ? WHERE round = ?",
+                "UPDATE rounds SET deadline = ?, announcement = ?, extensions = extensions + 1 "
+                "WHERE round = ?",
                 (deadline, announcement, round_),
             )
 
@@ -157,8 +223,7 @@ class Store:
         running tally (last round, updates accepted) moves in the same transaction, and
         outlives the payloads that ``keep_rounds`` drops."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 cursor = self._db.execute(
                     "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
                     (round_, client, received_at, payload),
@@ -171,11 +236,24 @@ class Store:
                         "last_at = excluded.last_at, updates = updates + 1",
                         (client, round_, received_at),
                     )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             return added
+
+    def quarantine(self, round_: int, client: str, reason: str) -> None:
+        """Move a stored update that fails today's admission checks out of its round, kept
+        aside for a look by hand; counted as a rejection ``quarantined_<reason>``."""
+        with self._lock, self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO quarantine "
+                "SELECT round, client, received_at, payload, ? FROM updates "
+                "WHERE round = ? AND client = ?",
+                (reason, round_, client),
+            )
+            self._db.execute("DELETE FROM updates WHERE round = ? AND client = ?", (round_, client))
+            self._db.execute(
+                "INSERT INTO rejections VALUES (?, 1) "
+                "ON CONFLICT (reason) DO UPDATE SET count = count + 1",
+                (f"quarantined_{reason}",),
+            )
 
     def updates(self, round_: int) -> list[tuple[str, bytes]]:
         # In client order, not arrival order: float sums depend on their order, and a
@@ -208,28 +286,20 @@ class Store:
         ``keep_rounds`` closed ones are dropped in the same transaction; their timing rows
         stay. A service that runs for months would otherwise keep every update it ever
         received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+        with self._lock, self._transaction():
+            self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
+            self._db.execute(
+                "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
+                (closed + 1, closed_at, deadline, announcement),
+            )
+            if keep_rounds > 0:
+                oldest_kept = closed - keep_rounds + 1
+                self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
                 self._db.execute(
-                    "UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed)
+                    "UPDATE rounds SET announcement = X'' "
+                    "WHERE round < ? AND length(announcement) > 0",
+                    (oldest_kept,),
                 )
-                self._db.execute(
-                    "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
-                    (closed + 1, closed_at, deadline, announcement),
-                )
-                if keep_rounds > 0:
-                    oldest_kept = closed - keep_rounds + 1
-                    self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
-                    self._db.execute(
-                        "UPDATE rounds SET announcement = X'' "
-                        "WHERE round < ? AND length(announcement) > 0",
-                        (oldest_kept,),
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
 
     def close_round(self, round_: int, *, closed_at: float) -> None:
         with self._lock:
@@ -253,23 +323,41 @@ class Store:
                 (client, state, version, last_round, reason, at),
             )
 
-    def online_count(self) -> int:
+    def online_count(self, *, since: float = -math.inf) -> int:
+        """Clients whose last status is online and was received after ``since``."""
         with self._lock:
-            return int(self._one("SELECT COUNT(*) FROM clients WHERE state = 'online'"))
-
-    def count_rejection(self, reason: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO rejections VALUES (?, 1) ON CONFLICT (reason) DO UPDATE SET count = count + 1",
-                (reason,),
+            return int(
+                self._one(
+                    "SELECT COUNT(*) FROM clients WHERE state = 'online' AND updated_at > ?",
+                    (since,),
+                )
             )
 
-    def summary(self) -> dict[str, Any]:
-        """Everything ``edge-coordinator status`` prints, read in one snapshot."""
+    def contributors(self) -> set[str]:
+        """Every client that ever had an update accepted."""
+        with self._lock:
+            return {row[0] for row in self._db.execute("SELECT client FROM contributions")}
+
+    def count_rejection(self, reason: str) -> None:
+        self.count_rejections({reason: 1})
+
+    def count_rejections(self, counts: Mapping[str, int]) -> None:
+        """Add rejection counts (by reason) in one transaction."""
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO rejections VALUES (?, ?) "
+                "ON CONFLICT (reason) DO UPDATE SET count = count + excluded.count",
+                sorted(counts.items()),
+            )
+
+    def summary(self, *, online_since: float = -math.inf) -> dict[str, Any]:
+        """Everything ``edge-coordinator status`` prints, read in one snapshot; a client
+        counts as online if its last status says so and came after ``online_since``."""
         with self._lock:
             db = self._db
             latest = db.execute(
-                "SELECT round, opened_at, deadline, closed_at FROM rounds ORDER BY round DESC LIMIT 1"
+                "SELECT round, opened_at, deadline, closed_at, extensions FROM rounds "
+                "ORDER BY round DESC LIMIT 1"
             ).fetchone()
             completed = self._one("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL")
             # Every client heard from: by its status messages, its updates, or both.
@@ -289,6 +377,7 @@ class Store:
                 else 0
             )
             identity = self._one("SELECT value FROM meta WHERE key = 'identity'")
+            quarantined = self._one("SELECT COUNT(*) FROM quarantine")
         return {
             "identity": json.loads(identity) if identity else None,
             "round": None
@@ -299,9 +388,13 @@ class Store:
                 "deadline": latest[2],
                 "closed_at": latest[3],
                 "updates": in_round,
+                "extensions": latest[4],
             },
             "rounds_completed": completed,
             "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
-            "clients_online": sum(1 for row in clients if row[1] == "online"),
+            "clients_online": sum(
+                1 for row in clients if row[1] == "online" and row[5] > online_since
+            ),
             "rejections": rejections,
+            "quarantined": quarantined,
         }

@@ -5,7 +5,9 @@ simulated fleet drive the same class."""
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ from edge_agent.evaluation import Evaluator
 from edge_agent.features import FeatureCache, LoggedProgress, fingerprint
 from edge_agent.head import local_prototypes
 from edge_agent.inference import dense_globals, rule_of
+from edge_agent.keys import AgentKeys
 from edge_agent.privacy.accounting import Event, per_part_sigma, release_event, sgd_schedule
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
@@ -33,6 +36,21 @@ from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 from protocol.faults import crash_point
 
 log = logging.getLogger(__name__)
+
+#: Decisions on announcements no coordinator of this fleet sends: they say nothing of the
+#: fleet's open round.
+IGNORED = frozenset(
+    {
+        "wrong_fleet",
+        "wrong_dim",
+        "implausible_round",
+        "announcement_unsigned",
+        "announcement_bad_signature",
+    }
+)
+
+#: Seconds between two saves (and log lines) of the ignored-announcement counts.
+IGNORED_SAVE_S = 10.0
 
 #: Methods whose server averages the clients' models (head and classifier) each round.
 AVERAGED = frozenset({"fedavg", "fpl"})
@@ -50,6 +68,33 @@ class Decision:
     payload: bytes | None = None
     #: For a round this device cannot take part in: what an operator should fix.
     mismatch: str = ""
+
+
+def _implausible(
+    announcement: RoundAnnouncement, cfg: AgentConfig, last_round: int | None, *, dim: int
+) -> tuple[str, str] | None:
+    """(reason, why) for an announcement no coordinator of this fleet could have sent: a
+    prototype dimension other than ``dim`` (the head's; the backbone features' under
+    dp-features), or a round too far past the last answered. Such an announcement is
+    ignored before anything of it is trained on or recorded."""
+    rows = announcement.global_prototypes
+    clusters = announcement.extras.get("clusters")
+    dims = {rows.shape[1]} if rows.shape[0] else set()
+    if clusters is not None:
+        dims.add(clusters.shape[-1] if clusters.ndim == 2 else -1)
+    if dims - {dim}:
+        shown = ", ".join(str(d) for d in sorted(dims - {dim}))
+        return "wrong_dim", (
+            f"round {announcement.round} announces prototypes of dimension {shown}, this "
+            f"device expects {dim} ([train] out_dim, or the features' under dp-features)"
+        )
+    jump = cfg.security.max_round_jump
+    if last_round is not None and announcement.round > last_round + jump:
+        return "implausible_round", (
+            f"round {announcement.round} is more than {jump} rounds past the last one this "
+            f"device answered ({last_round}; [security] max_round_jump)"
+        )
+    return None
 
 
 def _mismatch(
@@ -80,6 +125,12 @@ class Agent:
         self.cfg = cfg
         self._params_noted: set[str] = set()  # announced settings already warned about
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, history=cfg.history)
+        # Announcements ignored as implausible, by reason (edge-agent status shows them).
+        self.ignored: Counter[str] = Counter(
+            self.state.snapshot.extra.get("ignored_announcements", {})
+        )
+        self._ignored_saved = -math.inf
+        self.keys = AgentKeys.load(cfg.security)
         if runtime is None:
             bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
             runtime = BackboneRuntime(
@@ -182,11 +233,21 @@ class Agent:
         cfg = self.cfg
         if announcement.fleet != cfg.fleet:
             return Decision("wrong_fleet")
+        forged = self.keys.announcement_problem(announcement)
+        if forged is not None:
+            return self._ignore(
+                f"announcement_{forged}",
+                f"round {announcement.round}: {forged.replace('_', ' ')} (not signed by the "
+                "pinned coordinator key, security.coordinator)",
+            )
         mismatch = _mismatch(announcement, cfg, self.bundle_id)
         if mismatch is not None:
             reason, why = mismatch
             log.warning("round %d ignored: %s", announcement.round, why)
             return Decision(reason, mismatch=f"ignoring rounds: {why}")
+        implausible = _implausible(announcement, cfg, self.last_round, dim=self.prototype_dim)
+        if implausible is not None:
+            return self._ignore(*implausible)
         self._note_params(announcement.params)
         last = self.last_round
         if last is not None and announcement.round <= last:
@@ -199,6 +260,17 @@ class Agent:
             self.state.record(final_round=announcement.round)
             return Decision("final")
         return self._answer(announcement, received_bytes)
+
+    def _ignore(self, reason: str, why: str) -> Decision:
+        """Count an announcement no coordinator of this fleet sends (persisted at most every
+        ``IGNORED_SAVE_S``: a flood of them must not become a flood of disk writes)."""
+        self.ignored[reason] += 1
+        now = time.monotonic()
+        if now - self._ignored_saved >= IGNORED_SAVE_S:
+            self._ignored_saved = now
+            self.state.record(ignored_announcements=dict(self.ignored))
+            log.warning("announcement ignored: %s (%d so far)", why, sum(self.ignored.values()))
+        return Decision(reason)
 
     def _note_params(self, params: Any) -> None:
         """The coordinator's ``[model.params]`` say how the fleet means to train; a device
@@ -218,6 +290,12 @@ class Agent:
                 )
 
     @property
+    def prototype_dim(self) -> int:
+        """What the fleet's prototypes are: head embeddings, or under dp-features the
+        backbone features the releases are made of."""
+        return self.runtime.feature_dim if self.learner is not None else self.cfg.train.out_dim
+
+    @property
     def predictor(self) -> LocalModel:
         """The model the device predicts with: its own, or (dp-features) the one its
         validation split chose."""
@@ -225,6 +303,8 @@ class Agent:
 
     def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
         cfg = self.cfg
+        if self.ignored != Counter(self.state.snapshot.extra.get("ignored_announcements", {})):
+            self.state.record(ignored_announcements=dict(self.ignored))  # unsaved counts
         self._adopt_global(announcement)
         privacy = cfg.privacy
         dp = privacy.mechanism == "dp"
@@ -307,6 +387,8 @@ class Agent:
                 guarantee=self.ledger.guarantee if formal else NONE,
             ),
         )
+        run = announcement.auth.run if announcement.auth is not None else None
+        update = self.keys.sign(update, run=run)
         payload = update.to_wire()
         record |= {
             "loss": metrics.loss,

@@ -236,6 +236,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "agent_id": cfg.agent_id,
         "fleet": cfg.fleet,
         "method": cfg.method,
+        # Signed messages, or the explicit choice to go without them.
+        "security": "insecure" if cfg.security.insecure else "signed",
         "running_pid": holder(cfg.run_lock),  # null: no agent runs on this state
         "bundle_id": snap.bundle_id,
         "last_round": snap.last_round,
@@ -243,6 +245,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "cache_entries": FeatureCache(cfg.data.feature_cache or state.cache_dir).entries(),
         "active_providers": snap.extra.get("active_providers"),
         "privacy": _privacy_status(cfg, snap.extra),
+        # Announcements refused as no coordinator of this fleet would send them, by reason.
+        "ignored_announcements": snap.extra.get("ignored_announcements", {}),
         "last_metrics": snap.history[-1] if snap.history else None,
     }
     json.dump(report, sys.stdout, indent=2)

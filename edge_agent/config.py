@@ -9,6 +9,7 @@ from pathlib import Path
 from edge_agent.train_config import METHODS, TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
+from protocol.security import AgentSecurity
 from protocol.settings import load_config
 from protocol.transport import MqttSettings
 
@@ -133,6 +134,7 @@ class AgentConfig:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
+    security: AgentSecurity = field(default_factory=AgentSecurity)
 
     @property
     def run_lock(self) -> Path:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edge_agent.agent import Agent
+from edge_agent.agent import IGNORED, Agent
 from protocol import (
     FINISHED,
     AgentState,
@@ -25,6 +27,8 @@ from protocol import (
     status_topic,
     update_topic,
 )
+from protocol.receipts import Receipt, payload_digest
+from protocol.topics import receipt_topic
 from protocol.transport import (
     TakeoverWatch,
     backoff_delay,
@@ -39,14 +43,40 @@ from protocol.version import package_version
 
 log = logging.getLogger(__name__)
 
+#: The longest wait between two sends of an update without a receipt ([mqtt] resend_s is
+#: the first; each is twice the one before).
+RESEND_MAX_S = 120.0
+
+
+@dataclass
+class _Pending:
+    """An update published for the open round and not yet named by a receipt."""
+
+    round: int
+    payload: bytes
+    digest: str
+    resend_at: float
+    wait: float
+
 
 class AgentService:
-    def __init__(self, *, agent: Agent, publish_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        *,
+        agent: Agent,
+        publish_timeout: float = 30.0,
+        resend_max_s: float = RESEND_MAX_S,
+    ) -> None:
         self.agent = agent
         self.cfg = agent.cfg
         self.publish_timeout = publish_timeout
+        self.resend_s = agent.cfg.mqtt.resend_s
+        self.resend_max_s = max(self.resend_s, resend_max_s)
         self._cond = threading.Condition()
         self._latest: bytes | None = None
+        self._receipts: list[bytes] = []  # receipt payloads, handled on the main thread
+        self._pending: _Pending | None = None
+        self._open_round: int | None = None  # the newest round announced
         self._stop = False
         self._rng = random.Random()
         self._attempt = 0
@@ -55,6 +85,7 @@ class AgentService:
         # The reason of the retained online status, when it says why rounds are ignored.
         self._mismatch_said = ""
         self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
+        self._receipt_topic = receipt_topic(self.cfg.fleet, self.cfg.agent_id)
         offline = self._status(AgentState.OFFLINE, "connection lost")
         self.client = make_client(
             self.cfg.mqtt, self.cfg.agent_id, will=(self._status_topic, offline)
@@ -85,7 +116,7 @@ class AgentService:
             return
         self._attempt = 0
         self._takeover.connected()
-        client.subscribe(round_topic(self.cfg.fleet), qos=1)
+        client.subscribe([(round_topic(self.cfg.fleet), 1), (self._receipt_topic, 1)])
         self._mismatch_said = ""  # said afresh when the retained announcement comes again
         client.publish(self._status_topic, self._status(AgentState.ONLINE), qos=1, retain=True)
         log.info(
@@ -125,7 +156,11 @@ class AgentService:
         if not message.payload:
             return  # a cleared retained message
         with self._cond:
-            self._latest = bytes(message.payload)
+            if message.topic == self._receipt_topic:
+                if len(self._receipts) < 64:  # a flood of them waits for the main thread
+                    self._receipts.append(bytes(message.payload))
+            else:
+                self._latest = bytes(message.payload)
             self._cond.notify_all()
 
     # -- driver ------------------------------------------------------------------------
@@ -141,20 +176,97 @@ class AgentService:
             self._stop = True
             self._cond.notify_all()
 
-    def _next(self) -> bytes | None:
+    def _next(self) -> tuple[bytes | None, list[bytes]]:
+        """The newest announcement (if one came) and the receipts that came, waiting at
+        most until the pending update is due to be sent again."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stop or self._latest is not None)
+            pending = self._pending
+            timeout = None if pending is None else max(0.0, pending.resend_at - time.monotonic())
+            self._cond.wait_for(
+                lambda: self._stop or self._latest is not None or bool(self._receipts),
+                timeout=timeout,
+            )
             payload, self._latest = self._latest, None
-            return None if self._stop else payload
+            receipts, self._receipts = self._receipts, []
+            return payload, receipts
 
     def run(self) -> None:
         start_network(self.client, self.cfg.mqtt)
         self._started = True
         try:
-            while (payload := self._next()) is not None:
-                self._process(payload)
+            while not self._stop:
+                payload, receipts = self._next()
+                if self._stop:
+                    break
+                for receipt in receipts:
+                    self._on_receipt(receipt)
+                if payload is not None:
+                    self._process(payload)
+                self._resend_if_due()
         finally:
             self._shutdown()
+
+    # -- receipts ----------------------------------------------------------------------
+
+    def _on_receipt(self, payload: bytes) -> None:
+        try:
+            receipt = Receipt.from_wire(payload, max_bytes=self.cfg.mqtt.max_payload_bytes)
+        except ProtocolError as exc:
+            log.warning("ignoring a malformed receipt: %s", exc)
+            return
+        forged = self.agent.keys.announcement_problem(receipt)
+        if forged is not None:
+            log.warning("ignoring a receipt for round %d: %s", receipt.round, forged)
+            return
+        pending = self._pending
+        if (
+            pending is None
+            or receipt.fleet != self.cfg.fleet
+            or receipt.client != self.cfg.agent_id
+            or receipt.round != pending.round
+        ):
+            return  # a late copy, or one for a round this device has settled
+        self._pending = None
+        if receipt.digest != pending.digest:
+            # Only another client publishing as this device gets here: the coordinator
+            # took its update first and keeps it (signed updates prevent this).
+            log.error(
+                "round %d: the coordinator holds another update from %s than this device "
+                "sent (digest %s, ours %s): another client publishes as this device",
+                pending.round,
+                self.cfg.agent_id,
+                receipt.digest[:12],
+                pending.digest[:12],
+            )
+        else:
+            log.info("round %d: update stored by the coordinator", pending.round)
+        self.agent.state.mark_published(pending.round)
+
+    def _expect_receipt(self, round_: int, payload: bytes) -> None:
+        wait = self.resend_s
+        self._pending = _Pending(
+            round_, payload, payload_digest(payload), time.monotonic() + wait, wait
+        )
+
+    def _abandon(self, pending: _Pending) -> None:
+        """The round of ``pending`` closed without a receipt: nothing is left to send it to."""
+        if self._pending is pending:
+            self._pending = None
+        if self.agent.state.snapshot.pending_round == pending.round:
+            self.agent.state.mark_published(pending.round)
+        log.warning("round %d closed before the coordinator confirmed this update", pending.round)
+
+    def _resend_if_due(self) -> None:
+        """Send the pending update again until a receipt names it or its round closes: a
+        broker's PUBACK does not mean the coordinator has it (a queue that overflowed in a
+        burst dropped updates the broker had acknowledged)."""
+        pending = self._pending
+        if pending is None or time.monotonic() < pending.resend_at or self._stop:
+            return
+        pending.wait = min(self.resend_max_s, pending.wait * 2)
+        pending.resend_at = time.monotonic() + pending.wait
+        log.info("round %d: no receipt yet; sending the update again", pending.round)
+        self.client.publish(update_topic(self.cfg.fleet, self.cfg.agent_id), pending.payload, qos=1)
 
     def _say_online(self, reason: str) -> None:
         """The retained status: where the coordinator and operators look."""
@@ -172,13 +284,27 @@ class AgentService:
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
         decision = self.agent.handle(announcement, received_bytes=len(payload))
+        if (
+            announcement.fleet == self.cfg.fleet
+            and not decision.mismatch
+            and decision.reason not in IGNORED
+        ):
+            if self._open_round != announcement.round and self._open_round is not None:
+                # Restated every round: the coordinator counts an online status older
+                # than rounds.online_ttl_s as stale.
+                self._say_online(self._mismatch_said)
+            self._open_round = announcement.round
+            pending = self._pending
+            if pending is not None and pending.round != announcement.round:
+                self._abandon(pending)
         if decision.mismatch != self._mismatch_said and decision.reason != "wrong_fleet":
             # A device that cannot take part says why where the coordinator's status and
             # operators look, once, and takes it back when it can answer again.
             self._mismatch_said = decision.mismatch
             self._say_online(decision.mismatch)
         if decision.payload is None:
-            if not decision.mismatch:  # a mismatch was logged as a warning already
+            if not decision.mismatch and decision.reason not in IGNORED:
+                # A mismatch was logged as a warning already, an ignored one is counted.
                 log.info("round %d: %s", announcement.round, decision.reason)
             if decision.reason == "final":
                 # Whoever waits for the fleet to finish (a simulation, an operator) reads
@@ -198,6 +324,8 @@ class AgentService:
             acknowledged, why = False, str(exc)
         else:
             why = "stopping" if self._stop else f"no answer in {self.publish_timeout:g} s"
+        # Sent again until the coordinator's receipt names it, acknowledged by the broker or not.
+        self._expect_receipt(announcement.round, decision.payload)
         if not acknowledged:
             log.warning(
                 "round %d: update not acknowledged yet (%s); kept for republishing",
@@ -205,7 +333,6 @@ class AgentService:
                 why,
             )
             return
-        self.agent.state.mark_published(announcement.round)
         log.info("round %d: update published (%d bytes)", announcement.round, len(decision.payload))
 
     def _shutdown(self) -> None:

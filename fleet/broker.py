@@ -20,9 +20,15 @@ from typing import TypeVar
 
 from fleet import tether
 
-#: Mosquitto's default of 1000 queued messages per client silently drops a burst of
-#: updates from a large fleet; every config this project writes raises it.
-MAX_QUEUED_MESSAGES = 100_000
+#: The limits of the shipped production broker configuration
+#: (systemd/mosquitto/protofleet.conf; tests/test_broker.py checks that the two agree), so
+#: a simulated fleet meets the queues and packet size a deployed one does. Mosquitto's
+#: default of 1000 queued messages per client silently drops a burst of updates.
+PRODUCTION_LIMITS = {
+    "max_packet_size": 4_194_304,
+    "max_queued_messages": 10_000,
+    "max_inflight_messages": 100,
+}
 
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/opt/homebrew/sbin")
 
@@ -169,11 +175,11 @@ class MosquittoBroker(ManagedBroker):
         if self._config is not None:
             return self._config
         listener = self._listener or f"listener {self._port} {self._host}\nallow_anonymous true\n"
+        limits = "".join(f"{key} {value}\n" for key, value in PRODUCTION_LIMITS.items())
         return (
             f"{listener}"
             "persistence false\n"
-            f"max_queued_messages {MAX_QUEUED_MESSAGES}\n"
-            "max_inflight_messages 0\n"
+            f"{limits}"
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\n"
             f"{_keep_identity()}"

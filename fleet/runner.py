@@ -181,7 +181,13 @@ def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
 
 
 def _coordinator_tables(
-    spec: RunSpec, bundle_id: str, classes: tuple[str, ...], clients: int, *, dim: int
+    spec: RunSpec,
+    bundle_id: str,
+    classes: tuple[str, ...],
+    clients: int,
+    *,
+    dim: int,
+    feature_dim: int,
 ) -> dict[str, Any]:
     return {
         "fleet": FLEET,
@@ -192,6 +198,9 @@ def _coordinator_tables(
             "bundle": bundle_id,
             "classes": list(classes),
             "dim": dim,
+            # With the classes they fix the weights FedAvg and FPL devices send.
+            "feature_dim": feature_dim,
+            "norm": train_table(spec).get("norm", "batch"),
         },
         "rounds": {
             "min_clients": clients,
@@ -200,6 +209,37 @@ def _coordinator_tables(
             "max_rounds": spec.rounds,
         },
     }
+
+
+@dataclass(frozen=True)
+class FleetKeys:
+    """Ed25519 keys of a simulated fleet, so it runs the signed path a deployment runs:
+    ``coordinator.key`` and ``.pub``, ``agents/<name>.key``, ``devices/<name>.pub`` (the
+    coordinator's enrolment folder)."""
+
+    root: Path
+
+    def agent_table(self, name: str) -> dict[str, Any]:
+        return {
+            "key": str(self.root / "agents" / f"{name}.key"),
+            "coordinator": str(self.root / "coordinator.pub"),
+        }
+
+    def coordinator_table(self) -> dict[str, Any]:
+        return {"key": str(self.root / "coordinator.key"), "devices": str(self.root / "devices")}
+
+
+def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
+    """Make the keys a run lacks; a resumed run keeps its own (its stored updates are
+    signed with them)."""
+    from protocol.auth import generate_ed25519
+
+    if not (root / "coordinator.key").exists():
+        generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
+    for name in names:
+        if not (root / "agents" / f"{name}.key").exists():
+            generate_ed25519(root / "agents" / f"{name}.key", root / "devices" / f"{name}.pub")
+    return FleetKeys(root)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -224,15 +264,19 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     agents: list[dict[str, Any]] = []
+    keys = fleet_keys(spec.out / "keys", [c.name for c in partition.clients])
     for i, client in enumerate(partition.clients):
         tables = _agent_tables(
             spec, client, spec.out / "clients" / client.name, partition.classes, i
         )
+        tables["security"] = keys.agent_table(client.name)
         # Written for both transports: reports and users can reopen any agent from it.
         (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
         agents.append(tables)
     coord = _coordinator_tables(spec, bundle.id, partition.classes, len(agents),
-                                dim=prototype_dim(spec, bundle.feature_dim))  # fmt: skip
+                                dim=prototype_dim(spec, bundle.feature_dim),
+                                feature_dim=bundle.feature_dim)  # fmt: skip
+    coord["security"] = keys.coordinator_table()
     samples = None
     if spec.transport == "memory":
         peak, samples = _run_memory(spec, agents, coord)
@@ -488,12 +532,15 @@ def _liveness(
     stop_check: Callable[[], None],
     *,
     grace_s: float = 5.0,
+    may_finish: frozenset[str] = frozenset({"the coordinator"}),
 ) -> Callable[[], None]:
     """A check that raises :class:`CommandFailed` once any of ``named`` (what to call it ->
     (process, its log)) has exited: without it a dead coordinator or worker would leave the
-    fleet waiting out the no-progress limit. An exit counts after ``grace_s``: the
-    coordinator ends right after announcing the last round, and that message may still be
-    on its way to the watcher. ``stop_check`` raises for a Ctrl-C or SIGTERM received."""
+    fleet waiting out the no-progress limit. An exit counts after ``grace_s``. A process in
+    ``may_finish`` that exits with status 0 has finished, not failed: the coordinator ends
+    once it has announced the last round, and with 200 agents answering, that message can
+    reach the watcher many seconds later. ``stop_check`` raises for a Ctrl-C or SIGTERM
+    received."""
     exited: dict[str, float] = {}
 
     def check() -> None:
@@ -501,6 +548,8 @@ def _liveness(
         sample()
         now = time.monotonic()
         for name, (proc, log_path) in named.items():
+            if proc.poll() == 0 and name in may_finish:
+                continue
             if proc.poll() is not None and now - exited.setdefault(name, now) >= grace_s:
                 raise CommandFailed(
                     f"{name} exited early (status {proc.returncode}); see {log_path}"

@@ -115,6 +115,12 @@ class Envelope:
         self._seen.add(name)
         return self._obj[name]
 
+    def take_optional(self, name: str) -> Any:
+        """A field that may be absent from the wire (``auth``: unsigned messages keep
+        the encoding they had before signatures existed)."""
+        self._seen.add(name)
+        return self._obj.get(name)
+
     def finish(self) -> None:
         unknown = sorted(set(self._obj) - self._seen)
         if unknown:

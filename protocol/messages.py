@@ -20,6 +20,7 @@ import numpy as np
 
 from protocol import fields as f
 from protocol.arrays import FloatArray, check_array, decode_array, encode_array
+from protocol.auth import Auth
 from protocol.codec import pack, unpack
 from protocol.errors import FieldError
 from protocol.ids import validate_id
@@ -73,6 +74,9 @@ class _Message:
 
     def to_wire(self) -> bytes:
         body = self._body()
+        auth = getattr(self, "auth", None)
+        if auth is not None:  # absent, not nil, when unsigned: see protocol/auth.py
+            body["auth"] = auth.to_obj()
         body["v"] = PROTOCOL_VERSION
         body["type"] = self.KIND
         return pack(body)
@@ -166,6 +170,16 @@ class PrivacyMeta:
                    guarantee=m["guarantee"])  # fmt: skip
 
 
+def _check_auth(obj: Any) -> None:
+    if obj.auth is not None and not isinstance(obj.auth, Auth):
+        raise FieldError("expected Auth", field="auth")
+
+
+def _take_auth(env: f.Envelope) -> Auth | None:
+    obj = env.take_optional("auth")
+    return None if obj is None else Auth.from_obj(obj)
+
+
 def _common(obj: Any) -> None:
     validate_id(obj.fleet, field="fleet")
     f.integer(obj.round, field="round")
@@ -194,8 +208,10 @@ class PrototypeUpdate(_Message):
     prototypes: FloatArray
     extras: Mapping[str, FloatArray] = field(default_factory=dict)
     privacy: PrivacyMeta = field(default_factory=PrivacyMeta)
+    auth: Auth | None = None
 
     def __post_init__(self) -> None:
+        _check_auth(self)
         _common(self)
         validate_id(self.client, field="client")
         classes = f.sequence(self.classes, field="classes", max_length=MAX_CLASSES)
@@ -245,6 +261,7 @@ class PrototypeUpdate(_Message):
             prototypes=decode_array(env.take("prototypes"), field="prototypes", ndim=2),
             extras=_decode_array_map(env.take("extras"), field="extras", max_length=MAX_EXTRAS),
             privacy=PrivacyMeta.from_obj(env.take("privacy")),
+            auth=_take_auth(env),
         )
 
 
@@ -278,8 +295,10 @@ class RoundAnnouncement(_Message):
     local_sets: Mapping[str, FloatArray] = field(default_factory=dict)
     client_globals: Mapping[str, FloatArray] = field(default_factory=dict)
     extras: Mapping[str, FloatArray] = field(default_factory=dict)
+    auth: Auth | None = None
 
     def __post_init__(self) -> None:
+        _check_auth(self)
         _common(self)
         names = f.sequence(self.classes, field="classes", max_length=MAX_CLASSES)
         names = tuple(f.text(n, field="classes", empty=False) for n in names)
@@ -357,6 +376,7 @@ class RoundAnnouncement(_Message):
                 env.take("client_globals"), field="client_globals", max_length=MAX_CLIENTS
             ),
             extras=_decode_array_map(env.take("extras"), field="extras", max_length=MAX_EXTRAS),
+            auth=_take_auth(env),
         )
 
 

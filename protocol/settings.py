@@ -10,6 +10,7 @@ process happens to run (``/`` under systemd).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -43,6 +44,11 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError("file not found", source=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}", source=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"not a UTF-8 text file (byte {exc.object[exc.start]:#04x} at offset {exc.start})",
+            source=str(path),
+        ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror}", source=str(path)) from exc
 
@@ -131,6 +137,8 @@ def _convert(hint: Any, value: Any, key: str, base: Path | None) -> Any:
     if hint is float:
         if type(value) not in (int, float):
             raise ConfigError(f"expected a number, got {type(value).__name__}", key=key)
+        if not math.isfinite(value):  # TOML has inf and nan; no setting means them
+            raise ConfigError(f"must be a finite number, got {value}", key=key)
         return float(value)
     if hint in (int, str, bool):
         if type(value) is not hint:

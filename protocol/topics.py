@@ -5,6 +5,7 @@ Layout (``<fleet>`` and ``<client>`` are safe ids, see :mod:`protocol.ids`)::
     protofleet/v1/<fleet>/round              retained announcement of the open round
     protofleet/v1/<fleet>/update/<client>    one client's prototype update
     protofleet/v1/<fleet>/status/<client>    retained online/offline status
+    protofleet/v1/<fleet>/receipt/<client>   the coordinator's receipt for a stored update
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class TopicKind(str, Enum):
     ROUND = "round"
     UPDATE = "update"
     STATUS = "status"
+    RECEIPT = "receipt"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ def status_topic(fleet: str, client: str) -> str:
     return str(Topic(TopicKind.STATUS, fleet, client))
 
 
+def receipt_topic(fleet: str, client: str) -> str:
+    return str(Topic(TopicKind.RECEIPT, fleet, client))
+
+
 def update_filter(fleet: str) -> str:
     """Subscription filter matching every client's update topic in ``fleet``."""
     return f"{_PREFIX}/{validate_id(fleet, field='fleet')}/update/+"
@@ -85,7 +91,8 @@ def parse_topic(topic: str) -> Topic:
     try:
         if kind == TopicKind.ROUND.value and len(parts) == 4:
             return Topic(TopicKind.ROUND, fleet)
-        if kind in (TopicKind.UPDATE.value, TopicKind.STATUS.value) and len(parts) == 5:
+        per_client = (TopicKind.UPDATE.value, TopicKind.STATUS.value, TopicKind.RECEIPT.value)
+        if kind in per_client and len(parts) == 5:
             return Topic(TopicKind(kind), fleet, parts[4])
     except InvalidId as exc:
         raise TopicError(f"bad id in topic {topic!r}: {exc}", field="topic") from exc

@@ -40,6 +40,9 @@ class MqttSettings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 60.0
+    #: Agents: seconds before an update the coordinator has not confirmed with a receipt
+    #: is sent again (then twice as long each time, up to 120 s), until the round closes.
+    resend_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -48,6 +51,8 @@ class MqttSettings:
             raise ValueError("mqtt.tls_cert and mqtt.tls_key must be given together")
         if self.max_payload_bytes < 1024:
             raise ValueError("mqtt.max_payload_bytes must be at least 1024")
+        if not 0 < self.resend_s <= 3600:
+            raise ValueError(f"mqtt.resend_s must be in (0, 3600], got {self.resend_s}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < mqtt.reconnect_min_s <= mqtt.reconnect_max_s")
 
@@ -225,10 +230,12 @@ def make_client(
     client_id: str,
     *,
     will: tuple[str, bytes] | None = None,
+    manual_ack: bool = False,
 ) -> mqtt.Client:
     """A paho client with QoS-1-friendly defaults: persistent session, TLS, credentials,
-    and an optional retained Last Will. Raises :class:`CredentialsError` for an unusable
-    password or TLS file."""
+    and an optional retained Last Will. With ``manual_ack`` a received QoS 1 message is
+    acknowledged only by ``client.ack``: one left unacknowledged is delivered again after
+    a reconnect. Raises :class:`CredentialsError` for an unusable password or TLS file."""
     import paho.mqtt.client as mqtt
 
     credentials = load_credentials(settings)
@@ -238,6 +245,7 @@ def make_client(
         client_id=client_id,
         clean_session=False,
         protocol=mqtt.MQTTv311,
+        manual_ack=manual_ack,
     )
     # paho's default of 20 in-flight QoS 1 messages throttles a burst of updates.
     client.max_inflight_messages_set(1000)

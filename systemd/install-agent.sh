@@ -79,7 +79,7 @@ if [ "$jetson" = 1 ]; then
   # torch when JetPack's own is importable.
   run "${pip[@]}" --no-deps "$source_spec"
   if [ "$no_deps" = 0 ]; then
-    deps=(numpy "msgpack>=1.0.5" "paho-mqtt>=2.0,<3" "opacus>=1.4" "tqdm>=4.60" "pillow>=9.0")
+    deps=(numpy "msgpack>=1.0.5" "paho-mqtt>=2.0,<3" "opacus>=1.4" "tqdm>=4.60" "pillow>=9.0" "cryptography>=42")
     if ! "$python_bin" -c 'import torch' 2>/dev/null; then
       warn "no torch in the system Python: installing one from the index (NVIDIA's JetPack wheel is faster on the GPU)"
       deps+=("torch>=2.1,<3")

@@ -11,7 +11,8 @@
 #                      package `mosquitto` first).
 #   --certs DIR        the output of make-certs.sh: the CA, the broker's certificate and
 #                      revocation list go to /etc/mosquitto/protofleet/, the coordinator's
-#                      client certificate to /etc/protofleet/.
+#                      client certificate to /etc/protofleet/, every device certificate
+#                      to /etc/protofleet/devices/ (enrolled for signed updates).
 #   DESTDIR=/tmp/stage stage the whole tree under this root (packaging, tests).
 #   --dry-run          print every command instead of running it.
 #   --no-deps          install ProtoFleet alone (its dependencies are already present).
@@ -71,6 +72,18 @@ if [ -n "$certs" ]; then
   fi
   run install -m 644 "$certs/ca.crt" "$certs/clients/coordinator.crt" "$DESTDIR/etc/protofleet/"
   run install -m 640 "$certs/clients/coordinator.key" "$DESTDIR/etc/protofleet/"
+  # Enrolment for signed updates: every device certificate make-certs.sh issued (the key
+  # in each signs that device's updates; remove a file and reload to take a device out).
+  run install -d -m 750 "$DESTDIR/etc/protofleet/devices"
+  for crt in "$certs"/clients/*.crt; do
+    [ "$(basename "$crt")" = coordinator.crt ] && continue
+    # A revoked certificate (make-certs.sh --revoke) enrols nobody.
+    if ! openssl verify -crl_check -CAfile "$certs/ca.crt" -CRLfile "$certs/crl.pem" "$crt" >/dev/null 2>&1; then
+      note "not enrolling $(basename "$crt" .crt): its certificate is revoked or not the fleet CA's"
+      continue
+    fi
+    run install -m 644 "$crt" "$DESTDIR/etc/protofleet/devices/"
+  done
 fi
 system_user
 daemon_reload

@@ -9,6 +9,7 @@ import numpy as np
 from edge_agent.config import AgentConfig, DataSettings
 from edge_agent.train_config import TrainConfig
 from fleet.digits5 import domain_data
+from protocol.security import AgentSecurity
 from protocol.transport import MqttSettings
 
 
@@ -41,4 +42,6 @@ def agent_config(
         method=method,
         train=TrainConfig(out_dim=32),
         mqtt=MqttSettings(port=port),
+        # Signatures have their tests (test_signatures.py); these are about other things.
+        security=AgentSecurity(insecure=True),
     )

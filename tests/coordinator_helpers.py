@@ -8,6 +8,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from protocol import PrototypeUpdate
+from protocol.security import CoordinatorSecurity
 from protocol.transport import MqttSettings
 
 BUNDLE = "f" * 64
@@ -16,14 +17,23 @@ DIM = 4
 
 
 def config(
-    state_dir: Path, *, method: str = "fedpcl", port: int = 1883, **rounds: object
+    state_dir: Path,
+    *,
+    method: str = "fedpcl",
+    port: int = 1883,
+    feature_dim: int = 0,
+    **rounds: object,
 ) -> CoordinatorConfig:
     return CoordinatorConfig(
         fleet="lab",
         state_dir=state_dir,
-        model=ModelSettings(method=method, bundle=BUNDLE, classes=CLASSES, dim=DIM),
+        model=ModelSettings(
+            method=method, bundle=BUNDLE, classes=CLASSES, dim=DIM, feature_dim=feature_dim
+        ),
         rounds=RoundSettings(**rounds),  # type: ignore[arg-type]
         mqtt=MqttSettings(port=port),
+        # Signatures have their tests (test_signatures.py); these are about other things.
+        security=CoordinatorSecurity(insecure=True),
     )
 
 

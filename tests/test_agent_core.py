@@ -235,6 +235,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     config.write_text(
         f'agent_id = "dev-e"\nfleet = "lab"\nstate_dir = "{cfg.state_dir}"\nbundle = "{small_zoo}"\n'
         f'[data]\ntrain = "{cfg.data.train}"\n[train]\nout_dim = 32\n'
+        "[security]\ninsecure = true\n"
     )
     bin_dir = Path(sys.executable).parent
 
@@ -395,3 +396,36 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
     stored = agent.state.load_globals()
     assert stored is not None
     np.testing.assert_array_equal(stored[0][list(update.classes)], personal)
+
+
+def test_implausible_announcements_are_ignored_counted_and_never_recorded(small_zoo, tmp_path):
+    cfg = agent_config(tmp_path / "f", small_zoo, agent_id="dev-f", domain="clean")
+    agent = Agent(cfg)
+    real = announcement(agent.bundle_id, 0)
+    assert agent.handle(real).reason == "answered"
+    # The forged retained announcement of the report: round 2^31-1, dimension 17.
+    forged = dataclasses.replace(
+        real,
+        round=2**31 - 1,
+        global_classes=(0,),
+        global_prototypes=np.ones((1, 17), np.float32),
+    )
+    assert agent.handle(forged).reason == "wrong_dim"
+    # The right dimension, but a round no fleet reaches from round 0.
+    far = dataclasses.replace(
+        real, round=10_001, global_classes=(0,), global_prototypes=np.ones((1, 32), np.float32)
+    )
+    assert agent.handle(far).reason == "implausible_round"
+    near = dataclasses.replace(far, round=10_000)  # max_round_jump past round 0: plausible
+    assert agent.last_round == 0
+    assert agent.handle(dataclasses.replace(real, round=1)).reason == "answered"
+    assert agent.ignored == {"wrong_dim": 1, "implausible_round": 1}
+    # Across a restart the device still answers the real fleet's next round.
+    again = Agent(cfg)
+    assert again.last_round == 1
+    assert again.state.snapshot.extra["ignored_announcements"] == {
+        "wrong_dim": 1,
+        "implausible_round": 1,
+    }
+    assert again.handle(dataclasses.replace(real, round=2)).reason == "answered"
+    assert again.handle(near).reason == "answered"  # within 10,000 of round 2

@@ -17,12 +17,15 @@ from protocol import (
     PrototypeUpdate,
     RoundAnnouncement,
     Status,
+    TopicKind,
     parse_topic,
     round_topic,
     status_filter,
     status_topic,
     update_filter,
 )
+from protocol.receipts import Receipt, payload_digest
+from protocol.topics import receipt_topic
 from tests.agent_helpers import digits_npz
 from tests.mqtt_helpers import connected
 from tests.process_helpers import agent_process, status
@@ -42,14 +45,35 @@ def write_config(
     config.write_text(
         f'agent_id = "{agent_id}"\nfleet = "lab"\nstate_dir = "{root / "state"}"\nbundle = "{bundle}"\n'
         f'[data]\ntrain = "{train}"\n[train]\nout_dim = 32\nepochs = {epochs}\n[mqtt]\nport = {port}\n'
+        # Signatures have their tests (test_signatures.py); these are about other things.
+        "[security]\ninsecure = true\n"
     )
     with np.load(train) as data:
         return config, data["y"]
 
 
 class StandInCoordinator:
-    def __init__(self, pub, inbox, bundle_id: str) -> None:
+    """Announces rounds and, like the coordinator, answers every update with a receipt
+    (``receipts=False``: never, as a coordinator that lost them)."""
+
+    def __init__(self, pub, inbox, bundle_id: str, *, receipts: bool = True) -> None:
         self.pub, self.inbox, self.bundle_id = pub, inbox, bundle_id
+        self.receipts = receipts
+
+        def on_message(client, userdata, message) -> None:
+            inbox.on_message(client, userdata, message)
+            topic = parse_topic(message.topic)
+            if self.receipts and topic.kind is TopicKind.UPDATE:
+                update = PrototypeUpdate.from_wire(message.payload)
+                receipt = Receipt(
+                    fleet="lab",
+                    round=update.round,
+                    client=update.client,
+                    digest=payload_digest(message.payload),
+                )
+                client.publish(receipt_topic("lab", update.client), receipt.to_wire(), qos=1)
+
+        pub.on_message = on_message
 
     def announce(self, round_: int, updates: list[PrototypeUpdate]) -> None:
         # Globals as the plain mean of the received prototypes: enough to exercise the

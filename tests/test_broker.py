@@ -22,9 +22,21 @@ def test_mosquitto_is_installed():
     assert find_mosquitto() is not None
 
 
-def test_config_raises_the_queue_limit():
+def test_a_private_broker_has_the_limits_of_the_shipped_production_config():
+    from pathlib import Path
+
+    from fleet.broker import PRODUCTION_LIMITS
+
+    shipped = Path(__file__).resolve().parent.parent / "systemd" / "mosquitto" / "protofleet.conf"
+    settings = dict(
+        line.split(None, 1) for line in shipped.read_text().splitlines() if line.strip()
+        and not line.startswith("#")
+    )  # fmt: skip
+    assert {k: int(settings[k]) for k in PRODUCTION_LIMITS} == PRODUCTION_LIMITS
     text = MosquittoBroker(port=1).config_text()
-    assert "max_queued_messages 100000" in text
+    assert all(f"{k} {v}\n" in text for k, v in PRODUCTION_LIMITS.items())
+    # Mosquitto's default of 1000 queued messages drops a burst of updates silently.
+    assert PRODUCTION_LIMITS["max_queued_messages"] > 1000
 
 
 def test_retained_round_reaches_a_late_subscriber(mosquitto):

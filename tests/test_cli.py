@@ -123,10 +123,11 @@ def test_unusable_broker_files_are_one_line_before_anything_starts(tmp_path):
     agent = (
         f'agent_id = "dev-a"\nfleet = "lab"\nstate_dir = "{agent_state}"\n'
         f'bundle = "{tmp_path / "zoo"}"\n[data]\ntrain = "{tmp_path / "train.npz"}"\n'
+        "[security]\ninsecure = true\n"
     )
     coordinator = (
         f'fleet = "lab"\nstate_dir = "{coordinator_state}"\n[model]\nmethod = "fedpcl"\n'
-        'bundle = "b"\nclasses = ["a", "b"]\ndim = 4\n'
+        'bundle = "b"\nclasses = ["a", "b"]\ndim = 4\n[security]\ninsecure = true\n'
     )
     cases = [
         ("edge-agent", agent, 'tls_ca = "{d}/ca.crt"', "mqtt.tls_ca {d}/ca.crt: No such file"),
@@ -345,3 +346,35 @@ def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
     assert [m.name for m in bundle.members] == ["letters", "shapes", "fontdigits"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo"]
     assert ensure_bundle(target, "small") == target  # built once
+
+
+@pytest.mark.parametrize("script", ["edge-agent", "edge-coordinator"])
+def test_a_config_that_is_not_utf8_or_not_finite_is_one_line_naming_it(script, tmp_path):
+    latin = tmp_path / "latin1.toml"
+    latin.write_bytes(b'fleet = "caf\xe9"\n')
+    infinite = tmp_path / "inf.toml"
+    infinite.write_text(
+        'agent_id = "a"\nfleet = "lab"\nstate_dir = "s"\nbundle = "b"\n[data]\ntrain = "t"\n'
+        "[security]\ninsecure = true\n[mqtt]\nresend_s = inf\n"
+        if script == "edge-agent"
+        else 'fleet = "lab"\nstate_dir = "s"\n[rounds]\ntimeout_s = inf\n'
+    )
+    for config, message in (
+        (latin, f"{latin}: not a UTF-8 text file (byte 0xe9 at offset 12)"),
+        (
+            infinite,
+            "must be a finite number, got inf",
+        ),
+    ):
+        result = subprocess.run(
+            [str(BIN / script), "run", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"{script}: error: ") and message in line, line
+        if config is infinite:  # the key as written in the file, not an internal name
+            key = "mqtt.resend_s" if script == "edge-agent" else "rounds.timeout_s"
+            assert f": {key}: must be" in line, line

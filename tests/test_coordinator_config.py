@@ -72,7 +72,8 @@ def test_relative_paths_are_read_from_the_files_folder(tmp_path, monkeypatch):
     path = write(
         tmp_path / "etc",
         'fleet = "lab"\nstate_dir = "../var/state"\n[mqtt]\ntls_ca = "ca.crt"\n'
-        'tls_cert = "/abs/c.crt"\ntls_key = "~/c.key"\n',
+        'tls_cert = "/abs/c.crt"\ntls_key = "~/c.key"\n'
+        '[security]\nkey = "keys/coordinator.key"\ndevices = "devices"\n',
     )
     cfg = load(path)
     assert cfg.state_dir == tmp_path / "etc" / ".." / "var" / "state"
@@ -80,3 +81,5 @@ def test_relative_paths_are_read_from_the_files_folder(tmp_path, monkeypatch):
     assert cfg.mqtt.tls_ca == tmp_path / "etc" / "ca.crt"
     assert cfg.mqtt.tls_cert == Path("/abs/c.crt")
     assert cfg.mqtt.tls_key == Path.home() / "c.key"
+    assert cfg.security.key == tmp_path / "etc" / "keys" / "coordinator.key"
+    assert cfg.security.devices == tmp_path / "etc" / "devices"

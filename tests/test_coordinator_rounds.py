@@ -8,7 +8,8 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import StateError, Store
 from protocol import AgentState, Status
-from tests.coordinator_helpers import config, hand_globals, stand_in_update
+from protocol.weights import averaged_weight_shapes
+from tests.coordinator_helpers import CLASSES, DIM, config, hand_globals, stand_in_update
 
 
 class Clock:
@@ -93,6 +94,8 @@ def test_mismatched_updates_are_rejected_and_counted(tmp_path, change, reason):
     m = manager(tmp_path, Clock())
     bad = dataclasses.replace(stand_in_update(0, 0), **change)
     assert m.offer(bad.to_wire()).reason == reason
+    assert m.store.summary()["rejections"] == {}  # counted in memory ...
+    assert m.flush_rejections() == {reason: 1}  # ... and written every few seconds
     assert m.store.summary()["rejections"] == {reason: 1}
     assert m.metrics.value("protofleet_updates_rejected_total", reason=reason) == 1
 
@@ -106,6 +109,7 @@ def test_duplicates_malformed_and_foreign_clients(tmp_path):
     assert m.offer(stand_in_update(1, 0).to_wire()).reason == "not_allowed"
     assert m.offer(b"\xc1garbage").reason == "malformed"
     assert m.offer(b"x" * (2 << 20)).reason == "too_large"
+    m.flush_rejections()
     assert m.store.summary()["rejections"] == {
         "duplicate": 1,
         "client_mismatch": 1,
@@ -218,7 +222,7 @@ def test_state_of_another_fleet_is_refused(tmp_path):
 
 
 def test_status_messages_update_the_client_table(tmp_path, caplog):
-    m = manager(tmp_path, Clock())
+    m = manager(tmp_path, Clock(), allow_list=("dev-0",))
     online = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
     m.record_status(online.to_wire(), topic_client="dev-0")
     assert m.metrics.value("protofleet_clients_online") == 1
@@ -229,7 +233,8 @@ def test_status_messages_update_the_client_table(tmp_path, caplog):
         # A restarted coordinator's session replays queued statuses: one line says it.
         for _ in range(3):
             m.record_status(offline.to_wire(), topic_client="dev-0")
-    assert [r.getMessage() for r in caplog.records] == ["client dev-0 is offline (lost)"]
+    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.rounds"]
+    assert said == ["client dev-0 is offline (lost)"]
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0
     assert summary["clients"][0]["updates_accepted"] is None  # it has sent none
@@ -241,17 +246,25 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in(tmp_path):
     # arrival order, a few of 65,536 averages round differently (seeded: 7 here), and two
     # runs of the same fleet drifted apart from there.
     rng = np.random.default_rng(0)
+    # A head of 4 x 16,384 first-layer weights: 65,536 averages again.
+    shapes = averaged_weight_shapes(feature_dim=16_384, out_dim=DIM, num_classes=len(CLASSES))
     ups = [
         dataclasses.replace(
             stand_in_update(i, 0, method="fedavg"),
-            extras={"w": rng.normal(size=(256, 256)).astype(np.float32)},
+            extras={n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()},
         )
         for i in range(7)
     ]
     announcements = []
     for name, order in (("forward", ups), ("reversed", ups[::-1])):
         clock = Clock()
-        cfg = config(tmp_path / name, method="fedavg", min_clients=7, wait_after_quorum_s=0.0)
+        cfg = config(
+            tmp_path / name,
+            method="fedavg",
+            feature_dim=16_384,
+            min_clients=7,
+            wait_after_quorum_s=0.0,
+        )
         m = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=clock)
         for u in order:
             clock.now += 1.0  # arrival times differ as well as the order
@@ -260,4 +273,72 @@ def test_the_aggregate_does_not_depend_on_the_order_updates_arrive_in(tmp_path):
         assert nxt is not None and nxt.round == 1
         announcements.append(nxt)
     first, second = announcements
-    assert first.extras["w"].tobytes() == second.extras["w"].tobytes()
+    assert set(first.extras) == set(shapes)
+    for name in shapes:
+        assert first.extras[name].tobytes() == second.extras[name].tobytes()
+
+
+def test_a_round_without_its_quorum_closes_above_the_floor_after_its_extensions(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=2, floor=1)
+    m.offer(stand_in_update(0, 0).to_wire())
+    for extension in (1, 2):
+        clock.now += 10.0
+        extended = m.poll()
+        assert extended is not None and extended.round == 0
+        assert m.metrics.value("protofleet_round_extensions") == extension
+    assert m.metrics.value("protofleet_round_stalled") == 0
+    clock.now += 10.0
+    closed = m.poll()
+    assert closed is not None and closed.round == 1 and set(closed.local_sets) == {"dev-0"}
+
+
+def test_a_round_below_its_floor_keeps_waiting_and_says_why(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=1, floor=2)
+    m.offer(stand_in_update(0, 0).to_wire())
+    for _ in range(3):
+        clock.now += 10.0
+        assert m.poll().round == 0
+    assert m.metrics.value("protofleet_round_stalled") == 1
+    summary = m.store.summary()["round"]
+    assert summary["extensions"] == 3
+    assert m.config.stalled(round_=0, updates=1, extensions=3) == (
+        "round 0 has 1 update(s) after 3 deadline extensions, below rounds.floor = 2: "
+        "it closes once that many devices answer"
+    )
+    # A restart keeps the count and the stall; a second update lets it close.
+    m.store.close()
+    again = manager(tmp_path, clock, min_clients=3, timeout_s=10.0, max_extensions=1, floor=2)
+    assert again.metrics.value("protofleet_round_stalled") == 1
+    again.offer(stand_in_update(1, 0).to_wire())
+    clock.now += 10.0
+    assert again.poll().round == 1
+    assert again.metrics.value("protofleet_round_stalled") == 0
+
+
+def test_statuses_of_unknown_clients_are_counted_not_stored_and_online_expires(tmp_path):
+    clock = Clock()
+    m = manager(tmp_path, clock, min_clients=3, online_ttl_s=60.0)
+
+    def say(client: str) -> None:
+        status = Status(fleet="lab", client=client, state=AgentState.ONLINE, version="x")
+        m.record_status(status.to_wire(), topic_client=client)
+
+    # Known: enrolled, allow-listed, or (as here, unsigned and open) once it has contributed.
+    assert m.offer(stand_in_update(0, 0).to_wire(), topic_client="dev-0").accepted
+    for i in range(2_000):  # a flood of invented ids, all "online"
+        say(f"ghost-{i}")
+    say("dev-0")
+    say("dev-1")  # before its first update: not known yet
+    assert m.flush_rejections() == {"status_unknown_client": 2_001}
+    assert [c["client"] for c in m.store.summary()["clients"]] == ["dev-0"]
+    assert m.metrics.value("protofleet_clients_online") == 1
+    assert m.offer(stand_in_update(1, 0).to_wire(), topic_client="dev-1").accepted
+    say("dev-1")
+    assert [c["client"] for c in m.store.summary()["clients"]] == ["dev-0", "dev-1"]
+    assert m.metrics.value("protofleet_clients_online") == 2
+    clock.now += 61.0  # neither restated its status within online_ttl_s
+    m.update_online()
+    assert m.metrics.value("protofleet_clients_online") == 0
+    assert m.store.summary(online_since=clock.now - 60.0)["clients_online"] == 0

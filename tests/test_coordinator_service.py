@@ -45,6 +45,8 @@ max_rounds = {rounds}
 allow_list = [{allow}]
 [mqtt]
 port = {port}
+[security]
+insecure = true                     # about other things: signatures have test_signatures.py
 """
     )
     return path
@@ -272,3 +274,19 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
         assert again.stop() == 0
     finally:
         again.close()
+
+
+def test_the_coordinator_retries_a_lost_broker_every_few_seconds_at_most(tmp_path):
+    # paho doubles its delay up to mqtt.reconnect_max_s (60 s by default): after a long
+    # outage the coordinator came back up to a minute after the broker.
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.service import RECONNECT_MAX_S, CoordinatorService
+    from coordinator.store import Store
+    from tests.coordinator_helpers import config
+
+    cfg = config(tmp_path)
+    assert cfg.mqtt.reconnect_max_s == 60.0
+    manager = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    service = CoordinatorService(manager=manager)
+    assert service.client._reconnect_max_delay == RECONNECT_MAX_S == 5.0

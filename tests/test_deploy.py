@@ -79,6 +79,9 @@ def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, cer
         "etc/protofleet/coordinator.toml",
         "etc/protofleet/coordinator.crt",
         "etc/protofleet/coordinator.key",
+        # Enrolled for signed updates: the device certificates, not the coordinator's own.
+        "etc/protofleet/devices/dev-a.crt",
+        "etc/protofleet/devices/dev-b.crt",
         "etc/mosquitto/conf.d/protofleet.conf",
         "etc/mosquitto/protofleet/acl",
         "etc/mosquitto/protofleet/ca.crt",
@@ -88,6 +91,8 @@ def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, cer
     ]
     assert [p for p in expected if not (stage / p).exists()] == []
     assert (stage / "etc/mosquitto/protofleet/broker.key").stat().st_mode & 0o077 == 0
+    enrolled = sorted(p.name for p in (stage / "etc/protofleet/devices").iterdir())
+    assert enrolled == ["dev-a.crt", "dev-b.crt"]  # not the coordinator, not dev-revoked
     # The console script belongs to the staged venv (its dependencies are not installed
     # here: --no-deps), and the package inside it is this checkout's.
     script = (stage / "opt/protofleet/venv/bin/edge-agent").read_text()
@@ -165,7 +170,13 @@ def test_agent_installer_on_jetson_uses_system_packages_and_the_named_ort(
 
 
 def coordinator_toml(
-    path: Path, *, port: int, bundle: str, extra_mqtt: str = "", **rounds: object
+    path: Path,
+    *,
+    port: int,
+    bundle: str,
+    extra_mqtt: str = "",
+    security: str = "insecure = true\n",
+    **rounds: object,
 ) -> Path:
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in rounds.items())
     path.write_text(
@@ -173,6 +184,7 @@ def coordinator_toml(
         f'[model]\nmethod = "fedpcl"\nbundle = "{bundle}"\nclasses = {CLASSES}\ndim = 32\n'
         f"[rounds]\nmin_clients = 1\nwait_after_quorum_s = 0.0\n{lines}"
         f'[mqtt]\nhost = "127.0.0.1"\nport = {port}\n{extra_mqtt}'
+        f"[security]\n{security}"
     )
     return path
 
@@ -398,6 +410,8 @@ def test_a_fleet_over_the_shipped_tls_config(
         )
         coord_cfg = coordinator_toml(
             tmp_path / "coordinator.toml", port=address.port, bundle=bundle_id, extra_mqtt=tls,
+            # One identity serves TLS and signing: make-certs.sh's keys and certificates.
+            security=f'key = "{clients / "coordinator.key"}"\ndevices = "{clients}"\n',
             max_rounds=1, timeout_s=120.0,
         )  # fmt: skip
         agent_dir = tmp_path / "dev-a"
@@ -409,13 +423,16 @@ def test_a_fleet_over_the_shipped_tls_config(
             f'bundle = "{small_zoo}"\n[data]\ntrain = "{train}"\n[train]\nout_dim = 32\n'
             f'[mqtt]\nhost = "127.0.0.1"\nport = {address.port}\ntls_ca = "{ca}"\n'
             f'tls_cert = "{clients / "dev-a.crt"}"\ntls_key = "{clients / "dev-a.key"}"\n'
+            f'[security]\nkey = "{clients / "dev-a.key"}"\n'
+            f'coordinator = "{clients / "coordinator.crt"}"\n'
         )
         notify = NotifySocket(str(tmp_path / "agent-notify.sock"))
         coordinator = coordinator_process(coord_cfg)
         agent = agent_process(agent_cfg, env={"NOTIFY_SOCKET": notify.address})
         try:
             notify.wait_for("READY=1")
-            agent.wait_for("round 0: update published", timeout=120)
+            # The receipt passes the ACL: the device hears that its update was stored.
+            agent.wait_for("round 0: update stored by the coordinator", timeout=120)
             coordinator.wait_for("round 0 closed with 1 update(s) from dev-a", timeout=60)
             assert coordinator.proc.wait(timeout=60) == 0  # max_rounds reached
 

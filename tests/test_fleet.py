@@ -842,3 +842,25 @@ def test_glyphs5_is_deterministic_balanced_and_reads_back_as_clients(tmp_path: P
     assert len(clients[0].train_y) == 20 and len(clients[4].test_y) == 10
     with pytest.raises(UsageError, match="train must be at least 10"):
         glyphs.main(argparse.Namespace(out=out, seed=0, train=5, test=1))
+
+
+def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from fleet.runner import _liveness
+    from protocol.cliutil import CommandFailed
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    done.wait()
+    crashed.wait()
+    log = tmp_path / "x.log"
+    finished = _liveness({"the coordinator": (done, log)}, lambda: None, lambda: None, grace_s=0)
+    finished()  # its final announcement may still be on its way: nothing to report
+    failed = _liveness({"the coordinator": (crashed, log)}, lambda: None, lambda: None, grace_s=0)
+    with pytest.raises(CommandFailed, match=r"the coordinator exited early \(status 3\)"):
+        failed()
+    worker = _liveness({"worker 0": (done, log)}, lambda: None, lambda: None, grace_s=0)
+    with pytest.raises(CommandFailed, match="worker 0 exited early"):
+        worker()  # a worker never finishes by itself

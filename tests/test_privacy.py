@@ -525,6 +525,7 @@ def test_sigkill_after_the_ledger_write_never_lowers_the_spent_epsilon(
         f'[train]\nout_dim = 32\nnorm = "group"\n'
         f'[privacy]\nmechanism = "dp"\nepsilon = 100.0\nrelease_noise_multiplier = 2.0\n'
         f"dataset_size = 120\n"
+        "[security]\ninsecure = true\n"
     )
     cwd = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PROTOFLEET_CRASH_AT": "after_ledger_write"}

@@ -1,0 +1,61 @@
+"""The coordinator's receipt for a stored update, sent on the device's own receipt topic.
+
+A broker's PUBACK says only that the broker took a message; a broker can still lose it (a
+queue that overflows, a restart without persistence). A device keeps re-sending its update
+for the open round until a receipt names it, and a duplicate is answered with the receipt
+of what is stored. ``digest`` is the SHA-256 of the stored update's payload: a receipt
+naming another digest means the coordinator holds someone else's update for this device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from protocol import fields as f
+from protocol.auth import Auth
+from protocol.errors import FieldError
+from protocol.ids import validate_id
+from protocol.messages import _Message, _take_auth
+
+
+def payload_digest(payload: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Receipt(_Message):
+    KIND: ClassVar[str] = "receipt"
+
+    fleet: str
+    round: int
+    client: str
+    digest: str
+    auth: Auth | None = None
+
+    def __post_init__(self) -> None:
+        validate_id(self.fleet, field="fleet")
+        f.integer(self.round, field="round")
+        validate_id(self.client, field="client")
+        f.text(self.digest, field="digest", max_length=64, empty=False)
+        if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
+            raise FieldError("expected 64 lowercase hex digits", field="digest")
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "round": self.round,
+            "client": self.client,
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def _from_envelope(cls, env: f.Envelope) -> Receipt:
+        return cls(
+            fleet=env.take("fleet"),
+            round=env.take("round"),
+            client=env.take("client"),
+            digest=env.take("digest"),
+            auth=_take_auth(env),
+        )

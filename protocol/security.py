@@ -1,0 +1,66 @@
+"""The ``[security]`` sections of the agent's and the coordinator's configurations.
+
+Signed messages are the default: a configuration without keys is refused unless it says
+``insecure = true``, and a service running that way says so in its log and status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+INSECURE_WARNING = (
+    "security.insecure = true: messages are neither signed nor checked; any client that "
+    "can publish on the fleet's topics can pose as a device or as the coordinator"
+)
+
+
+@dataclass(frozen=True)
+class AgentSecurity:
+    """What a device signs with and takes from the round topic.
+
+    ``key``: this device's private key (PEM: Ed25519, or the EC P-256 key make-certs.sh
+    issues for its TLS certificate). ``coordinator``: the coordinator's public key or
+    certificate, pinned: announcements and receipts signed by any other key are ignored.
+    ``max_round_jump``: an announcement more than this many rounds past the last one the
+    device answered is ignored and counted, never trained on or recorded. A forged round
+    2^31-1 would otherwise be recorded as answered and make the device refuse every real
+    round after it, across restarts. A device offline for a long time may need it raised
+    (rounds every 5 minutes make 10,000 in five weeks).
+    """
+
+    insecure: bool = False
+    key: Path | None = None
+    coordinator: Path | None = None
+    max_round_jump: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_round_jump < 1:
+            raise ValueError(f"max_round_jump must be at least 1, got {self.max_round_jump}")
+        if not self.insecure and (self.key is None or self.coordinator is None):
+            raise ValueError(
+                "security.key (this device's private key) and security.coordinator (the "
+                "coordinator's public key or certificate) are required; or set "
+                "security.insecure = true to run unsigned"
+            )
+
+
+@dataclass(frozen=True)
+class CoordinatorSecurity:
+    """``key``: the coordinator's private key; ``devices``: a folder of enrolled devices'
+    public keys or certificates, one file ``<agent_id>.pem``, ``.pub`` or ``.crt`` each
+    (make-certs.sh's ``clients/*.crt`` will do). Only enrolled devices' signed updates
+    are accepted; enrolment is the file's presence, so removing it (and reloading)
+    takes a device out."""
+
+    insecure: bool = False
+    key: Path | None = None
+    devices: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.insecure and (self.key is None or self.devices is None):
+            raise ValueError(
+                "security.key (the coordinator's private key) and security.devices (a folder "
+                "of enrolled device keys) are required; or set security.insecure = true to "
+                "run unsigned"
+            )

@@ -1,0 +1,291 @@
+"""Hostile input against a real Mosquitto: what a client that can publish on the fleet's
+topics (no TLS, no ACL, as the example configurations run) can and cannot do."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol import RoundAnnouncement, round_topic
+from protocol.weights import averaged_weight_shapes
+from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
+from tests.mqtt_helpers import connected
+from tests.process_helpers import status
+from tests.test_coordinator_service import Fleet, start
+
+pytestmark = pytest.mark.broker
+
+FEATURE_DIM = 8
+
+
+def coordinator_toml(
+    tmp_path: Path, port: int, *, method: str = "fedpcl", clients: int = 3, rounds: int = 1
+) -> Path:
+    path = tmp_path / "coordinator.toml"
+    path.write_text(
+        f"""
+fleet = "lab"
+state_dir = "{tmp_path / "state"}"
+[model]
+method = "{method}"
+bundle = "{BUNDLE}"
+classes = ["a", "b", "c"]
+dim = 4
+feature_dim = {FEATURE_DIM}
+[rounds]
+min_clients = {clients}
+wait_after_quorum_s = 0.0
+timeout_s = 600.0
+max_rounds = {rounds}
+[mqtt]
+port = {port}
+[security]
+insecure = true                     # about other things: signatures have test_signatures.py
+"""
+    )
+    return path
+
+
+def serve(config: Path) -> subprocess.Popen[str]:
+    return start(config)
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+def test_counts_of_1e308_are_rejected_at_admission_and_the_coordinator_keeps_serving(
+    mosquitto, tmp_path
+):
+    config = coordinator_toml(tmp_path, mosquitto.address.port)
+    proc = serve(config)
+    try:
+        with connected(mosquitto.address, "hostile", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            fleet = Fleet(mosquitto, inbox, pub)
+            fleet.announcement(0)
+            honest = [stand_in_update(i, 0) for i in range(3)]
+            # Finite and non-negative, so the protocol lets it through; the sum of counts
+            # times prototypes overflowed when the round closed.
+            huge = dataclasses.replace(honest[0], counts=(1e308,) * len(honest[0].counts))
+            fleet.send([huge, *honest])
+            final = fleet.announcement(1)
+        finish(proc)
+    finally:
+        proc.kill()
+    expected = hand_globals(honest)
+    assert final.global_classes == tuple(sorted(expected))
+    for row, c in zip(final.global_prototypes, final.global_classes, strict=True):
+        np.testing.assert_allclose(row, expected[c], rtol=1e-5, atol=1e-6)
+    assert status("edge-coordinator", config)["rejections"] == {"count_above_max": 1}
+
+
+def test_a_wrongly_shaped_fedavg_update_is_rejected_and_the_honest_average_announced(
+    mosquitto, tmp_path
+):
+    config = coordinator_toml(tmp_path, mosquitto.address.port, method="fedavg", clients=2)
+    shapes = averaged_weight_shapes(feature_dim=FEATURE_DIM, out_dim=4, num_classes=3)
+    rng = np.random.default_rng(5)
+
+    def weights() -> dict[str, np.ndarray]:
+        return {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+
+    # Client ids sort the wrong one first: it used to fix the shapes of the average.
+    honest = [
+        dataclasses.replace(stand_in_update(i, 0, method="fedavg"), client=f"dev-{i}", extras=w)
+        for i, w in ((1, weights()), (2, weights()))
+    ]
+    wrong = dataclasses.replace(
+        stand_in_update(0, 0, method="fedavg"), extras={"w": np.ones(1, np.float32)}
+    )
+    proc = serve(config)
+    try:
+        with connected(mosquitto.address, "hostile", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            fleet = Fleet(mosquitto, inbox, pub)
+            fleet.announcement(0)
+            fleet.send([wrong, *honest])
+            final = fleet.announcement(1)
+        finish(proc)
+    finally:
+        proc.kill()
+    totals = np.array([sum(u.counts) for u in honest], dtype=np.float64)
+    assert set(final.extras) == set(shapes)
+    for name in shapes:
+        stack = np.stack([u.extras[name].astype(np.float64) for u in honest])
+        want = np.tensordot(totals / totals.sum(), stack, axes=1)
+        np.testing.assert_allclose(final.extras[name], want, rtol=1e-5, atol=1e-6)
+    assert status("edge-coordinator", config)["rejections"] == {"wrong_extras": 1}
+
+
+@pytest.mark.slow
+def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fleet(
+    mosquitto, small_zoo, tmp_path
+):
+    from export import bundle as bundle_mod
+    from protocol import update_filter
+    from tests.process_helpers import agent_process
+    from tests.test_agent_service import StandInCoordinator, write_config
+
+    bundle_id = bundle_mod.load(small_zoo).id
+    cfg, _ = write_config(
+        tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
+    )
+    with connected(mosquitto.address, "stand-in", subscribe=(update_filter("lab"),)) as (
+        pub,
+        inbox,
+    ):
+        coord = StandInCoordinator(pub, inbox, bundle_id)
+        agent = agent_process(cfg)
+        try:
+            coord.announce(0, [])
+            coord.wait_updates(0, {"dev-a"})
+            seen = agent.wait_for("round 0: update published")
+            forged = RoundAnnouncement(
+                fleet="lab",
+                round=2**31 - 1,
+                bundle=bundle_id,
+                method="fedpcl",
+                classes=tuple(str(i) for i in range(10)),
+                deadline=0.0,
+                params={"final": False},
+                global_classes=(0,),
+                global_prototypes=np.ones((1, 17), np.float32),
+            )
+            pub.publish(round_topic("lab"), forged.to_wire(), qos=1, retain=True).wait_for_publish(
+                10
+            )
+            seen = agent.wait_for("announcement ignored: round 2147483647", after=seen)
+            assert agent.stop() == 0
+            # The forged message is what the broker retains now: a restarted device gets it
+            # first, ignores it, and answers the fleet's next round.
+            agent = agent_process(cfg)
+            agent.wait_for("announcement ignored: round 2147483647")
+            coord.announce(1, [])
+            coord.wait_updates(1, {"dev-a"})
+            assert agent.stop() == 0
+        finally:
+            agent.close()
+    shown = status("edge-agent", cfg)
+    assert shown["last_round"] == 1
+    assert shown["ignored_announcements"] == {"wrong_dim": 2}  # once per process
+
+
+def flood(address, topics: list[str], payloads: list[bytes], *, client_id: str) -> None:
+    """Publish every payload (QoS 1) as fast as the broker takes them."""
+    import paho.mqtt.client as mqtt
+
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    pub.max_inflight_messages_set(1000)
+    pub.connect(address.host, address.port)
+    pub.loop_start()
+    try:
+        infos = [pub.publish(t, p, qos=1) for t, p in zip(topics, payloads, strict=True)]
+        for info in infos:
+            info.wait_for_publish(120)
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+
+
+def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
+    from protocol import AgentState, Status, status_topic
+
+    config = coordinator_toml(tmp_path, mosquitto.address.port, clients=4)
+    proc = serve(config)
+    try:
+        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
+            pub,
+            inbox,
+        ):
+            fleet = Fleet(mosquitto, inbox, pub)
+            fleet.announcement(0)
+            fleet.send([stand_in_update(i, 0) for i in range(3)])  # known from here on
+            ghosts = [f"ghost-{i}" for i in range(20_000)]
+            flood(
+                mosquitto.address,
+                [status_topic("lab", g) for g in ghosts],
+                [
+                    Status(fleet="lab", client=g, state=AgentState.ONLINE, version="x").to_wire()
+                    for g in ghosts
+                ],
+                client_id="ghosts",
+            )
+            real = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
+            pub.publish(status_topic("lab", "dev-0"), real.to_wire(), qos=1).wait_for_publish(10)
+            fleet.send([stand_in_update(3, 0)])  # the round closes behind the flood
+            fleet.announcement(1, timeout=120)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    finally:
+        proc.kill()
+    shown = status("edge-coordinator", config)
+    assert [c["client"] for c in shown["clients"]] == ["dev-0", "dev-1", "dev-2", "dev-3"]
+    assert shown["clients_online"] == 1  # dev-0 said so; no ghost is stored
+    # The broker may drop what overflows the coordinator's queue; the rest is counted.
+    assert 0 < shown["rejections"]["status_unknown_client"] <= 20_000
+    # Summarised per interval, not a line per message (WARNING and above are shown).
+    assert len(stderr.splitlines()) < 20, stderr
+
+
+@pytest.mark.slow
+def test_20000_junk_messages_during_a_round_lose_no_honest_update(mosquitto, small_zoo, tmp_path):
+    from export import bundle as bundle_mod
+    from protocol import update_topic
+    from tests.process_helpers import agent_process
+    from tests.test_agent_service import write_config
+
+    bundle_id = bundle_mod.load(small_zoo).id
+    port = mosquitto.address.port
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'fleet = "lab"\nstate_dir = "{tmp_path / "state"}"\n'
+        f'[model]\nbundle = "{bundle_id}"\ndim = 32\n'
+        "[rounds]\nmin_clients = 3\nwait_after_quorum_s = 0.0\ntimeout_s = 600.0\n"
+        f"max_rounds = 1\n[mqtt]\nport = {port}\n[security]\ninsecure = true\n"
+    )
+    agents = []
+    for name, domain in (("dev-a", "clean"), ("dev-b", "inverted"), ("dev-c", "colour")):
+        cfg, _ = write_config(tmp_path / name, small_zoo, name, domain, port, epochs=3)
+        cfg.write_text(cfg.read_text().replace("[mqtt]\n", "[mqtt]\nresend_s = 1.0\n"))
+        agents.append(cfg)
+    rng = np.random.default_rng(7)
+    junk = [rng.bytes(int(n)) for n in rng.integers(1, 400, size=20_000)]
+    topics = [update_topic("lab", f"junk-{i % 50}") for i in range(len(junk))]
+    proc = serve(config)
+    procs = [agent_process(cfg) for cfg in agents]
+    try:
+        with connected(mosquitto.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox):
+            procs[0].wait_for("round 0: training", timeout=180)
+            flood(mosquitto.address, topics, junk, client_id="junk")
+            for agent in procs:
+                agent.wait_for("round 0: update stored by the coordinator", timeout=180)
+            final = Fleet(mosquitto, inbox, None).announcement(1, timeout=120)
+        assert set(final.local_sets) == {"dev-a", "dev-b", "dev-c"}
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+        assert len(stderr.splitlines()) < 30, stderr  # summaries, not 20,000 lines
+        for agent in procs:
+            assert agent.stop() == 0
+    finally:
+        proc.kill()
+        for agent in procs:
+            agent.close()
+    rejections = status("edge-coordinator", config)["rejections"]
+    junk_counted = sum(n for r, n in rejections.items() if r != "duplicate" and "status" not in r)
+    # Whatever the broker did not drop from the coordinator's full queue was counted.
+    assert 0 < junk_counted <= 20_000
+    # Duplicates are the devices' re-sends of updates already stored: answered, not lost.
+    assert set(rejections) - {"duplicate", "status_unknown_client"} <= {
+        "malformed", "field", "array", "id", "version", "too_large"
+    }  # fmt: skip
