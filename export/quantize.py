@@ -39,9 +39,16 @@ class _Calibration:
         pass
 
 
-def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
+def to_int8(
+    src: Path, dst: Path, *, calibration: np.ndarray, seven_bit_weights: bool = False
+) -> None:
     """Static int8 quantization in QDQ format, per-channel weights, calibrated on
-    ``calibration`` (already preprocessed inputs, (N, C, H, W))."""
+    ``calibration`` (already preprocessed inputs, (N, C, H, W)).
+
+    ``seven_bit_weights`` keeps weights in [-64, 63]: x86 CPUs without VNNI multiply uint8
+    activations by int8 weights with an instruction whose 16-bit pair sums saturate
+    (255 * 127 * 2 > 32767), and networks whose ReLU6 activations often sit at the top of
+    their range saturate often; with 7-bit weights no pair can."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -63,6 +70,7 @@ def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
             Reader(calibration),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
+            reduce_range=seven_bit_weights,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
         )
