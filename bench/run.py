@@ -21,6 +21,8 @@ BENCHMARKS = [
     "bench.agent_bench",
     "bench.fleet_bench",
     "bench.privacy_bench",
+    "bench.effnet_bench",
+    "bench.effnet_fleet_bench",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
