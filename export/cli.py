@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input", type=int, help="input side for an architecture (default 224)")
     bench.add_argument("--json", action="store_true", help="print the full JSON report")
 
-    sub.add_parser("archs", help="list the built-in architectures")
+    sub.add_parser("archs", help="list the built-in architectures and pretrained backbones")
     return parser
 
 

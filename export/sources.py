@@ -28,16 +28,16 @@ PACKAGE_PREFIX = "package:"
 #: The keys of a ``--backbone`` spec, as `edge-export bundle --help` lists them.
 SPEC_KEYS = (
     "name",
-    "pretrained",
     "arch",
     "weights",
-    "sha256",
     "torchscript",
     "factory",
     "onnx",
     "input",
     "mean",
     "std",
+    "pretrained",
+    "sha256",
 )
 
 

@@ -366,3 +366,19 @@ def test_fleet_runs_effnet_on_image_folders(effnet_bundle, tmp_path):
     assert report["config"]["image_size"] == 224  # the backbone's side, not the zoo's 32
     final = report["methods"]["fedpcl"]["final_mean"]
     assert final > 0.9  # red against blue: trivially separable on ImageNet features
+
+
+@pytest.mark.slow
+def test_memory_fleet_takes_fedavg_updates_of_a_1280_d_bundle(tmp_path):
+    """FedAvg's update carries the head FC(1280, 256), 1.3 MB: over the coordinator's
+    1 MB default cap, which the MQTT fleet raised and the memory fleet did not."""
+    torch.manual_seed(0)
+    source = Source(name="wide", arch="efficientnet_lite0", input_size=32)  # random weights
+    bundle, _ = builder.build([load(source)], tmp_path / "wide", images=photos.sample_sets(32)[0])
+    assert bundle.feature_dim == 1280
+    result = fleet("run", "--method", "fedavg", "--bundle", str(tmp_path / "wide"),
+                   "--rounds", "1", "--clients", "2", "--train", "10", "--test", "10",
+                   "--transport", "memory", "--out", str(tmp_path / "out"), "--no-progress")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["methods"]["fedavg"]["bytes_up_per_client_round"] > 1 << 20
