@@ -293,6 +293,10 @@ def test_effnet_bundle_records_its_input_and_weights_and_verifies(effnet_bundle)
     assert np.allclose(inputs[8:], held, atol=1e-5)
     report = builder.verify(effnet_bundle)
     assert report["ok"], report["problems"]
+    # `edge-export bench` quantizes it as its own int8 export does.
+    from export import bench
+
+    assert bench.targets_for_bundle(bundle)[0].seven_bit_weights
     assert report["backbones"]["effnet-lite0"]["parity"]["max_abs_error"] <= builder.FP32_MAX_ABS
 
 
