@@ -129,6 +129,12 @@ def build(
                         seven_bit_weights=src.seven_bit_weights,
                     )
                     entry["int8_weights"] = {"int8_weight_bits": 7 if src.seven_bit_weights else 8}
+                try:
+                    onnx.checker.check_model(str(final), full_check=True)
+                except onnx.checker.ValidationError as exc:
+                    raise ExportError(
+                        f"backbone {src.name!r}: the {precision} model fails onnx.checker: {exc}"
+                    ) from exc
                 reference = _ort_features(fp32_path, real)
                 candidate = _ort_features(final, real)
                 cos = compare(reference, candidate)

@@ -386,3 +386,15 @@ def test_memory_fleet_takes_fedavg_updates_of_a_1280_d_bundle(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["methods"]["fedavg"]["bytes_up_per_client_round"] > 1 << 20
+
+
+@pytest.mark.slow
+def test_an_fp16_bundle_of_a_model_that_starts_with_a_pad_verifies(tmp_path):
+    """The fp16 converter put its input Cast after the Pad that reads it (SAME padding):
+    onnx.checker refused the file, so `edge-export verify` failed every such bundle."""
+    torch.manual_seed(0)
+    source = Source(name="lite", arch="efficientnet_lite0", input_size=32)  # random weights
+    _, report = builder.build([load(source)], tmp_path / "b", images=photos.sample_sets(32)[0],
+                              precision="fp16")  # fmt: skip
+    assert report["backbones"]["lite"]["fp16_vs_fp32"]["min_cosine"] > 0.999
+    assert builder.verify(tmp_path / "b")["ok"]
