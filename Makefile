@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on this machine's disk; override for other platforms,
 # e.g. `make TORCH_SPEC='torch>=2.1,<3' test`.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= agent,coordinator,export,fleet,dev
+EXTRAS ?= agent,coordinator,export,imagenet,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
 .PHONY: demo test lint fmt bench bench-accuracy figures venv clean

@@ -42,6 +42,8 @@ SUITES: dict[str, list[str]] = {
         "bench.agent_bench",
         "bench.fleet_bench",
         "bench.privacy_bench",
+        "bench.effnet_bench",
+        "bench.effnet_fleet_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
 }

@@ -96,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit with status 1 unless the CUDA or TensorRT provider works",
     )
+    p_doctor.add_argument(
+        "--bundle",
+        type=Path,
+        help="also open this bundle's backbones as the agent does and report the provider "
+        "that serves each (on a Jetson the first TensorRT run builds its engines: minutes)",
+    )
+    p_doctor.add_argument(
+        "--engine-cache",
+        type=Path,
+        metavar="DIR",
+        help="with --bundle: keep TensorRT engines here (the agent keeps them in its state "
+        "directory's providers/ folder; point at it to build them before the agent starts)",
+    )
     add_example_config(sub, prog="edge-agent", example=EXAMPLE)
     return parser
 
@@ -160,6 +173,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "probes": [p.to_json() for p in probes],
         "accelerated": accelerated,
     }
+    if args.engine_cache is not None and args.bundle is None:
+        raise UsageError("--engine-cache applies with --bundle")
+    if args.bundle is not None:
+        report["bundle"] = _serving(args.bundle, args.engine_cache)
     json.dump(report, sys.stdout, indent=2)
     print()
     if args.require_gpu and not accelerated:
@@ -169,6 +186,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _serving(path: Path, engine_cache: Path | None) -> dict[str, object]:
+    """Which provider serves each backbone of the bundle at ``path``, after one real
+    inference (a provider can fall back at the first run, e.g. when an engine fails)."""
+    from export.errors import BundleError
+    from export.runtime import BackboneRuntime, RuntimeSettings
+
+    try:
+        runtime = BackboneRuntime(path, settings=RuntimeSettings(cache_dir=engine_cache))
+    except BundleError as exc:
+        raise UsageError(str(exc)) from exc
+    return {
+        "path": str(path),
+        "bundle_id": runtime.bundle.id,
+        "backbones": {
+            m.name: {
+                "precision": m.precision,
+                "input_shape": list(m.input_shape),
+                "served_by": runtime.active_providers[m.name][0],
+                "providers": runtime.active_providers[m.name],
+            }
+            for m in runtime.bundle.members
+        },
+    }
 
 
 def cmd_run(args: argparse.Namespace) -> int:

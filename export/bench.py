@@ -29,10 +29,13 @@ class Target:
     module: nn.Module
     input_shape: tuple[int, int, int]
     onnx: Path | None = None
+    seven_bit_weights: bool = False  # int8 as the member's own export quantizes it
 
 
 def targets_for_bundle(bundle: Bundle) -> list[Target]:
     """Rebuild each member's architecture from its provenance (same compute, any weights)."""
+    from export.sources import PRETRAINED
+
     out = []
     for m in bundle.members:
         arch = m.provenance.get("architecture")
@@ -42,7 +45,10 @@ def targets_for_bundle(bundle: Bundle) -> list[Target]:
             )
         kwargs = dict(m.provenance.get("arch_kwargs", {}))
         fp32 = bundle.file(m) if m.precision == "fp32" else None
-        out.append(Target(m.name, architectures.build(arch, **kwargs).eval(), m.input_shape, fp32))
+        preset = PRETRAINED.get(m.provenance.get("pretrained", ""))
+        model = architectures.build(arch, **kwargs).eval()
+        seven = preset is not None and preset.seven_bit_weights
+        out.append(Target(m.name, model, m.input_shape, fp32, seven_bit_weights=seven))
     return out
 
 
@@ -86,7 +92,9 @@ def run(
             fp32, int8 = t.onnx or tmp / f"{t.name}.fp32.onnx", tmp / f"{t.name}.int8.onnx"
             if t.onnx is None:
                 export_onnx(t.module, fp32, input_shape=t.input_shape)
-            quantize.to_int8(fp32, int8, calibration=calib[t.name])
+            quantize.to_int8(
+                fp32, int8, calibration=calib[t.name], seven_bit_weights=t.seven_bit_weights
+            )
             sessions["fp32"].append(ort.InferenceSession(str(fp32), options, providers=[CPU]))
             sessions["int8"].append(ort.InferenceSession(str(int8), options, providers=[CPU]))
             if gpu:

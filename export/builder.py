@@ -43,6 +43,7 @@ def build(
     out: Path,
     *,
     images: np.ndarray,
+    held_out: np.ndarray | None = None,
     labels: np.ndarray | None = None,
     precision: quantize.Precision = "fp32",
     seed: int = 0,
@@ -50,15 +51,27 @@ def build(
 ) -> tuple[Bundle, dict[str, Any]]:
     """Export every backbone into ``out`` at ``precision`` and write the manifest.
 
-    ``images`` (N, 3, H, W) in [0, 1] are real sample inputs: part of the parity check,
-    the int8 calibration set and the data the quality report is measured on.
+    ``images`` (N, 3, H, W) in [0, 1] are real sample inputs, the int8 calibration set;
+    ``held_out`` (M, 3, H', W'), images the calibration never saw, are those the parity
+    check and the quality report are measured on (``labels`` are theirs). Without
+    ``held_out`` every other image of ``images`` is held out and the rest calibrate.
     """
     if precision not in ("fp32", "fp16", "int8"):
         raise ExportError(f"precision must be fp32, fp16 or int8, got {precision!r}")
+    if held_out is None:
+        images, held_out = images[0::2], images[1::2]
+        labels = None if labels is None else labels[1::2]
+    if labels is not None and len(labels) != len(held_out):
+        raise ExportError(f"{len(labels)} labels for {len(held_out)} held-out images")
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     members: list[Member] = []
-    report: dict[str, Any] = {"precision": precision, "backbones": {}}
+    report: dict[str, Any] = {
+        "precision": precision,
+        "calibration_images": len(images),
+        "held_out_images": len(held_out),
+        "backbones": {},
+    }
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         for item in loaded:
@@ -72,7 +85,8 @@ def build(
                 mean=src.mean,
                 std=src.std,
             )
-            real = preprocess(images, stub)
+            calibration = preprocess(images, stub) if precision == "int8" else None
+            real = preprocess(held_out, stub)
             random_inputs = rng.normal(size=(8, *item.input_shape)).astype(np.float32)
             fp32_path = tmp / f"{src.name}.fp32.onnx"
             entry: dict[str, Any] = {}
@@ -107,11 +121,25 @@ def build(
                 if precision == "fp16":
                     quantize.to_fp16(fp32_path, final)
                 else:
-                    quantize.to_int8(fp32_path, final, calibration=real)
+                    assert calibration is not None
+                    quantize.to_int8(
+                        fp32_path,
+                        final,
+                        calibration=calibration,
+                        seven_bit_weights=src.seven_bit_weights,
+                    )
+                    entry["int8_weights"] = {"int8_weight_bits": 7 if src.seven_bit_weights else 8}
+                try:
+                    onnx.checker.check_model(str(final), full_check=True)
+                except onnx.checker.ValidationError as exc:
+                    raise ExportError(
+                        f"backbone {src.name!r}: the {precision} model fails onnx.checker: {exc}"
+                    ) from exc
                 reference = _ort_features(fp32_path, real)
                 candidate = _ort_features(final, real)
                 cos = compare(reference, candidate)
                 entry[f"{precision}_vs_fp32"] = {
+                    "on": f"{len(held_out)} held-out images",
                     "mean_cosine": _mean_cosine(reference, candidate),
                     "min_cosine": cos.min_cosine,
                     "prototype_agreement": quantize.prototype_agreement(
@@ -134,7 +162,7 @@ def build(
                     std=src.std,
                     parity_file=parity_file,
                     parity_sha256=parity_sha,
-                    provenance=item.provenance,
+                    provenance={**item.provenance, **entry.get("int8_weights", {})},
                 )
             )
             report["backbones"][src.name] = entry

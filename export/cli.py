@@ -17,14 +17,20 @@ examples:
   edge-export verify bundles/zoo                    # hashes, onnx.checker, parity: exit 1 on failure
   edge-export bundle --out bundles/r18 \\
       --backbone name=r18,arch=resnet18,weights=resnet18.pth,mean=0.485/0.456/0.406,std=0.229/0.224/0.225
+  edge-export bundle --out bundles/effnet --precision int8 \\
+      --backbone name=effnet-lite0,pretrained=efficientnet-lite0   # pip install 'protofleet[imagenet]'
   edge-export bench bundles/zoo --json
 
 """
 SPECS = """\
 backbone specs (--backbone, comma-separated key=value):
   name=ID               required; letters, digits, - _ .
+  pretrained=NAME       a published backbone: its architecture, weights, input, mean and std
+                        (see `edge-export archs`; efficientnet-lite0 needs the imagenet extra)
   arch=NAME             a built-in architecture (see `edge-export archs`), random weights unless
   weights=FILE          a state dict for it (torchvision/timm key names load; classifier dropped)
+  weights=package:PKG/PATH  a state dict inside installed Python package PKG (never downloaded)
+  sha256=HEX            refuse weights= unless the file has this digest
   torchscript=FILE      a TorchScript module returning (batch, features)
   factory=PKG.MOD:FN    an import path to a function returning a torch module
   onnx=FILE             an existing ONNX file, checked and adopted as is
@@ -78,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bundle.add_argument(
         "--samples",
         type=Path,
-        help=".npz with x (N,C,H,W or N,H,W,C; uint8 or float in [0,1]) used for parity and int8 calibration; default: rendered images",
+        help=".npz with x (N,C,H,W or N,H,W,C; uint8 or float in [0,1]): half calibrate int8, the other half are held out for parity; default: crops of bundled photos and rendered glyphs, in separate calibration and held-out sets",
     )
     bundle.add_argument(
         "--force", action="store_true", help="overwrite an existing bundle in --out"
@@ -97,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input", type=int, help="input side for an architecture (default 224)")
     bench.add_argument("--json", action="store_true", help="print the full JSON report")
 
-    sub.add_parser("archs", help="list the built-in architectures")
+    sub.add_parser("archs", help="list the built-in architectures and pretrained backbones")
     return parser
 
 
@@ -166,22 +172,21 @@ def _load_samples(path: Path) -> Any:
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from export import builder, render
+    from export import builder, photos
     from export.errors import ExportError
     from export.sources import Source, load
 
     _prepare_out(args.out, args.force)
     try:
         loaded = [load(Source.parse(spec)) for spec in args.backbone]
+        held_out = None  # with --samples, the builder holds every other image out
         if args.samples:
             images = _load_samples(args.samples)
         else:
-            images = np.concatenate(
-                [render.render_task(t, 64, seed=3)[0] for t in ("letters", "shapes")]
-            )
-        _, report = builder.build(loaded, args.out, images=images, precision=args.precision)
+            images, held_out = photos.sample_sets(max(item.input_shape[-1] for item in loaded))
+        _, report = builder.build(
+            loaded, args.out, images=images, held_out=held_out, precision=args.precision
+        )
     except ExportError as exc:
         raise UsageError(str(exc)) from exc
     print(json.dumps(report, indent=2))
@@ -237,9 +242,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_archs(args: argparse.Namespace) -> int:
     from export.architectures import ARCHITECTURES
+    from export.sources import PRETRAINED
 
     for name, arch in ARCHITECTURES.items():
         print(f"{name:<20} {arch.description}")
+    print("\npretrained backbones (--backbone name=ID,pretrained=NAME):")
+    for name, spec in PRETRAINED.items():
+        print(f"{name:<20} {spec.description}")
     return 0
 
 

@@ -22,7 +22,27 @@ def to_fp16(src: Path, dst: Path) -> None:
     model = onnx.load(str(src))
     # keep_io_types: callers keep feeding float32 and reading float32 features.
     converted = convert_float_to_float16(model, keep_io_types=True)
+    # The converter appends its input Cast after the nodes that read it (ONNX Runtime
+    # reorders on load, onnx.checker refuses), e.g. when a Pad comes first.
+    topological_sort(converted.graph)
     onnx.save(converted, str(dst))
+
+
+def topological_sort(graph: onnx.GraphProto) -> None:
+    """Reorder ``graph``'s nodes so that every input is produced before it is read."""
+    known = {v.name for v in graph.input} | {t.name for t in graph.initializer} | {""}
+    pending = [onnx.NodeProto.FromString(n.SerializeToString()) for n in graph.node]
+    ordered: list[onnx.NodeProto] = []
+    while pending:
+        ready = [i for i, n in enumerate(pending) if all(x in known for x in n.input)]
+        if not ready:
+            raise ValueError(f"graph {graph.name!r} reads a value no node produces")
+        for i in ready:
+            known.update(pending[i].output)
+        ordered += [pending[i] for i in ready]
+        pending = [n for i, n in enumerate(pending) if i not in set(ready)]
+    del graph.node[:]
+    graph.node.extend(ordered)
 
 
 class _Calibration:
@@ -39,9 +59,16 @@ class _Calibration:
         pass
 
 
-def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
+def to_int8(
+    src: Path, dst: Path, *, calibration: np.ndarray, seven_bit_weights: bool = False
+) -> None:
     """Static int8 quantization in QDQ format, per-channel weights, calibrated on
-    ``calibration`` (already preprocessed inputs, (N, C, H, W))."""
+    ``calibration`` (already preprocessed inputs, (N, C, H, W)).
+
+    ``seven_bit_weights`` keeps weights in [-64, 63]: x86 CPUs without VNNI multiply uint8
+    activations by int8 weights with an instruction whose 16-bit pair sums saturate
+    (255 * 127 * 2 > 32767), and networks whose ReLU6 activations often sit at the top of
+    their range saturate often; with 7-bit weights no pair can."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -63,6 +90,7 @@ def to_int8(src: Path, dst: Path, *, calibration: np.ndarray) -> None:
             Reader(calibration),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
+            reduce_range=seven_bit_weights,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
         )

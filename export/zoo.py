@@ -160,14 +160,23 @@ def build_zoo(
             provenance=provenance,
         )
         loaded.append(Loaded(source, model, None, model.input_shape, provenance))
-    # Real inputs for parity, calibration and the quality report: a mix of all three tasks.
-    parts = [render.render_task(m.task, 64, seed=10_000 + seed + i) for i, m in enumerate(MEMBERS)]
-    images = np.concatenate([p[0] for p in parts])
-    labels = np.concatenate([p[1] + 100 * i for i, p in enumerate(parts)])
+
+    # Real inputs of all three tasks: one set calibrates int8, another, held out, is what
+    # parity and the quality report are measured on.
+    def mix(base: int) -> tuple[np.ndarray, np.ndarray]:
+        parts = [
+            render.render_task(m.task, 64, seed=base + seed + i) for i, m in enumerate(MEMBERS)
+        ]
+        labels = np.concatenate([p[1] + 100 * i for i, p in enumerate(parts)])
+        return np.concatenate([p[0] for p in parts]), labels
+
+    images, _ = mix(10_000)
+    held_out, labels = mix(20_000)
     bundle, report = builder.build(
         loaded,
         out,
         images=images,
+        held_out=held_out,
         labels=labels,
         precision=precision,
         seed=seed,

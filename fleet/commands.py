@@ -84,7 +84,8 @@ def add_common_options(
     parser.set_defaults(digits5_defaults={"split": "feature", "clients": clients, "alpha": 0.5,
                                           "domain": "clean", "train": 100, "test": 100})  # fmt: skip
     data.add_argument("--image-size", type=int,
-                      help="side that --data folder images are resized to (default 32)")  # fmt: skip
+                      help="side that --data folder images are resized to (default 32; 224 "
+                           "with --backbone effnet-lite0)")  # fmt: skip
     fl = parser.add_argument_group("federation")
     fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
     fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
@@ -97,8 +98,12 @@ def add_common_options(
                     help="any other key of the agents' [train] table (edge-agent example-config) "
                          "for every method, over the protocol's settings, e.g. tau=0.2, "
                          "fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
-    fl.add_argument("--bundle", type=Path, default=Path("runs/zoo"),
-                    help="backbone bundle; the zoo is built there if missing (default runs/zoo)")  # fmt: skip
+    fl.add_argument("--bundle", type=Path,
+                    help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
+    fl.add_argument("--backbone", choices=list(BACKBONES),
+                    help="what a missing --bundle is built as: zoo (glyph-pretrained, 32x32) or "
+                         "effnet-lite0 (ImageNet EfficientNet-Lite0, images resized to 224; the "
+                         "imagenet extra) (default zoo)")  # fmt: skip
     fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
                     help="zoo to build when --bundle is missing (default full, ~5 min once)")  # fmt: skip
     tr = parser.add_argument_group("transport")
@@ -166,8 +171,46 @@ def parse_seeds(text: str) -> list[int]:
         raise UsageError(f"--seeds must be integers: {exc}") from exc
 
 
-def ensure_bundle(path: Path, size: str) -> Path:
-    """``path`` if it holds a bundle; else the zoo, built there once.
+#: ``--backbone``: the ``edge-export`` arguments that build each into a bundle folder.
+BACKBONES: dict[str, list[str]] = {
+    "zoo": ["zoo"],
+    "effnet-lite0": ["bundle", "--backbone", "name=effnet-lite0,pretrained=efficientnet-lite0"],
+}
+
+
+def resolve_bundle(args: argparse.Namespace) -> None:
+    """``--bundle`` defaults to runs/BACKBONE; a bundle already there must be what an
+    explicit ``--backbone`` asks for (a zoo silently used for effnet-lite0 would mislead)."""
+    backbone = args.backbone or "zoo"
+    if args.bundle is None:
+        args.bundle = Path("runs") / backbone
+    if args.backbone is None or not (args.bundle / "bundle.json").exists():
+        return
+    from export import bundle as bundle_mod
+    from export.errors import BundleError
+
+    try:
+        held = bundle_kind(bundle_mod.load(args.bundle, check_hashes=False))
+    except BundleError as exc:
+        raise UsageError(str(exc)) from None
+    if held != args.backbone:
+        raise UsageError(
+            f"--bundle {args.bundle} holds {held or 'other backbones'}, not --backbone "
+            f"{args.backbone}; choose another --bundle (or none: runs/{args.backbone})"
+        )
+
+
+def bundle_kind(bundle: Any) -> str | None:
+    """Which ``--backbone`` built ``bundle`` (None: neither)."""
+    if "zoo" in bundle.extra:
+        return "zoo"
+    pretrained = [m.provenance.get("pretrained") for m in bundle.members]
+    return "effnet-lite0" if pretrained == ["efficientnet-lite0"] else None
+
+
+def ensure_bundle(path: Path, size: str, *, backbone: str = "zoo") -> Path:
+    """``path`` if it holds a bundle; else ``backbone`` (the zoo of ``size``, or a
+    pretrained backbone), built there once.
 
     The zoo is built in a staging folder beside ``path`` and moved into place when it is
     whole: a build cut short (Ctrl-C in the minutes it takes) leaves no half-written
@@ -189,13 +232,14 @@ def ensure_bundle(path: Path, size: str) -> Path:
         staging = path.with_name(f".{path.name}.building")
         if staging.exists():
             shutil.rmtree(staging)  # what an interrupted build left
-        print(f"building the {size} backbone zoo in {path} (once) ...", file=sys.stderr, flush=True)
+        what = f"the {size} backbone zoo" if backbone == "zoo" else backbone
+        print(f"building {what} in {path} (once) ...", file=sys.stderr, flush=True)
+        argv = [str(BIN / "edge-export"), *BACKBONES[backbone], "--out", str(staging)]
         done = subprocess.run(
-            [str(BIN / "edge-export"), "zoo", "--out", str(staging), "--size", size],
-            stdout=subprocess.DEVNULL,
+            argv + (["--size", size] if backbone == "zoo" else []), stdout=subprocess.DEVNULL
         )
         if done.returncode != 0:
-            raise CommandFailed(f"building the zoo failed (exit {done.returncode})")
+            raise CommandFailed(f"building {what} failed (exit {done.returncode})")
         staging.replace(path)  # onto nothing or an empty folder: atomic
         # Safe to remove now that bundle.json is there: a waiter holding the old file's
         # lock, and anyone later, finds the bundle first and never builds.
@@ -257,8 +301,8 @@ def resolve_data_options(args: argparse.Namespace) -> None:
     folders = args.data is not None and args.data.is_dir()
     if args.image_size is not None and not folders:
         raise UsageError("--image-size applies to --data image folders only")
-    if args.image_size is None:
-        args.image_size = 32
+    if args.image_size is None:  # the backbones' input side: no detail lost before they resize
+        args.image_size = 224 if args.backbone == "effnet-lite0" else 32
     if args.image_size < 1:
         raise UsageError(f"--image-size must be positive, got {args.image_size}")
     if args.data is not None:
@@ -304,6 +348,7 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     """Everything a sweep's options can get wrong (broker URL, run settings, data), checked
     before the zoo is built, which takes minutes the first time. Returns the partition of
     ``seed``, which the sweep then reuses."""
+    resolve_bundle(args)
     resolve_data_options(args)
     check_output_folder(args.out, option="--out")
     if args.transport == "memory":
@@ -331,7 +376,7 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
 def _sweep(
     args: argparse.Namespace, methods: list[str], seeds: list[int], first: Partition
 ) -> dict[str, Path]:
-    bundle = ensure_bundle(args.bundle, args.zoo_size)
+    bundle = ensure_bundle(args.bundle, args.zoo_size, backbone=args.backbone or "zoo")
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}
     description = ""

@@ -155,7 +155,7 @@ def _sweep(
     mechanisms: list[str],
     first: Partition,
 ) -> int:
-    bundle = commands.ensure_bundle(args.bundle, args.zoo_size)
+    bundle = commands.ensure_bundle(args.bundle, args.zoo_size, backbone=args.backbone or "zoo")
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}

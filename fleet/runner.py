@@ -300,6 +300,12 @@ def _progress(spec: RunSpec, total: int, desc: str, unit: str) -> Any:
     )
 
 
+#: Both transports' payload cap. FedPCL's announcement carries every client's padded local
+#: set (Eq. 7), about 10 kB per client, so a 100-agent fleet's exceeds the 1 MB default;
+#: FedAvg's update carries the head, FC(K*d_e, 256): 1.3 MB over a 1280-d backbone.
+FLEET_MAX_PAYLOAD_BYTES = 256 << 20
+
+
 def _run_memory(
     spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
 ) -> tuple[float, int]:
@@ -323,7 +329,9 @@ def _run_memory(
         for tables in agents:
             live.append(Agent(build(AgentConfig, tables), runtime=runtime))
             bar.update()
-    cfg = build(CoordinatorConfig, coord)
+    cfg = build(
+        CoordinatorConfig, {**coord, "mqtt": {"max_payload_bytes": FLEET_MAX_PAYLOAD_BYTES}}
+    )
     store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:
         manager = RoundManager(config=cfg, store=store, metrics=Metrics())
@@ -452,9 +460,8 @@ def _run_mqtt_fleet(
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     with broker_for(spec) as (host, port, broker_pid):
-        # FedPCL's announcement carries every client's padded local set (Eq. 7): about
-        # 10 kB per client, so a 100-agent fleet's exceeds the 1 MB default cap.
-        mqtt = {"host": host, "port": port, "keepalive": 60, "max_payload_bytes": 256 << 20}
+        mqtt = {"host": host, "port": port, "keepalive": 60,
+                "max_payload_bytes": FLEET_MAX_PAYLOAD_BYTES}  # fmt: skip
         coord_cfg = spec.out / "coordinator.toml"
         coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
         configs = []

@@ -59,3 +59,23 @@ def test_fallbacks_and_failures_are_reported_as_not_working() -> None:
     assert not results[TENSORRT].works and "could not be created" in results[TENSORRT].detail
     assert not results[CUDA].works and results[CUDA].detail == f"fell back to {CPU}"
     assert results[CPU].works
+
+
+def test_doctor_reports_the_provider_serving_each_backbone_of_a_bundle(small_zoo) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doctor = [str(Path(sys.executable).parent / "edge-agent"), "doctor"]
+    result = subprocess.run(
+        [*doctor, "--bundle", str(small_zoo)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    served = json.loads(result.stdout)["bundle"]["backbones"]
+    assert list(served) == ["letters", "shapes", "fontdigits"]
+    assert {b["served_by"] for b in served.values()} == {CPU}  # no GPU provider on this machine
+    refused = subprocess.run(
+        [*doctor, "--engine-cache", "x"], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and "--engine-cache applies with --bundle" in refused.stderr
