@@ -349,7 +349,7 @@ def test_a_config_that_is_not_utf8_or_not_finite_is_one_line_naming_it(script, t
     infinite = tmp_path / "inf.toml"
     infinite.write_text(
         'agent_id = "a"\nfleet = "lab"\nstate_dir = "s"\nbundle = "b"\n[data]\ntrain = "t"\n'
-        '[security]\ninsecure = true\n[mqtt]\nresend_s = inf\n'
+        "[security]\ninsecure = true\n[mqtt]\nresend_s = inf\n"
         if script == "edge-agent"
         else 'fleet = "lab"\nstate_dir = "s"\n[rounds]\ntimeout_s = inf\n'
     )
