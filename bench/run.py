@@ -21,6 +21,7 @@ BENCHMARKS = [
     "bench.agent_bench",
     "bench.fleet_bench",
     "bench.privacy_bench",
+    "bench.reliability_bench",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
