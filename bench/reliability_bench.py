@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from fleet.broker import MosquittoBroker, free_port
+from fleet.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import round_topic, update_filter, update_topic
 
 BIN = Path(sys.executable).parent
@@ -50,7 +50,10 @@ def _rejected(port: int) -> float:
     )
 
 
-def _publish(address, topics: list[str], payloads: list[bytes], *, client_id: str) -> None:
+def publish_burst(
+    address: BrokerAddress, topics: list[str], payloads: list[bytes], *, client_id: str
+) -> None:
+    """Publish every payload (QoS 1) as fast as the broker takes them."""
     pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
     pub.max_inflight_messages_set(1000)
     pub.connect(address.host, address.port)
@@ -93,7 +96,7 @@ def paho_drain_per_s(broker: MosquittoBroker, junk: list[bytes], topics: list[st
     subscribed.wait(30)
     sub.loop_stop()
     sub.disconnect()  # the persistent session queues the burst meanwhile
-    _publish(broker.address, topics, junk, client_id="bench-junk-bare")
+    publish_burst(broker.address, topics, junk, client_id="bench-junk-bare")
     sub.connect(broker.address.host, broker.address.port)
     start = time.perf_counter()
     sub.loop_start()
@@ -124,7 +127,7 @@ def junk_drain_per_s(repeats: int = 3) -> tuple[float, float]:
             [str(BIN / "edge-coordinator"), "--log-level", "ERROR", "run", "--config", str(config)]
         )
         try:
-            announced: list[bytes] = []
+            announced: list[bytes | bytearray] = []
             watch = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-watch")
             watch.on_message = lambda _c, _u, m: announced.append(m.payload)
             watch.connect(broker.address.host, broker.address.port)
@@ -137,7 +140,7 @@ def junk_drain_per_s(repeats: int = 3) -> tuple[float, float]:
                 before = _rejected(metrics_port)
                 os.kill(proc.pid, signal.SIGSTOP)
                 try:
-                    _publish(broker.address, topics, junk, client_id=f"bench-junk-{r}")
+                    publish_burst(broker.address, topics, junk, client_id=f"bench-junk-{r}")
                 finally:
                     start = time.perf_counter()
                     os.kill(proc.pid, signal.SIGCONT)
@@ -206,7 +209,7 @@ def flood_honest_lost(bundle: Path, clients: int = 3) -> int:
                 timeout=300,
                 what="training agent",
             )
-            _publish(broker.address, topics, junk, client_id="bench-junk")
+            publish_burst(broker.address, topics, junk, client_id="bench-junk")
             with contextlib.suppress(TimeoutError):  # a lost update: counted below
                 _wait(lambda: coordinator.poll() is not None, timeout=300, what="closed round")
             stored = sum(
