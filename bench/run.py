@@ -44,6 +44,7 @@ SUITES: dict[str, list[str]] = {
         "bench.privacy_bench",
         "bench.effnet_bench",
         "bench.effnet_fleet_bench",
+        "bench.reliability_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
 }

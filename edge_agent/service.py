@@ -227,6 +227,9 @@ class AgentService:
         ):
             return  # a late copy, or one for a round this device has settled
         self._pending = None
+        # Settled on disk before it is said: a device killed after the line answers the
+        # round's re-announcement with already_answered, not with a re-send.
+        self.agent.state.mark_published(pending.round)
         if receipt.digest != pending.digest:
             # Only another client publishing as this device gets here: the coordinator
             # took its update first and keeps it (signed updates prevent this).
@@ -240,7 +243,6 @@ class AgentService:
             )
         else:
             log.info("round %d: update stored by the coordinator", pending.round)
-        self.agent.state.mark_published(pending.round)
 
     def _expect_receipt(self, round_: int, payload: bytes) -> None:
         wait = self.resend_s

@@ -632,7 +632,10 @@ class _Watcher:
 
         try:
             if message.topic == self._round_topic:
-                ann = RoundAnnouncement.from_wire(message.payload)
+                # No size cap: FedPCL's announcement to 200 agents (every padded local set)
+                # is 2 MB, over the 1 MiB default, and ignoring it left the run waiting
+                # until the coordinator's exit looked like a crash.
+                ann = RoundAnnouncement.from_wire(message.payload, max_bytes=len(message.payload))
                 with self._cond:
                     self.round = max(self.round, ann.round)
                     self._cond.notify_all()

@@ -150,7 +150,8 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
             r1 = coord.wait_updates(1, {"dev-a", "dev-b"})
             coord.announce(2, r1)
             coord.wait_updates(2, {"dev-a", "dev-b"})
-            mark = a.wait_for("round 2: update published")
+            # Settled once the coordinator's receipt names it, not when the broker took it.
+            mark = a.wait_for("round 2: update stored by the coordinator")
             a.kill()  # idle, after answering round 2
             a = agent_process(cfg_a)
             a.wait_for("round 2: already_answered")

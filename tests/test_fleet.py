@@ -864,3 +864,30 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
     worker = _liveness({"worker 0": (done, log)}, lambda: None, lambda: None, grace_s=0)
     with pytest.raises(CommandFailed, match="worker 0 exited early"):
         worker()  # a worker never finishes by itself
+
+
+@pytest.mark.broker
+def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosquitto) -> None:
+    # FedPCL's announcement to 200 agents carries 200 padded local sets: 2 MB. Ignored as
+    # too large, it left `edge-fleet run --clients 200` waiting until the coordinator's exit.
+    from fleet.runner import FLEET, _Watcher
+    from protocol import RoundAnnouncement, round_topic
+    from tests.mqtt_helpers import connected
+
+    rows = np.zeros((10, 256), np.float32)
+    big = RoundAnnouncement(
+        fleet=FLEET, round=2, bundle="b" * 64, method="fedpcl",
+        classes=tuple(str(c) for c in range(10)), deadline=0.0,
+        global_classes=tuple(range(10)), global_prototypes=rows,
+        local_sets={f"client-{i:04d}": rows for i in range(200)},
+    )  # fmt: skip
+    payload = big.to_wire()
+    assert len(payload) > 1 << 20
+    watcher = _Watcher(mosquitto.address.host, mosquitto.address.port, expected=0)
+    try:
+        with connected(mosquitto.address, "coordinator") as (pub, _):
+            pub.publish(round_topic(FLEET), payload, qos=1, retain=True).wait_for_publish(30)
+        with watcher._cond:
+            assert watcher._cond.wait_for(lambda: watcher.round == 2, timeout=30)
+    finally:
+        watcher.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.reliability_bench import publish_burst
 from protocol import RoundAnnouncement, round_topic
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
@@ -181,23 +182,6 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
     assert shown["ignored_announcements"] == {"wrong_dim": 2}  # once per process
 
 
-def flood(address, topics: list[str], payloads: list[bytes], *, client_id: str) -> None:
-    """Publish every payload (QoS 1) as fast as the broker takes them."""
-    import paho.mqtt.client as mqtt
-
-    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
-    pub.max_inflight_messages_set(1000)
-    pub.connect(address.host, address.port)
-    pub.loop_start()
-    try:
-        infos = [pub.publish(t, p, qos=1) for t, p in zip(topics, payloads, strict=True)]
-        for info in infos:
-            info.wait_for_publish(120)
-    finally:
-        pub.loop_stop()
-        pub.disconnect()
-
-
 def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
     from protocol import AgentState, Status, status_topic
 
@@ -212,7 +196,7 @@ def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, t
             fleet.announcement(0)
             fleet.send([stand_in_update(i, 0) for i in range(3)])  # known from here on
             ghosts = [f"ghost-{i}" for i in range(20_000)]
-            flood(
+            publish_burst(
                 mosquitto.address,
                 [status_topic("lab", g) for g in ghosts],
                 [
@@ -267,7 +251,7 @@ def test_20000_junk_messages_during_a_round_lose_no_honest_update(mosquitto, sma
     try:
         with connected(mosquitto.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox):
             procs[0].wait_for("round 0: training", timeout=180)
-            flood(mosquitto.address, topics, junk, client_id="junk")
+            publish_burst(mosquitto.address, topics, junk, client_id="junk")
             for agent in procs:
                 agent.wait_for("round 0: update stored by the coordinator", timeout=180)
             final = Fleet(mosquitto, inbox, None).announcement(1, timeout=120)
