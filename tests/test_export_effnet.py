@@ -342,7 +342,7 @@ def test_fleet_compare_on_effnet_features_extracts_each_image_once(effnet_bundle
                    "--no-progress")  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
-    assert set(report["methods"]) == {"solo", "fedpcl"}
+    assert set(report["methods"]) == {"solo", "fedpcl", "central"}  # central: the ceiling row
     assert report["config"]["backbone"] == "effnet-lite0"
     entries = sorted((out / "feature-cache").glob("*.npy"))
     shapes = sorted(np.load(e, mmap_mode="r").shape for e in entries)
