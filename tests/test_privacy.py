@@ -273,12 +273,15 @@ def dp_config(
     )
 
 
-def announcement(bundle_id: str, round_: int, method: str = "fedpcl") -> RoundAnnouncement:
-    """Round 0 bare; later rounds carry global prototypes, so DP-SGD trains FedPCL's own
-    objective (round 0 falls back to cross-entropy)."""
+def announcement(
+    bundle_id: str, round_: int, method: str = "fedpcl", dim: int = 32
+) -> RoundAnnouncement:
+    """Round 0 bare; later rounds carry global prototypes of ``dim`` (the head's; the
+    features' under dp-features; 0 for none), so DP-SGD trains FedPCL's own objective
+    (round 0 falls back to cross-entropy)."""
     globals_: dict[str, object] = {}
-    if round_ > 0:
-        protos = np.random.default_rng(round_).normal(size=(10, 32)).astype(np.float32)
+    if round_ > 0 and dim:
+        protos = np.random.default_rng(round_).normal(size=(10, dim)).astype(np.float32)
         protos /= np.linalg.norm(protos, axis=1, keepdims=True)
         globals_ = {"global_classes": tuple(range(10)), "global_prototypes": protos}
     return RoundAnnouncement(
@@ -369,7 +372,8 @@ def test_neighbouring_data_sets_publish_byte_identical_metadata(
         if name == "neighbour":
             cfg = replace(cfg, data=replace(cfg.data, train=neighbour(cfg.data.train, root)))
         agent = Agent(cfg)
-        views.append([public_view(agent.handle(announcement(agent.bundle_id, r)), "lab")
+        views.append([public_view(agent.handle(announcement(agent.bundle_id, r,
+                                                            dim=agent.prototype_dim)), "lab")
                       for r in range(4)])  # fmt: skip
         ledgers.append(json.loads((cfg.state_dir / "privacy.json").read_text()))
     with np.load(neighbour(probe.cfg.data.train, tmp_path / "n")) as data:
@@ -466,13 +470,17 @@ def test_dp_features_releases_once_per_data_version(small_zoo: Path, tmp_path: P
     assert first.prototypes.shape == (10, agent.runtime.feature_dim)  # the feature space
     spent = first.privacy.epsilon
     restarted = Agent(cfg)
-    again = PrototypeUpdate.from_wire(restarted.handle(announcement(agent.bundle_id, 1)).payload)
+    again = PrototypeUpdate.from_wire(
+        restarted.handle(announcement(agent.bundle_id, 1, dim=agent.prototype_dim)).payload
+    )
     np.testing.assert_array_equal(again.prototypes, first.prototypes)
     assert again.counts == first.counts and again.privacy.epsilon == spent
     assert len(restarted.ledger.spends) == 1
     changed = replace(cfg, data=replace(cfg.data, train=neighbour(cfg.data.train, tmp_path / "v2")))
     newer = Agent(changed)
-    third = PrototypeUpdate.from_wire(newer.handle(announcement(agent.bundle_id, 2)).payload)
+    third = PrototypeUpdate.from_wire(
+        newer.handle(announcement(agent.bundle_id, 2, dim=agent.prototype_dim)).payload
+    )
     assert not np.array_equal(third.prototypes, first.prototypes)
     assert third.privacy.epsilon is not None and spent is not None and third.privacy.epsilon > spent
     assert len(newer.ledger.spends) == 2
@@ -488,8 +496,8 @@ def test_dp_features_trains_alone_when_no_anchor_helps(small_zoo: Path, tmp_path
                                     method="solo"), train=cfg.train)  # fmt: skip
     solo = Agent(solo_cfg)
     for r in range(3):
-        assert agent.handle(announcement(agent.bundle_id, r)).reason == "answered"
-        assert solo.handle(announcement(solo.bundle_id, r, "solo")).reason == "answered"
+        assert agent.handle(announcement(agent.bundle_id, r, dim=0)).reason == "answered"
+        assert solo.handle(announcement(solo.bundle_id, r, "solo", dim=0)).reason == "answered"
     record, alone = agent.state.snapshot.history[-1], solo.state.snapshot.history[-1]
     assert record["anchor_weight"] == 0.0
     # The rule (classifier or own prototypes) is the device's choice on its validation split.
