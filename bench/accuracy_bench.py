@@ -12,7 +12,8 @@ over MQTT as ``make demo`` does):
 
 Keys: ``accuracy.<protocol>.<setting>.<method>.{final_mean, final_std, best_mean,
 best_std, best_round_min, best_round_max}`` (accuracies as fractions), and
-``accuracy.demo.<method>.<domain | mean>``. Hours on a 2-core machine: the sweeps keep
+``accuracy.demo.<method>.<domain | mean>`` with ``accuracy.demo_best.<method>.{mean,
+round}``. Hours on a 2-core machine: the sweeps keep
 their runs under runs/bench-accuracy/<commit>/, so a bench stopped part-way (Ctrl-C, a
 reboot) continues where it stopped when run again at the same commit (``--resume``:
 finished runs are read back); a work tree with uncommitted changes starts afresh.
@@ -92,6 +93,8 @@ def run() -> dict[str, float]:
     for method, m in demo["methods"].items():
         results |= {f"accuracy.demo.{method}.{d}": v for d, v in m["per_domain"].items()}
         results[f"accuracy.demo.{method}.mean"] = m["final_mean"]
+        results[f"accuracy.demo_best.{method}.mean"] = m["best_mean"]
+        results[f"accuracy.demo_best.{method}.round"] = m["best_round"]["0"]
     results["accuracy.demo.wall_seconds"] = sum(
         r["wall_seconds"] for m in demo["methods"].values() for r in m["runs"].values()
     )
