@@ -12,19 +12,24 @@ over MQTT as ``make demo`` does):
 
 Keys: ``accuracy.<protocol>.<setting>.<method>.{final_mean, final_std, best_mean,
 best_std, best_round_min, best_round_max}`` (accuracies as fractions), and
-``accuracy.demo.<method>.<domain | mean>``. Hours on a 2-core machine.
+``accuracy.demo.<method>.<domain | mean>`` with ``accuracy.demo_best.<method>.{mean,
+round}``. Hours on a 2-core machine: the sweeps keep
+their runs under runs/bench-accuracy/<commit>/, so a bench stopped part-way (Ctrl-C, a
+reboot) continues where it stopped when run again at the same commit (``--resume``:
+finished runs are read back); a work tree with uncommitted changes starts afresh.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.export_bench import ZOO, ensure_zoo
+from bench.run import ROOT, commit
 
 BIN = Path(sys.executable).parent
 METHODS = "solo,fedavg,fedproto,fedpcl,fpl,feddbp"
@@ -36,6 +41,8 @@ PROTOCOLS = ("fair", "paper")
 
 def _sweep(command: str, argv: list[str], out: Path) -> dict[str, Any]:
     argv = [*argv, "--bundle", str(ZOO), "--out", str(out), "--rounds", str(ROUNDS)]
+    if (out / "runs").is_dir():
+        argv.append("--resume")  # the same commit's sweep, stopped part-way
     done = subprocess.run(
         [str(BIN / "edge-fleet"), command, *argv, "--no-progress"], stdout=subprocess.DEVNULL
     )
@@ -64,28 +71,33 @@ def run() -> dict[str, float]:
     ensure_zoo()
     results: dict[str, float] = {"accuracy.rounds": ROUNDS, "accuracy.clients": 5,
                                  "accuracy.seeds": len(SEEDS.split(","))}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="protofleet-accuracy-bench-") as tmp:
-        root = Path(tmp)
-        data = root / "glyphs5.npz"
-        glyphs.main(_namespace(out=data, seed=0, train=100, test=100))
-        for protocol in PROTOCOLS:
-            for setting in SETTINGS:
-                where = ["--data", str(data)] if setting == "glyphs" else ["--split", setting]
-                report = _sweep(
-                    "compare",
-                    ["--methods", METHODS, "--seeds", SEEDS, "--transport", "memory",
-                     "--protocol", protocol, *where],
-                    root / f"{protocol}-{setting}",
-                )  # fmt: skip
-                results |= summary_keys(f"accuracy.{protocol}.{setting}", report)
-                print(f"  accuracy: {protocol} {setting} done", file=sys.stderr, flush=True)
-        demo = _sweep("demo", [], root / "demo")
-        for method, m in demo["methods"].items():
-            results |= {f"accuracy.demo.{method}.{d}": v for d, v in m["per_domain"].items()}
-            results[f"accuracy.demo.{method}.mean"] = m["final_mean"]
-        results["accuracy.demo.wall_seconds"] = sum(
-            r["wall_seconds"] for m in demo["methods"].values() for r in m["runs"].values()
-        )
+    at = commit()
+    root = ROOT / "runs" / "bench-accuracy" / at
+    if at.endswith("+changes") or at == "unknown":
+        shutil.rmtree(root, ignore_errors=True)  # code no commit holds: nothing to resume
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "glyphs5.npz"
+    glyphs.main(_namespace(out=data, seed=0, train=100, test=100))
+    for protocol in PROTOCOLS:
+        for setting in SETTINGS:
+            where = ["--data", str(data)] if setting == "glyphs" else ["--split", setting]
+            report = _sweep(
+                "compare",
+                ["--methods", METHODS, "--seeds", SEEDS, "--transport", "memory",
+                 "--protocol", protocol, *where],
+                root / f"{protocol}-{setting}",
+            )  # fmt: skip
+            results |= summary_keys(f"accuracy.{protocol}.{setting}", report)
+            print(f"  accuracy: {protocol} {setting} done", file=sys.stderr, flush=True)
+    demo = _sweep("demo", [], root / "demo")
+    for method, m in demo["methods"].items():
+        results |= {f"accuracy.demo.{method}.{d}": v for d, v in m["per_domain"].items()}
+        results[f"accuracy.demo.{method}.mean"] = m["final_mean"]
+        results[f"accuracy.demo_best.{method}.mean"] = m["best_mean"]
+        results[f"accuracy.demo_best.{method}.round"] = m["best_round"]["0"]
+    results["accuracy.demo.wall_seconds"] = sum(
+        r["wall_seconds"] for m in demo["methods"].values() for r in m["runs"].values()
+    )
     return results
 
 

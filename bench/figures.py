@@ -181,10 +181,15 @@ def demo(r: Results) -> str:
     )
     if not domains:
         return "Not measured: run `make bench-accuracy`."
-    lines = ["| method | " + " | ".join(domains) + " | final |",
-             "|---" + "|---:" * (len(domains) + 1) + "|"]  # fmt: skip
+    lines = ["| method | " + " | ".join(domains) + " | final | best (round) |",
+             "|---" + "|---:" * (len(domains) + 2) + "|"]  # fmt: skip
     for method in ("solo", "fedavg", "fedproto", "fedpcl", "central"):
         cells = [_pct(r.get(f"accuracy.demo.{method}.{d}")) for d in [*domains, "mean"]]
+        best, at = (
+            r.get(f"accuracy.demo_best.{method}.mean"),
+            r.get(f"accuracy.demo_best.{method}.round"),
+        )
+        cells.append("-" if best is None or at is None else f"{_pct(best)} @ {at:.0f}")
         label = f"{method} (ceiling)" if method == "central" else method
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     seconds = r.get("accuracy.demo.wall_seconds")
@@ -192,7 +197,7 @@ def demo(r: Results) -> str:
         "```\n"
         + "\n".join(lines)
         + "\n```\n\n"
-        + f"(final accuracy per domain, seed 0; from `make bench-accuracy`: "
+        + f"(the rows of its table, seed 0; from `make bench-accuracy`: "
         f"{r.provenance(ACCURACY)}; the fleet runs took {_num(seconds)} s in all)"
     )
 

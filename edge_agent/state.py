@@ -165,11 +165,8 @@ class StateDir:
         )
 
     def load_globals(self) -> tuple[np.ndarray, np.ndarray] | None:
-        path = self.root / "globals.npz"
-        if not path.exists():
-            return None
-        with np.load(path, allow_pickle=False) as data:
-            return data["prototypes"], data["present"]
+        """The last global prototypes kept (C, d) and their mask (C,), if any."""
+        return self._load_pair("globals.npz", "prototypes", "present")
 
     def pending_update(self) -> tuple[int, bytes] | None:
         r = self.snapshot.pending_round
@@ -238,8 +235,13 @@ class StateDir:
             return Release(data["classes"], data["prototypes"], data["counts"])
 
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
-        path = self.root / "prototypes.npz"
+        return self._load_pair("prototypes.npz", "prototypes", "counts")
+
+    def _load_pair(
+        self, name: str, first: str, second: str
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        path = self.root / name
         if not path.exists():
             return None
         with np.load(path, allow_pickle=False) as data:
-            return data["prototypes"], data["counts"]
+            return data[first], data[second]
