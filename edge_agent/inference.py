@@ -144,11 +144,12 @@ def decision_global_distance(out: Outputs, refs: References) -> Prediction:
 
 
 def classifier(out: Outputs, refs: References) -> Prediction:
-    # Solo and FedAvg (FedPCL Sec. 5.1's baselines) predict with their classifier. FPL
-    # (CVPR 2023) is built on FedAvg: its model is a feature extractor and a "unified
-    # classifier" (Sec. 3.1) whose aim is "a generalizable global model", and it reports
-    # that model's Top-1 accuracy (Sec. 4.1); its prototypes shape training only. FedAvg's
-    # and FPL's classifier is the global model's (see METHOD_RULES).
+    # Solo and FedAvg (FedPCL Sec. 5.1's baselines) predict with their classifier. The FPL
+    # paper (CVPR 2023) states no inference rule of its own: its model is a feature
+    # extractor and a "unified classifier" (Sec. 3.1) meant as "a generalizable global
+    # model", and it reports Top-1 accuracy (Sec. 4.1). We take that global model's
+    # classifier; FPL's prototypes shape its training only. FedAvg's and FPL's classifier
+    # is the global model's (see METHOD_RULES).
     return argmax_logits(out.logits)
 
 
