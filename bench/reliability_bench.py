@@ -5,8 +5,9 @@ run that writes its report.
 - ``reliability.junk_drain_per_s``: malformed update messages a coordinator rejects per
   second. The coordinator is paused (SIGSTOP) while the broker queues a burst for it, then
   resumed; the figure is the burst over the time until its metrics count every message.
-  ``reliability.paho_drain_per_s`` is the same burst drained by a bare paho client that
-  does nothing with it, measured beside it: the ceiling of any paho-based consumer here.
+  ``reliability.paho_drain_per_s`` is the same burst drained by paho's own client doing
+  nothing with it (one packet per ``select()``), measured beside it; the coordinator
+  reads through ``protocol.bulkread`` and ``junk_drain_over_paho`` is what that buys.
 - ``reliability.flood_honest_lost``: devices (real agents) whose round-0 update never
   reached the round when 20,000 junk messages are published while they answer it.
 - ``fleet.mqtt_200_round_s``: median round time of ``edge-fleet run --transport mqtt
@@ -76,8 +77,8 @@ def _wait(predicate, *, timeout: float, what: str, every: float = 0.005) -> None
 
 
 def paho_drain_per_s(broker: MosquittoBroker, junk: list[bytes], topics: list[str]) -> float:
-    """The same burst drained by a bare paho client doing nothing with it: what any
-    paho-based consumer can reach on this machine, the yardstick for the coordinator."""
+    """The same burst drained by paho's own client doing nothing with it: the most a
+    consumer reading one packet at a time reaches on this machine."""
     count = [0]
     done = threading.Event()
 

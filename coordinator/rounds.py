@@ -5,6 +5,7 @@ way by the MQTT service, an in-memory fleet and the tests."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -119,6 +120,10 @@ class RoundManager:
         self._known = set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors()
         self._rejected: Counter[str] = Counter()
         self._rejected_lock = threading.Lock()
+        # One labelled child per reason (a handful), looked up once: a flood costs little.
+        self._rejected_metric = functools.cache(
+            lambda reason: self.metrics.updates_rejected.labels(reason=reason)
+        )
         # What the log last said of each client: a persistent session replays queued
         # status messages after a restart, and repeating "offline" for each says nothing.
         self._logged_status: dict[str, tuple[str, str]] = {}
@@ -158,8 +163,8 @@ class RoundManager:
             assert decision.client is not None and decision.round is not None
             self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
         else:
-            self.metrics.updates_rejected.labels(reason=decision.reason).inc()
-            self._count_rejection(decision.reason)
+            self._rejected_metric(decision.reason).inc()
+            self.count_rejection(decision.reason)
             if log.isEnabledFor(logging.DEBUG):  # one line each: a flood must stay cheap
                 log.debug(
                     "rejected update from %s for round %s: %s",
@@ -175,7 +180,7 @@ class RoundManager:
                 )
         return decision
 
-    def _count_rejection(self, reason: str) -> None:
+    def count_rejection(self, reason: str) -> None:
         # Counted in memory and written by flush_rejections(): a burst of 20,000 junk
         # messages must not become 20,000 SQLite transactions and log lines.
         with self._rejected_lock:
@@ -282,17 +287,17 @@ class RoundManager:
         try:
             status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
         except ProtocolError as exc:
-            self._count_rejection(f"status_{exc.reason}")
+            self.count_rejection(f"status_{exc.reason}")
             return None
         if status.fleet != self.config.fleet or (
             topic_client is not None and status.client != topic_client
         ):
-            self._count_rejection("status_mismatch")
+            self.count_rejection("status_mismatch")
             return None
         if status.client not in self._known:
             # Counted, not stored: invented ids would otherwise fill the clients table
             # (and the online gauge) for good.
-            self._count_rejection("status_unknown_client")
+            self.count_rejection("status_unknown_client")
             return None
         self.store.record_status(
             status.client,
@@ -311,7 +316,7 @@ class RoundManager:
 
     def count_foreign_announcement(self) -> None:
         """Something other than this coordinator published on the round topic."""
-        self._count_rejection("foreign_announcement")
+        self.count_rejection("foreign_announcement")
 
     def update_online(self) -> None:
         """The online gauge: devices whose last status is online and fresher than

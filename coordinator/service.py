@@ -146,7 +146,7 @@ class CoordinatorService:
         try:
             topic = parse_topic(message.topic)
         except TopicError:
-            self.manager.store.count_rejection("topic")
+            self.manager.count_rejection("topic")
             return
         if topic.fleet != self.config.fleet:
             return

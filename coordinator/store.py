@@ -338,9 +338,6 @@ class Store:
         with self._lock:
             return {row[0] for row in self._db.execute("SELECT client FROM contributions")}
 
-    def count_rejection(self, reason: str) -> None:
-        self.count_rejections({reason: 1})
-
     def count_rejections(self, counts: Mapping[str, int]) -> None:
         """Add rejection counts (by reason) in one transaction."""
         with self._lock, self._transaction():

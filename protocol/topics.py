@@ -10,6 +10,7 @@ Layout (``<fleet>`` and ``<client>`` are safe ids, see :mod:`protocol.ids`)::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -75,10 +76,13 @@ def status_filter(fleet: str) -> str:
     return f"{_PREFIX}/{validate_id(fleet, field='fleet')}/status/+"
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_topic(topic: str) -> Topic:
     """Parse a concrete topic (no wildcards) into a :class:`Topic`.
 
     Raises :class:`TopicError` for anything that is not exactly one of the three layouts.
+    Cached: a coordinator parses the same few hundred device topics over and over, and a
+    flood on one topic must cost little per message (errors are not cached).
     """
     if not isinstance(topic, str):
         raise TopicError("topic must be a string", field="topic")

@@ -238,9 +238,11 @@ def make_client(
     a reconnect. Raises :class:`CredentialsError` for an unusable password or TLS file."""
     import paho.mqtt.client as mqtt
 
+    from protocol.bulkread import client_class
+
     credentials = load_credentials(settings)
     # clean_session=False keeps subscriptions and queued QoS 1 messages across reconnects.
-    client = mqtt.Client(
+    client = client_class()(
         mqtt.CallbackAPIVersion.VERSION2,
         client_id=client_id,
         clean_session=False,

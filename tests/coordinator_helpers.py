@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import paho.mqtt.client as mqtt
 
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
-from protocol import PrototypeUpdate
+from fleet.broker import MosquittoBroker
+from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.security import CoordinatorSecurity
 from protocol.transport import MqttSettings
+from tests.mqtt_helpers import Collector, connected
 
 BUNDLE = "f" * 64
 CLASSES = ("a", "b", "c")
 DIM = 4
+BIN = Path(sys.executable).parent
 
 
 def config(
@@ -66,3 +75,98 @@ def hand_globals(updates: list[PrototypeUpdate]) -> dict[int, np.ndarray]:
             sums[c] = sums.get(c, np.zeros(DIM)) + n * p.astype(np.float64)
             totals[c] = totals.get(c, 0.0) + n
     return {c: sums[c] / totals[c] for c in sums}
+
+
+def coordinator_toml(
+    tmp_path: Path,
+    port: int,
+    *,
+    method: str = "fedpcl",
+    clients: int = 3,
+    rounds: int = 1,
+    dim: int = DIM,
+    feature_dim: int | None = None,
+    state_dir: Path | None = None,
+    allow_list: tuple[str, ...] = (),
+    keys: Path | None = None,
+) -> Path:
+    """A coordinator config for fleet "lab" on ``port``, written to tmp_path; signed with
+    ``keys`` (a folder holding coordinator.key and devices/) or else insecure."""
+    lines = [
+        'fleet = "lab"',
+        f'state_dir = "{state_dir or tmp_path / "state"}"',
+        "[model]",
+        f'method = "{method}"',
+        f'bundle = "{BUNDLE}"',
+        'classes = ["a", "b", "c"]',
+        f"dim = {dim}",
+        *([f"feature_dim = {feature_dim}"] if feature_dim is not None else []),
+        "[rounds]",
+        f"min_clients = {clients}",
+        "wait_after_quorum_s = 0.0",
+        "timeout_s = 600.0",
+        f"max_rounds = {rounds}",
+        *([f"allow_list = [{', '.join(f'{c!r}' for c in allow_list)}]"] if allow_list else []),
+        "[mqtt]",
+        f"port = {port}",
+        "[security]",
+        *(
+            [f'key = "{keys / "coordinator.key"}"', f'devices = "{keys / "devices"}"']
+            if keys is not None
+            # Signatures have their tests (test_signatures.py); these are about other things.
+            else ["insecure = true"]
+        ),
+    ]
+    path = tmp_path / "coordinator.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start(config: Path, *, log_level: str = "WARNING") -> subprocess.Popen[str]:
+    """``edge-coordinator run`` as a process, its output piped."""
+    return subprocess.Popen(
+        [str(BIN / "edge-coordinator"), "--log-level", log_level, "run", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    """Wait for a coordinator that has run its last round: exit 0, no traceback."""
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+class Fleet:
+    """Stand-in clients: read announcements, publish prepared updates."""
+
+    def __init__(self, inbox: Collector, pub: mqtt.Client) -> None:
+        self.inbox, self.pub = inbox, pub
+
+    def announcement(self, round_: int, *, timeout: float = 20.0) -> RoundAnnouncement:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            messages = self.inbox.wait(seen + 1, timeout=max(0.1, deadline - time.monotonic()))
+            for m in messages[seen:]:
+                a = RoundAnnouncement.from_wire(m.payload)
+                if a.round == round_:
+                    return a
+            seen = len(messages)
+
+    def send(self, updates: list[PrototypeUpdate]) -> None:
+        for u in updates:
+            self.publish(update_topic("lab", u.client), u.to_wire())
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Publish at QoS 1 and wait for the broker to take it."""
+        self.pub.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+
+@contextmanager
+def stand_ins(broker: MosquittoBroker, client_id: str = "stand-ins") -> Iterator[Fleet]:
+    """Stand-in clients connected to ``broker``, subscribed to fleet "lab"'s round topic."""
+    with connected(broker.address, client_id, subscribe=(round_topic("lab"),)) as (pub, inbox):
+        yield Fleet(inbox, pub)

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
-from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
+from tests.coordinator_helpers import (
+    Fleet,
+    coordinator_toml,
+    hand_globals,
+    stand_in_update,
+    stand_ins,
+    start,
+)
 from tests.fuzz_corpus import payloads
 from tests.mqtt_helpers import connected
 from tests.process_helpers import coordinator_process, status
@@ -25,40 +32,11 @@ BIN = Path(sys.executable).parent
 CLIENTS = 5
 
 
+ALLOW = tuple(f"dev-{i}" for i in range(CLIENTS))
+
+
 def write_config(tmp_path: Path, port: int, *, rounds: int) -> Path:
-    path = tmp_path / "coordinator.toml"
-    allow = ", ".join(f'"dev-{i}"' for i in range(CLIENTS))
-    path.write_text(
-        f"""
-fleet = "lab"
-state_dir = "{tmp_path / "state"}"
-[model]
-method = "fedpcl"
-bundle = "{BUNDLE}"
-classes = ["a", "b", "c"]
-dim = 4
-[rounds]
-min_clients = {CLIENTS}
-wait_after_quorum_s = 0.0
-timeout_s = 600.0
-max_rounds = {rounds}
-allow_list = [{allow}]
-[mqtt]
-port = {port}
-[security]
-insecure = true                     # about other things: signatures have test_signatures.py
-"""
-    )
-    return path
-
-
-def start(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [str(BIN / "edge-coordinator"), "--log-level", "WARNING", "run", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return coordinator_toml(tmp_path, port, clients=CLIENTS, rounds=rounds, allow_list=ALLOW)
 
 
 def wait_until(
@@ -86,28 +64,6 @@ def stored_updates(tmp_path: Path, round_: int) -> int:
             return 0
 
 
-class Fleet:
-    """Stand-in clients: read announcements, publish prepared updates."""
-
-    def __init__(self, broker, inbox, pub):
-        self.inbox, self.pub = inbox, pub
-
-    def announcement(self, round_: int, *, timeout: float = 20.0) -> RoundAnnouncement:
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while True:
-            messages = self.inbox.wait(seen + 1, timeout=max(0.1, deadline - time.monotonic()))
-            for m in messages[seen:]:
-                a = RoundAnnouncement.from_wire(m.payload)
-                if a.round == round_:
-                    return a
-            seen = len(messages)
-
-    def send(self, updates: list[PrototypeUpdate]) -> None:
-        for u in updates:
-            self.pub.publish(update_topic("lab", u.client), u.to_wire(), qos=1).wait_for_publish(10)
-
-
 def run_rounds(fleet: Fleet, rounds: int, *, seed: int = 0) -> list[RoundAnnouncement]:
     published = []
     for r in range(rounds):
@@ -127,11 +83,8 @@ def test_five_fedpcl_rounds_match_a_hand_computation(mosquitto, tmp_path):
     config = write_config(tmp_path, mosquitto.address.port, rounds=5)
     proc = start(config)
     try:
-        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            final = run_rounds(Fleet(mosquitto, inbox, pub), 5)[-1]
+        with stand_ins(mosquitto) as fleet:
+            final = run_rounds(fleet, 5)[-1]
         assert final.round == 5 and final.params["final"] is True
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 0, stderr
@@ -149,11 +102,8 @@ def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     proc = start(write_config(ref_dir, mosquitto.address.port, rounds=2))
-    with connected(mosquitto.address, "stand-ins-ref", subscribe=(round_topic("lab"),)) as (
-        pub,
-        inbox,
-    ):
-        reference = run_rounds(Fleet(mosquitto, inbox, pub), 2)
+    with stand_ins(mosquitto, "stand-ins-ref") as fleet:
+        reference = run_rounds(fleet, 2)
     assert proc.wait(timeout=30) == 0
     # The broker keeps the reference run's retained final announcement; clear it.
     with connected(mosquitto.address, "cleaner") as (pub, _):
@@ -163,8 +113,7 @@ def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path)
     crash_dir.mkdir()
     config = write_config(crash_dir, mosquitto.address.port, rounds=2)
     proc = start(config)
-    with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (pub, inbox):
-        fleet = Fleet(mosquitto, inbox, pub)
+    with stand_ins(mosquitto) as fleet:
         fleet.announcement(0)
         ups = [stand_in_update(i, 0) for i in range(CLIENTS)]
         fleet.send(ups[:2])
@@ -200,13 +149,9 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
     config = write_config(tmp_path, mosquitto.address.port, rounds=1)
     proc = start(config)
     try:
-        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            fleet = Fleet(mosquitto, inbox, pub)
+        with stand_ins(mosquitto) as fleet:
             fleet.announcement(0)
-            infos = [pub.publish(update_topic("lab", "dev-0"), p, qos=1) for p in malformed]
+            infos = [fleet.pub.publish(update_topic("lab", "dev-0"), p, qos=1) for p in malformed]
             for info in infos:
                 info.wait_for_publish(30)
             fleet.send([stand_in_update(i, 0) for i in range(CLIENTS)])

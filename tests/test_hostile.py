@@ -4,8 +4,6 @@ topics (no TLS, no ACL, as the example configurations run) can and cannot do."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,65 +11,29 @@ import pytest
 from bench.reliability_bench import publish_burst
 from protocol import RoundAnnouncement, round_topic
 from protocol.weights import averaged_weight_shapes
-from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
+from tests.coordinator_helpers import (
+    coordinator_toml,
+    finish,
+    hand_globals,
+    stand_in_update,
+    stand_ins,
+    start,
+)
 from tests.mqtt_helpers import connected
 from tests.process_helpers import status
-from tests.test_coordinator_service import Fleet, start
 
 pytestmark = pytest.mark.broker
 
 FEATURE_DIM = 8
 
 
-def coordinator_toml(
-    tmp_path: Path, port: int, *, method: str = "fedpcl", clients: int = 3, rounds: int = 1
-) -> Path:
-    path = tmp_path / "coordinator.toml"
-    path.write_text(
-        f"""
-fleet = "lab"
-state_dir = "{tmp_path / "state"}"
-[model]
-method = "{method}"
-bundle = "{BUNDLE}"
-classes = ["a", "b", "c"]
-dim = 4
-feature_dim = {FEATURE_DIM}
-[rounds]
-min_clients = {clients}
-wait_after_quorum_s = 0.0
-timeout_s = 600.0
-max_rounds = {rounds}
-[mqtt]
-port = {port}
-[security]
-insecure = true                     # about other things: signatures have test_signatures.py
-"""
-    )
-    return path
-
-
-def serve(config: Path) -> subprocess.Popen[str]:
-    return start(config)
-
-
-def finish(proc: subprocess.Popen[str]) -> None:
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0, stderr
-    assert "Traceback" not in stderr
-
-
 def test_counts_of_1e308_are_rejected_at_admission_and_the_coordinator_keeps_serving(
     mosquitto, tmp_path
 ):
-    config = coordinator_toml(tmp_path, mosquitto.address.port)
-    proc = serve(config)
+    config = coordinator_toml(tmp_path, mosquitto.address.port, feature_dim=FEATURE_DIM)
+    proc = start(config)
     try:
-        with connected(mosquitto.address, "hostile", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            fleet = Fleet(mosquitto, inbox, pub)
+        with stand_ins(mosquitto, "hostile") as fleet:
             fleet.announcement(0)
             honest = [stand_in_update(i, 0) for i in range(3)]
             # Finite and non-negative, so the protocol lets it through; the sum of counts
@@ -92,7 +54,9 @@ def test_counts_of_1e308_are_rejected_at_admission_and_the_coordinator_keeps_ser
 def test_a_wrongly_shaped_fedavg_update_is_rejected_and_the_honest_average_announced(
     mosquitto, tmp_path
 ):
-    config = coordinator_toml(tmp_path, mosquitto.address.port, method="fedavg", clients=2)
+    config = coordinator_toml(
+        tmp_path, mosquitto.address.port, feature_dim=FEATURE_DIM, method="fedavg", clients=2
+    )
     shapes = averaged_weight_shapes(feature_dim=FEATURE_DIM, out_dim=4, num_classes=3)
     rng = np.random.default_rng(5)
 
@@ -107,13 +71,9 @@ def test_a_wrongly_shaped_fedavg_update_is_rejected_and_the_honest_average_annou
     wrong = dataclasses.replace(
         stand_in_update(0, 0, method="fedavg"), extras={"w": np.ones(1, np.float32)}
     )
-    proc = serve(config)
+    proc = start(config)
     try:
-        with connected(mosquitto.address, "hostile", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            fleet = Fleet(mosquitto, inbox, pub)
+        with stand_ins(mosquitto, "hostile") as fleet:
             fleet.announcement(0)
             fleet.send([wrong, *honest])
             final = fleet.announcement(1)
@@ -185,14 +145,10 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
 def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
     from protocol import AgentState, Status, status_topic
 
-    config = coordinator_toml(tmp_path, mosquitto.address.port, clients=4)
-    proc = serve(config)
+    config = coordinator_toml(tmp_path, mosquitto.address.port, feature_dim=FEATURE_DIM, clients=4)
+    proc = start(config)
     try:
-        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            fleet = Fleet(mosquitto, inbox, pub)
+        with stand_ins(mosquitto) as fleet:
             fleet.announcement(0)
             fleet.send([stand_in_update(i, 0) for i in range(3)])  # known from here on
             ghosts = [f"ghost-{i}" for i in range(20_000)]
@@ -206,7 +162,7 @@ def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, t
                 client_id="ghosts",
             )
             real = Status(fleet="lab", client="dev-0", state=AgentState.ONLINE, version="0.1.0")
-            pub.publish(status_topic("lab", "dev-0"), real.to_wire(), qos=1).wait_for_publish(10)
+            fleet.publish(status_topic("lab", "dev-0"), real.to_wire())
             fleet.send([stand_in_update(3, 0)])  # the round closes behind the flood
             fleet.announcement(1, timeout=120)
         _, stderr = proc.communicate(timeout=60)
@@ -246,15 +202,15 @@ def test_20000_junk_messages_during_a_round_lose_no_honest_update(mosquitto, sma
     rng = np.random.default_rng(7)
     junk = [rng.bytes(int(n)) for n in rng.integers(1, 400, size=20_000)]
     topics = [update_topic("lab", f"junk-{i % 50}") for i in range(len(junk))]
-    proc = serve(config)
+    proc = start(config)
     procs = [agent_process(cfg) for cfg in agents]
     try:
-        with connected(mosquitto.address, "watch", subscribe=(round_topic("lab"),)) as (_, inbox):
+        with stand_ins(mosquitto, "watch") as watch:
             procs[0].wait_for("round 0: training", timeout=180)
             publish_burst(mosquitto.address, topics, junk, client_id="junk")
             for agent in procs:
                 agent.wait_for("round 0: update stored by the coordinator", timeout=180)
-            final = Fleet(mosquitto, inbox, None).announcement(1, timeout=120)
+            final = watch.announcement(1, timeout=120)
         assert set(final.local_sets) == {"dev-a", "dev-b", "dev-c"}
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "Traceback" not in stderr, stderr

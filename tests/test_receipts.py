@@ -8,14 +8,12 @@ import time
 
 import pytest
 
-from protocol import PrototypeUpdate, TopicKind, parse_topic, round_topic, update_filter
+from protocol import PrototypeUpdate, TopicKind, parse_topic, update_filter
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
-from tests.coordinator_helpers import stand_in_update
+from tests.coordinator_helpers import coordinator_toml, finish, stand_in_update, stand_ins, start
 from tests.mqtt_helpers import connected
 from tests.process_helpers import agent_process, status
-from tests.test_coordinator_service import Fleet, start
-from tests.test_hostile import coordinator_toml, finish
 
 pytestmark = pytest.mark.broker
 
@@ -35,12 +33,8 @@ def test_an_update_and_its_duplicate_are_answered_with_the_stored_updates_receip
                 _,
                 receipts,
             ),
-            connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-                pub,
-                inbox,
-            ),
+            stand_ins(mosquitto) as fleet,
         ):
-            fleet = Fleet(mosquitto, inbox, pub)
             fleet.announcement(0)
             first = stand_in_update(0, 0)
             fleet.send([first])

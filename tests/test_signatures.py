@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from edge_agent.keys import AgentKeys
-from protocol import PrototypeUpdate, RoundAnnouncement, round_topic
+from protocol import PrototypeUpdate, RoundAnnouncement
 from protocol.auth import (
     KeyFileError,
     generate_ed25519,
@@ -25,10 +25,15 @@ from protocol.auth import (
 )
 from protocol.security import AgentSecurity, CoordinatorSecurity
 from tests import factories
-from tests.coordinator_helpers import BUNDLE, hand_globals, stand_in_update
-from tests.mqtt_helpers import connected
+from tests.coordinator_helpers import (
+    BUNDLE,
+    coordinator_toml,
+    hand_globals,
+    stand_in_update,
+    stand_ins,
+    start,
+)
 from tests.process_helpers import status
-from tests.test_coordinator_service import Fleet, start
 
 BIN = Path(sys.executable).parent
 
@@ -154,46 +159,17 @@ def test_a_coordinator_without_keys_or_with_a_bad_one_says_so_in_one_line(tmp_pa
         assert message in line, line
 
 
-def signed_toml(tmp_path: Path, port: int, keys: Path) -> Path:
-    path = tmp_path / "coordinator.toml"
-    path.write_text(
-        f"""
-fleet = "lab"
-state_dir = "{tmp_path / "state"}"
-[model]
-bundle = "{BUNDLE}"
-classes = ["a", "b", "c"]
-dim = 4
-[rounds]
-min_clients = 3
-wait_after_quorum_s = 0.0
-timeout_s = 600.0
-max_rounds = 2
-[mqtt]
-port = {port}
-[security]
-key = "{keys / "coordinator.key"}"
-devices = "{keys / "devices"}"
-"""
-    )
-    return path
-
-
 @pytest.mark.broker
 def test_forged_unenrolled_and_restamped_updates_are_rejected_and_the_real_ones_accepted(
     mosquitto, tmp_path, keys
 ):
-    config = signed_toml(tmp_path, mosquitto.address.port, keys)
+    config = coordinator_toml(tmp_path, mosquitto.address.port, rounds=2, keys=keys)
     coordinator_key = load_verifier(keys / "coordinator.pub", setting="test")
     attacker = load_signer(keys / "attacker.key")
     devices = {n: load_signer(keys / "agents" / f"{n}.key") for n in ("dev-0", "dev-1", "dev-2")}
     proc = start(config)
     try:
-        with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-            pub,
-            inbox,
-        ):
-            fleet = Fleet(mosquitto, inbox, pub)
+        with stand_ins(mosquitto) as fleet:
             first = fleet.announcement(0)
             assert signature_problem(first, coordinator_key, run=None) is None
             assert first.auth is not None

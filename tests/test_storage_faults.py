@@ -16,11 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol import PrototypeUpdate, round_topic
-from tests.coordinator_helpers import BUNDLE
-from tests.mqtt_helpers import connected
+from protocol import PrototypeUpdate
+from tests.coordinator_helpers import BUNDLE, coordinator_toml, stand_ins, start
 from tests.process_helpers import status
-from tests.test_coordinator_service import Fleet
 
 pytestmark = pytest.mark.broker
 
@@ -76,33 +74,16 @@ def update(i: int) -> PrototypeUpdate:
     )
 
 
-def run(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [str(BIN / "edge-coordinator"), "--log-level", "ERROR", "run", "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_a_full_disk_stops_the_coordinator_in_one_line_and_it_resumes_with_nothing_lost(
     mosquitto, small_disk, tmp_path
 ):
-    config = tmp_path / "coordinator.toml"
-    config.write_text(
-        f'fleet = "lab"\nstate_dir = "{small_disk / "state"}"\n'
-        f'[model]\nbundle = "{BUNDLE}"\nclasses = ["a", "b", "c"]\ndim = {DIM}\n'
-        f"[rounds]\nmin_clients = {CLIENTS}\nwait_after_quorum_s = 0.0\ntimeout_s = 600.0\n"
-        f"max_rounds = 1\n[mqtt]\nport = {mosquitto.address.port}\n"
-        "[security]\ninsecure = true\n"
-    )
+    config = coordinator_toml(
+        tmp_path, mosquitto.address.port, clients=CLIENTS, dim=DIM,
+        state_dir=small_disk / "state",
+    )  # fmt: skip
     updates = [update(i) for i in range(CLIENTS)]
-    with connected(mosquitto.address, "stand-ins", subscribe=(round_topic("lab"),)) as (
-        pub,
-        inbox,
-    ):
-        fleet = Fleet(mosquitto, inbox, pub)
-        proc = run(config)
+    with stand_ins(mosquitto) as fleet:
+        proc = start(config, log_level="ERROR")
         try:
             fleet.announcement(0)
             filler = fill(small_disk)
@@ -117,7 +98,7 @@ def test_a_full_disk_stops_the_coordinator_in_one_line_and_it_resumes_with_nothi
         assert line.startswith("edge-coordinator: error: storage error: database or disk is full")
 
         # Restarted (as systemd would) while the disk is still full: one line again.
-        again = run(config)
+        again = start(config, log_level="ERROR")
         _, stderr = again.communicate(timeout=60)
         assert again.returncode == 1 and "Traceback" not in stderr
         (line,) = stderr.strip().splitlines()
@@ -125,7 +106,7 @@ def test_a_full_disk_stops_the_coordinator_in_one_line_and_it_resumes_with_nothi
 
         # Space returns: the updates the coordinator never acknowledged come again.
         os.unlink(filler)
-        proc = run(config)
+        proc = start(config, log_level="ERROR")
         try:
             final = fleet.announcement(1, timeout=60)
             _, stderr = proc.communicate(timeout=60)
