@@ -11,6 +11,8 @@ activations of the network (a third of the int8 time).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -44,8 +46,9 @@ def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray | None:
         [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
         [t for t in graph.initializer if t.name in used],
     )
-    value = ReferenceEvaluator(onnx.helper.make_model(sub)).run(None, {})[0]
-    return np.asarray(value)
+    # run() with no output names returns the list of outputs (typed as a union upstream)
+    values = cast(list[Any], ReferenceEvaluator(onnx.helper.make_model(sub)).run(None, {}))
+    return np.asarray(values[0])
 
 
 def _attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto | None:

@@ -120,9 +120,8 @@ def _seven_bit_overrides(model: onnx.ModelProto) -> dict[str, list[dict[str, obj
         if group > 1 and shape[1] == 1:
             continue  # depthwise
         # Per-channel overrides: one entry per output channel, the first naming the axis.
-        overrides[node.input[1]] = [{"reduce_range": True, "axis": 0}] + [
-            {"reduce_range": True} for _ in range(shape[0] - 1)
-        ]
+        first: dict[str, object] = {"reduce_range": True, "axis": 0}
+        overrides[node.input[1]] = [first] + [{"reduce_range": True} for _ in range(shape[0] - 1)]
     return overrides
 
 
