@@ -4,8 +4,14 @@ on hand-sized cases where nearest rounding's error is known."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+import torch
+from onnx import numpy_helper
+from torch import nn
 
+from export import quantize
+from export.onnx_io import export_onnx
 from export.rounding import ConvInput, Hessians, round_rows
 
 
@@ -66,3 +72,31 @@ def test_depthwise_hessians_are_per_channel_and_sampled_from_padded_patches():
     assert h[1, 8, 8] == pytest.approx(1 / 4)
     assert h[1, 0, 0] == pytest.approx(1.0)
     assert h[1, 9, 9] == pytest.approx(1.0)  # the bias input
+
+
+@pytest.mark.slow
+def test_int8_export_keeps_depthwise_weights_8_bit_and_the_rest_7_bit(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),  # stem: a matrix product, saturates on AVX2
+        nn.ReLU6(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),  # depthwise: widened, cannot saturate
+        nn.ReLU6(),
+        nn.Conv2d(8, 16, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    ).eval()
+    export_onnx(model, tmp_path / "m.onnx", input_shape=(3, 12, 12))
+    calibration = np.random.default_rng(0).uniform(-1, 1, (16, 3, 12, 12)).astype(np.float32)
+    quantize.to_int8(
+        tmp_path / "m.onnx", tmp_path / "q.onnx", calibration=calibration, seven_bit_weights=True
+    )
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    weights = {
+        tuple(t.dims): numpy_helper.to_array(t)
+        for t in q.graph.initializer
+        if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4
+    }
+    assert np.abs(weights[(8, 3, 3, 3)]).max() <= 64
+    assert np.abs(weights[(16, 8, 1, 1)]).max() <= 64
+    assert np.abs(weights[(8, 1, 3, 3)]).max() > 64  # each channel's largest tap at 127
