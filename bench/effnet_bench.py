@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -21,10 +22,11 @@ from export import builder, photos
 from export.bundle import INPUT_NAME
 from export.runtime import CPU, BackboneRuntime, RuntimeSettings, preprocess, quiet_threads
 from export.sources import Source, load
-from protocol.benchutil import seconds_per_call
+from protocol.benchutil import paired_ratio, paired_seconds
 
 BATCH = 8
-ROUNDS = 5  # interleaved timing rounds: a shared machine's drift hits all three alike
+ROUNDS = 21  # paired timing rounds (protocol.benchutil.paired_seconds): ratios per round
+TORCH_ROUNDS = 5
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -92,23 +94,26 @@ def run() -> dict[str, float]:
                 with torch.inference_mode():
                     model(tensor)
 
-            calls = {
-                "torch": eager,
-                "fp32": lambda: sessions["fp32"].run(None, {INPUT_NAME: batch}),
-                "int8": lambda: sessions["int8"].run(None, {INPUT_NAME: batch}),
-            }
-            times: dict[str, list[float]] = {k: [] for k in calls}
-            for _ in range(ROUNDS):
-                for name, call in calls.items():
-                    times[name].append(seconds_per_call(call, repeat=1, min_time=1.0))
+            def ort(precision: str) -> Callable[[], object]:
+                return lambda: sessions[precision].run(None, {INPUT_NAME: batch})
+
+            # Torch eager takes seconds a batch: fewer rounds for it, paired with fp32.
+            eager_times = paired_seconds(
+                {"torch": eager, "fp32": ort("fp32")}, rounds=TORCH_ROUNDS, min_time=0.3
+            )
+            times = paired_seconds({"fp32": ort("fp32"), "int8": ort("int8")}, rounds=ROUNDS)
         finally:
             torch.set_num_threads(torch_threads)
-        t = {k: median(v) for k, v in times.items()}
+        t = {k: median(v) for k, v in {**eager_times, **times}.items()}
         out["export.effnet_lite0_torch_ips_b8"] = BATCH / t["torch"]
         out["export.effnet_lite0_ort_fp32_ips_b8"] = BATCH / t["fp32"]
         out["export.effnet_lite0_ort_int8_ips_b8"] = BATCH / t["int8"]
-        out["export.effnet_lite0_ort_fp32_vs_torch"] = t["torch"] / t["fp32"]
-        out["export.effnet_lite0_int8_vs_fp32"] = t["fp32"] / t["int8"]
+        out["export.effnet_lite0_ort_fp32_vs_torch"] = paired_ratio(eager_times, "torch", "fp32")
+        out["export.effnet_lite0_int8_vs_fp32"] = paired_ratio(times, "fp32", "int8")
+        # How far the per-round ratio strays: the quartiles of int8 vs fp32.
+        spread = sorted(a / b for a, b in zip(times["fp32"], times["int8"], strict=True))
+        out["export.effnet_lite0_int8_vs_fp32_q1"] = spread[len(spread) // 4]
+        out["export.effnet_lite0_int8_vs_fp32_q3"] = spread[(3 * len(spread)) // 4]
 
         # The agent's path: 32x32 digits-5 images, resized to 224 and normalised per
         # batch, through the bundle's session; what a device pays once per data version.

@@ -275,7 +275,8 @@ def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
 
 class SameConv2d(nn.Conv2d):
     """A bias-free convolution with TensorFlow "SAME" padding fixed for its input side
-    (ONNX inputs have a fixed side, so the padding is a constant, folded into the Conv)."""
+    (ONNX inputs have a fixed side, so the padding is a constant; the export folds the Pad
+    into the Conv, export.graph_passes)."""
 
     def __init__(
         self, cin: int, cout: int, kernel: int, stride: int, *, size: int, groups: int = 1

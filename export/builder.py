@@ -128,7 +128,11 @@ def build(
                         calibration=calibration,
                         seven_bit_weights=src.seven_bit_weights,
                     )
-                    entry["int8_weights"] = {"int8_weight_bits": 7 if src.seven_bit_weights else 8}
+                    entry["int8_weights"] = {
+                        # depthwise convolutions keep 8 (export.quantize.to_int8)
+                        "int8_weight_bits": 7 if src.seven_bit_weights else 8,
+                        "int8_rounding": "gptq",
+                    }
                 try:
                     onnx.checker.check_model(str(final), full_check=True)
                 except onnx.checker.ValidationError as exc:

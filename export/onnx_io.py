@@ -14,6 +14,7 @@ from torch import nn
 
 from export.bundle import INPUT_NAME
 from export.errors import ExportError
+from export.graph_passes import fold_pads_into_convs
 
 OPSET = 17
 OUTPUT_NAME = "features"
@@ -48,9 +49,12 @@ def export_onnx(
     # the runtime and the manifest need it fixed.
     proto = onnx.load(str(path))
     dim = proto.graph.output[0].type.tensor_type.shape.dim[1]
+    changed = fold_pads_into_convs(proto) > 0
     if not dim.HasField("dim_value"):
         dim.ClearField("dim_param")
         dim.dim_value = feature_dim
+        changed = True
+    if changed:
         onnx.save(proto, str(path))
     try:
         onnx.checker.check_model(str(path), full_check=True)

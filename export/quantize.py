@@ -63,12 +63,16 @@ def to_int8(
     src: Path, dst: Path, *, calibration: np.ndarray, seven_bit_weights: bool = False
 ) -> None:
     """Static int8 quantization in QDQ format, per-channel weights, calibrated on
-    ``calibration`` (already preprocessed inputs, (N, C, H, W)).
+    ``calibration`` (already preprocessed inputs, (N, C, H, W)); the weights' integer
+    values are then chosen by error-compensating rounding (:mod:`export.rounding`) on the
+    same calibration inputs.
 
-    ``seven_bit_weights`` keeps weights in [-64, 63]: x86 CPUs without VNNI multiply uint8
-    activations by int8 weights with an instruction whose 16-bit pair sums saturate
-    (255 * 127 * 2 > 32767), and networks whose ReLU6 activations often sit at the top of
-    their range saturate often; with 7-bit weights no pair can."""
+    ``seven_bit_weights`` keeps the weights of every convolution computed as a matrix
+    product in [-64, 64]: x86 CPUs without VNNI multiply uint8 activations by int8 weights
+    with an instruction whose 16-bit pair sums saturate (255 * 127 * 2 > 32767), and
+    networks whose ReLU6 activations often sit at the top of their range saturate often;
+    with 7-bit weights no pair can. Depthwise convolutions keep 8 bits: ONNX Runtime's
+    depthwise kernel widens to 16 bits before multiplying and cannot saturate."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -77,6 +81,8 @@ def to_int8(
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
+    from export import rounding
+
     class Reader(_Calibration, CalibrationDataReader):
         pass
 
@@ -84,16 +90,39 @@ def to_int8(
         prepared = Path(tmp) / "prepared.onnx"
         # Folding and shape inference first make the quantizer see fused Conv+BN nodes.
         quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        float_model = onnx.load(str(prepared))
+        overrides = _seven_bit_overrides(float_model) if seven_bit_weights else {}
         quantize_static(
             str(prepared),
             str(dst),
             Reader(calibration),
             quant_format=QuantFormat.QDQ,
             per_channel=True,
-            reduce_range=seven_bit_weights,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
+            extra_options={"TensorQuantOverrides": overrides} if overrides else None,
         )
+    quantized = onnx.load(str(dst))
+    hessians = rounding.collect(float_model, calibration, input_name=INPUT_NAME)
+    rounding.apply(quantized, float_model, hessians)
+    onnx.save(quantized, str(dst))
+
+
+def _seven_bit_overrides(model: onnx.ModelProto) -> dict[str, list[dict[str, object]]]:
+    """ONNX Runtime's per-tensor overrides giving every non-depthwise Conv weight 7 bits."""
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    overrides: dict[str, list[dict[str, object]]] = {}
+    for node in model.graph.node:
+        shape = shapes.get(node.input[1]) if node.op_type == "Conv" else None
+        if shape is None:
+            continue
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if group > 1 and shape[1] == 1:
+            continue  # depthwise
+        # Per-channel overrides: one entry per output channel, the first naming the axis.
+        first: dict[str, object] = {"reduce_range": True, "axis": 0}
+        overrides[node.input[1]] = [first] + [{"reduce_range": True} for _ in range(shape[0] - 1)]
+    return overrides
 
 
 def prototype_agreement(
