@@ -22,7 +22,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FILES = tuple(
-    ROOT / name for name in ("README.md", "docs/fleet.md", "docs/privacy.md", "docs/deploy.md")
+    ROOT / name
+    for name in (
+        "README.md",
+        "docs/fleet.md",
+        "docs/privacy.md",
+        "docs/deploy.md",
+        "docs/export.md",
+    )
 )
 SOURCES = (HERE / "results.json", HERE / "accuracy.json")
 BLOCK = re.compile(
@@ -312,6 +319,44 @@ def effnet_fleet(r: Results) -> str:
     )
 
 
+def effnet_export(r: Results) -> str:
+    """EfficientNet-Lite0's export figures against their targets (bench.effnet_bench)."""
+    key = "export.effnet_lite0_"
+    if r.get(key + "int8_cosine") is None:
+        return "Not measured: run `make bench`."
+
+    def get(name: str) -> float | None:
+        return r.get(key + name)
+
+    def met(value: float | None, target: float, *, below: bool = False) -> str:
+        if value is None:
+            return "not measured"
+        return "met" if (value <= target if below else value >= target) else "missed"
+
+    rows = [
+        ("fp32_max_abs_vs_torch", f"{get('fp32_max_abs_vs_torch'):.1e} (features of norm 1)",
+         "<= 1e-4", met(get("fp32_max_abs_vs_torch"), 1e-4, below=True)),
+        ("ort_fp32_vs_torch", f"{_num(get('ort_fp32_vs_torch'))} (batch 8, the same threads)",
+         ">= 1.3", met(get("ort_fp32_vs_torch"), 1.3)),
+        ("int8_vs_fp32", f"{_num(get('int8_vs_fp32'))} (median of paired rounds, quartiles "
+         f"{_num(get('int8_vs_fp32_q1'))}-{_num(get('int8_vs_fp32_q3'))})",
+         ">= 2.0", met(get("int8_vs_fp32"), 2.0)),
+        ("int8_cosine", f"{get('int8_cosine'):.4f} on held-out images (worst image "
+         f"{get('int8_cosine_worst'):.3f}; digits-5 {get('int8_cosine_digits5'):.3f})",
+         ">= 0.995", met(get("int8_cosine"), 0.995)),
+        ("fp32_features_per_s", f"{_num(get('fp32_features_per_s'))} digits-5 images/s "
+         f"through the agent's runtime (int8 {_num(get('int8_features_per_s'))})", "", ""),
+    ]  # fmt: skip
+    where = r.provenance(r.section_of[key + "int8_cosine"])
+    return "\n".join(
+        [f"`make bench`: {where}.", "", "| key | value | target | |", "|---|---|---:|---|"]
+        + [
+            f"| `{key}{name}` | {value} | {target} | {verdict} |"
+            for name, value, target, verdict in rows
+        ]
+    )
+
+
 def reliability(r: Results) -> str:
     """The junk drain and flood figures (bench.reliability_bench)."""
     drained = r.get("reliability.junk_drain_per_s")
@@ -331,6 +376,7 @@ def reliability(r: Results) -> str:
 
 BLOCKS: dict[str, Callable[[Results], str]] = {
     "effnet-fleet": effnet_fleet,
+    "effnet-export": effnet_export,
     "reliability": reliability,
     "privacy": privacy,
     "fair-table": protocol_table("fair"),
