@@ -123,7 +123,7 @@ def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
     from coordinator.store import Store
-    from protocol.security import CoordinatorSecurity
+    from runtime.security import CoordinatorSecurity
 
     now = [0.0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ run that writes its report.
   resumed; the figure is the burst over the time until its metrics count every message.
   ``reliability.paho_drain_per_s`` is the same burst drained by paho's own client doing
   nothing with it (one packet per ``select()``), measured beside it; the coordinator
-  reads through ``protocol.bulkread`` and ``junk_drain_over_paho`` is what that buys.
+  reads through ``runtime.bulkread`` and ``junk_drain_over_paho`` is what that buys.
 - ``reliability.flood_honest_lost``: devices (real agents) whose round-0 update never
   reached the round when 20,000 junk messages are published while they answer it.
 - ``fleet.mqtt_200_round_s``: median round time of ``edge-fleet run --transport mqtt

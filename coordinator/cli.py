@@ -13,14 +13,14 @@ from pathlib import Path
 
 from coordinator import config as config_mod
 from coordinator.store import StateError, StorageFault, Store
-from protocol.cliutil import (
+from runtime.cliutil import (
     UsageError,
     add_example_config,
     make_parser,
     print_example_config,
     run,
 )
-from protocol.runlock import AlreadyRunning, RunLock, holder
+from runtime.runlock import AlreadyRunning, RunLock, holder
 
 EXAMPLE = Path(__file__).resolve().parent / "coordinator.toml"
 
@@ -49,8 +49,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
     from coordinator.service import CoordinatorService
-    from protocol.lifecycle import CannotServe, serve
-    from protocol.transport import CredentialsError, load_credentials
+    from runtime.lifecycle import CannotServe, serve
+    from runtime.transport import CredentialsError, load_credentials
 
     metrics = Metrics()
 

@@ -14,9 +14,9 @@ from typing import Literal
 from coordinator.admission import AVERAGED, Admission
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import validate_id
-from protocol.security import CoordinatorSecurity
-from protocol.settings import load_config
-from protocol.transport import MqttSettings
+from runtime.security import CoordinatorSecurity
+from runtime.settings import load_config
+from runtime.transport import MqttSettings
 
 Scalar = bool | int | float | str
 
@@ -186,7 +186,7 @@ class CoordinatorConfig:
 
     @property
     def run_lock(self) -> Path:
-        """Held by the running coordinator (``protocol.runlock``)."""
+        """Held by the running coordinator (``runtime.runlock``)."""
         return self.database.with_name(self.database.name + ".lock")
 
 

@@ -6,8 +6,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from protocol.auth import Signer, Verifier, load_enrolled, load_signer
-from protocol.security import INSECURE_WARNING, CoordinatorSecurity
+from protocol.auth import Signer, Verifier
+from runtime.keyfiles import load_enrolled, load_signer
+from runtime.security import INSECURE_WARNING, CoordinatorSecurity
 
 log = logging.getLogger(__name__)
 

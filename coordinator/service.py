@@ -26,7 +26,7 @@ from protocol import (
 )
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
-from protocol.transport import (
+from runtime.transport import (
     TakeoverWatch,
     close_with_last_word,
     connect_failure,

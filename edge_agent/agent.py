@@ -33,7 +33,7 @@ from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-from protocol.faults import crash_point
+from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from edge_agent.train import (
 )
 from edge_agent.train_config import TrainConfig
 from protocol import RoundAnnouncement
-from protocol.files import atomic_write
+from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
-from protocol.cliutil import (
+from runtime.cliutil import (
     UsageError,
     add_example_config,
     make_parser,
     print_example_config,
     run,
 )
-from protocol.runlock import AlreadyRunning, RunLock, holder
+from runtime.runlock import AlreadyRunning, RunLock, holder
 
 if TYPE_CHECKING:
     from edge_agent.service import AgentService
@@ -214,7 +214,7 @@ def _serving(path: Path, engine_cache: Path | None) -> dict[str, object]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from protocol.lifecycle import CannotServe, serve
+    from runtime.lifecycle import CannotServe, serve
 
     def make(cfg: AgentConfig) -> AgentService:
         # Imported once the configuration has loaded: torch takes seconds to import, and a
@@ -223,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from edge_agent.data import DataError
         from edge_agent.service import AgentService
         from export.errors import BundleError
-        from protocol.transport import load_credentials
+        from runtime.transport import load_credentials
 
         with contextlib.ExitStack() as taken:  # released again if the start fails
             try:
@@ -330,7 +330,7 @@ def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
     from PIL import Image, UnidentifiedImageError
 
     from edge_agent.data import IMAGE_SUFFIXES, to_nchw_float
-    from protocol.npz import read_npz
+    from runtime.npz import read_npz
 
     try:
         if path.is_file() and path.suffix == ".npz":

@@ -9,9 +9,9 @@ from pathlib import Path
 from edge_agent.train_config import METHODS, TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
-from protocol.security import AgentSecurity
-from protocol.settings import load_config
-from protocol.transport import MqttSettings
+from runtime.security import AgentSecurity
+from runtime.settings import load_config
+from runtime.transport import MqttSettings
 
 #: The methods whose global knowledge a feature-space release can carry: class means
 #: that the device projects through its own head (docs/privacy.md).
@@ -138,7 +138,7 @@ class AgentConfig:
 
     @property
     def run_lock(self) -> Path:
-        """Held by the running agent (``protocol.runlock``)."""
+        """Held by the running agent (``runtime.runlock``)."""
         return self.state_dir / "run.lock"
 
     def __post_init__(self) -> None:

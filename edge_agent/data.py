@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.npz import NpzError, read_npz
+from runtime.npz import NpzError, read_npz
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol.files import fsync_dir
+from runtime.files import fsync_dir
 
 Extractor = Callable[[np.ndarray], np.ndarray]
 

@@ -6,8 +6,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from protocol.auth import Signer, Verifier, load_signer, load_verifier, sign, signature_problem
-from protocol.security import INSECURE_WARNING, AgentSecurity
+from protocol.auth import Signer, Verifier, sign, signature_problem
+from runtime.keyfiles import load_signer, load_verifier
+from runtime.security import INSECURE_WARNING, AgentSecurity
 
 log = logging.getLogger(__name__)
 

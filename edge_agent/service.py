@@ -29,7 +29,7 @@ from protocol import (
 )
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
-from protocol.transport import (
+from runtime.transport import (
     TakeoverWatch,
     backoff_delay,
     close_with_last_word,
@@ -39,7 +39,7 @@ from protocol.transport import (
     start_network,
     wait_acknowledged,
 )
-from protocol.version import package_version
+from runtime.version import package_version
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 if TYPE_CHECKING:
     from torch import nn
 
-from protocol.files import atomic_write
+from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from export.errors import BundleError, ExportError
 from export.onnx_io import OPSET, compare, export_onnx, onnx_info, torch_features
 from export.runtime import preprocess
 from export.sources import Loaded
-from protocol.version import package_version
+from runtime.version import package_version
 
 #: fp32 must match torch to this absolute error; converted precisions to these cosines.
 FP32_MAX_ABS = 1e-4

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from export.errors import BundleError
-from protocol.files import atomic_write
+from runtime.files import atomic_write
 
 MANIFEST = "bundle.json"
 FORMAT = 1

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.cliutil import UsageError, check_output_folder, make_parser, run
+from runtime.cliutil import UsageError, check_output_folder, make_parser, run
 
 EPILOG = """\
 examples:
@@ -155,7 +155,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 def _load_samples(path: Path) -> Any:
     import numpy as np
 
-    from protocol.npz import NpzError, read_npz
+    from runtime.npz import NpzError, read_npz
 
     try:
         x = read_npz(path, required=("x",))["x"]

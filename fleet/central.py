@@ -63,7 +63,7 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
     from edge_agent.train_config import TrainConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
-    from protocol.settings import build
+    from runtime.settings import build
 
     started = time.perf_counter()
     spec.out.mkdir(parents=True, exist_ok=True)

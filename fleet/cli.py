@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from fleet import commands, glyphs, privacy
-from protocol.cliutil import make_parser, run
+from runtime.cliutil import make_parser, run
 
 
 def build_parser() -> argparse.ArgumentParser:

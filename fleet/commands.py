@@ -18,9 +18,9 @@ from fleet.protocols import PROTOCOLS, protocol_train
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import TRANSPORTS, RunResult, RunSpec, parse_broker_url
 from fleet.runner import run as run_fleet
-from protocol.cliutil import CommandFailed, UsageError, check_output_folder
-from protocol.runlock import AlreadyRunning, RunLock
-from protocol.settings import parse_value
+from runtime.cliutil import CommandFailed, UsageError, check_output_folder
+from runtime.runlock import AlreadyRunning, RunLock
+from runtime.settings import parse_value
 
 BIN = Path(sys.executable).parent
 DATA_HELP = """data:

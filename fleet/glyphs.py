@@ -184,8 +184,8 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from protocol.cliutil import UsageError
-    from protocol.files import atomic_write
+    from runtime.cliutil import UsageError
+    from runtime.files import atomic_write
 
     if args.out.suffix != ".npz":
         raise UsageError(f"--out must name an .npz file, got {args.out}")

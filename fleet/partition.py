@@ -25,8 +25,8 @@ import numpy as np
 from edge_agent.data import DataError, load_folder
 from fleet.digits5 import CLASSES as DIGIT_CLASSES
 from fleet.digits5 import DOMAINS, domain_data, source
-from protocol.cliutil import UsageError
-from protocol.npz import NpzError, read_npz
+from runtime.cliutil import UsageError
+from runtime.npz import NpzError, read_npz
 
 SPLITS = ("feature", "label", "feature-label")
 #: 1,797 scikit-learn digits are the stroke source of every digits-5 domain.

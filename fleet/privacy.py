@@ -29,7 +29,7 @@ from fleet.partition import Partition
 from fleet.report import arm_settings, protocol_line, run_summary, settings, to_json
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
-from protocol.cliutil import UsageError
+from runtime.cliutil import UsageError
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
 FORMAL = ("dp", "dp-features")

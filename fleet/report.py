@@ -132,7 +132,7 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
     from edge_agent.train_config import TrainConfig
     from fleet.central import CENTRAL
     from fleet.runner import train_table
-    from protocol.settings import build
+    from runtime.settings import build
 
     if spec.method == CENTRAL:
         inference = "classifier (one head on every client's training data pooled)"

@@ -26,8 +26,8 @@ from export import bundle as bundle_mod
 from export.errors import BundleError
 from fleet.partition import Partition
 from fleet.runner import ClientRecord, RunResult, RunSpec
-from protocol.cliutil import UsageError
-from protocol.files import atomic_write
+from runtime.cliutil import UsageError
+from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 

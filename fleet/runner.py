@@ -36,10 +36,10 @@ from edge_agent.train_config import TrainConfig
 from fleet import tether
 from fleet.partition import ClientData, Partition
 from fleet.procmem import FleetMemory, peak_self_mb, reset_peak
-from protocol.cliutil import CommandFailed, Terminated, UsageError
-from protocol.faults import crash_point
-from protocol.lifecycle import SignalDispatch
-from protocol.settings import ConfigError, build
+from runtime.cliutil import CommandFailed, Terminated, UsageError
+from runtime.faults import crash_point
+from runtime.lifecycle import SignalDispatch
+from runtime.settings import ConfigError, build
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class FleetKeys:
 def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
     """Make the keys a run lacks; a resumed run keeps its own (its stored updates are
     signed with them)."""
-    from protocol.auth import generate_ed25519
+    from runtime.keyfiles import generate_ed25519
 
     if not (root / "coordinator.key").exists():
         generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
@@ -319,7 +319,7 @@ def _run_memory(
     from edge_agent.config import AgentConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
     from protocol import RoundAnnouncement
-    from protocol.settings import build
+    from runtime.settings import build
 
     torch.set_num_threads(1)
     reset_peak()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.tether import tether
-from protocol.lifecycle import SignalDispatch
+from runtime.lifecycle import SignalDispatch
 
 log = logging.getLogger("fleet.worker")
 

@@ -9,8 +9,8 @@ import numpy as np
 from edge_agent.config import AgentConfig, DataSettings
 from edge_agent.train_config import TrainConfig
 from fleet.digits5 import domain_data
-from protocol.security import AgentSecurity
-from protocol.transport import MqttSettings
+from runtime.security import AgentSecurity
+from runtime.transport import MqttSettings
 
 
 def digits_npz(folder: Path, domain: str, *, start: int, count: int) -> Path:

@@ -15,8 +15,8 @@ import paho.mqtt.client as mqtt
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from fleet.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
-from protocol.security import CoordinatorSecurity
-from protocol.transport import MqttSettings
+from runtime.security import CoordinatorSecurity
+from runtime.transport import MqttSettings
 from tests.mqtt_helpers import Collector, connected
 
 BUNDLE = "f" * 64

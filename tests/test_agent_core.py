@@ -207,7 +207,7 @@ def test_values_found_only_at_run_time_before_are_refused_as_the_file_is_read(
     tmp_path, table, line, message
 ):
     from edge_agent.config import load
-    from protocol.settings import ConfigError
+    from runtime.settings import ConfigError
 
     path = tmp_path / "agent.toml"
     body = f"[{table}]\n{line}\n" if table != "data" else line + "\n"

@@ -209,7 +209,7 @@ def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(sma
 def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
     import paho.mqtt.client as mqtt
 
-    from protocol.transport import wait_acknowledged
+    from runtime.transport import wait_acknowledged
 
     asked = Counter[str]()
 

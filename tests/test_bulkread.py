@@ -1,4 +1,4 @@
-"""The bulk-reading paho client every service uses (``protocol/bulkread.py``), against a
+"""The bulk-reading paho client every service uses (``runtime/bulkread.py``), against a
 real Mosquitto."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from fleet.broker import MosquittoBroker
-from protocol import bulkread
-from protocol.bulkread import READ_BYTES, BulkReadClient, split_packet
-from protocol.transport import MqttSettings, make_client
+from runtime import bulkread
+from runtime.bulkread import READ_BYTES, BulkReadClient, split_packet
+from runtime.transport import MqttSettings, make_client
 from tests.mqtt_helpers import Collector, connected
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol import cliutil
-from protocol.cliutil import make_parser
+from runtime import cliutil
+from runtime.cliutil import make_parser
 
 BIN = Path(sys.executable).parent
 SCRIPTS = ["edge-export", "edge-agent", "edge-coordinator", "edge-fleet"]

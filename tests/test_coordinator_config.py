@@ -4,7 +4,7 @@ import pytest
 
 from coordinator.cli import EXAMPLE
 from coordinator.config import load
-from protocol.settings import ConfigError, parse_value
+from runtime.settings import ConfigError, parse_value
 
 
 def test_documented_example_loads():

@@ -6,7 +6,7 @@ import urllib.request
 
 from coordinator.metrics import Metrics
 from fleet.broker import free_port
-from protocol.cliutil import JsonFormatter
+from runtime.cliutil import JsonFormatter
 
 
 def test_prometheus_endpoint_serves_the_counters():

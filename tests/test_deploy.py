@@ -22,7 +22,7 @@ import pytest
 from export.bundle import load as load_bundle
 from fleet.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import AgentState, Status, round_topic, status_topic, update_topic
-from protocol.transport import CredentialsError, MqttSettings, load_credentials
+from runtime.transport import CredentialsError, MqttSettings, load_credentials
 from tests.agent_helpers import digits_npz
 from tests.process_helpers import BIN, agent_process, coordinator_process
 from tests.test_sdnotify import NotifySocket

@@ -36,7 +36,7 @@ from fleet.report import (
     train_note,
 )
 from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
-from protocol.cliutil import CommandFailed, Terminated, UsageError
+from runtime.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
 
 BIN = Path(sys.executable).parent
@@ -735,7 +735,7 @@ def test_a_sweep_waits_for_a_zoo_another_is_building_and_refuses_a_busy_out_fold
     half-built zoo as an interrupted build's leftover."""
     import shutil
 
-    from protocol.runlock import RunLock
+    from runtime.runlock import RunLock
 
     zoo = tmp_path / "zoo"
     argv = ["run", "--transport", "memory", "--bundle", str(zoo), "--rounds", "1",
@@ -773,7 +773,7 @@ def test_a_sweep_in_this_process_lets_go_of_its_out_folder_when_it_ends(
     # another (or a notebook) must not keep other processes out of a folder it finished.
     from fleet.cli import build_parser
     from fleet.commands import cmd_run
-    from protocol.runlock import holder
+    from runtime.runlock import holder
 
     out = tmp_path / "out"
     argv = ["run", "--transport", "memory", "--bundle", str(small_zoo), "--rounds", "1",
@@ -849,7 +849,7 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
     import sys
 
     from fleet.runner import _liveness
-    from protocol.cliutil import CommandFailed
+    from runtime.cliutil import CommandFailed
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

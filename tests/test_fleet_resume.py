@@ -15,8 +15,8 @@ import pytest
 from fleet import partition as part
 from fleet.resume import fingerprint, load, run_or_resume, save, sweep_dir
 from fleet.runner import ClientRecord, RunResult, RunSpec
-from protocol.cliutil import UsageError
-from protocol.faults import ENV as CRASH_AT
+from runtime.cliutil import UsageError
+from runtime.faults import ENV as CRASH_AT
 
 BIN = Path(sys.executable).parent
 

@@ -1,4 +1,4 @@
-"""protocol.lifecycle: stop signals reach a service however the kernel delivers them."""
+"""runtime.lifecycle: stop signals reach a service however the kernel delivers them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
-from protocol.lifecycle import SignalDispatch, serve
-from protocol.sdnotify import Notifier
+from runtime.lifecycle import SignalDispatch, serve
+from runtime.sdnotify import Notifier
 
 
 class _Waiting:

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol.npz import NpzError, read_npz
+from runtime.npz import NpzError, read_npz
 
 
 def test_reads_every_array(tmp_path: Path) -> None:

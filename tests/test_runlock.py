@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from protocol.runlock import AlreadyRunning, RunLock, holder
+from runtime.runlock import AlreadyRunning, RunLock, holder
 
 
 def test_a_held_lock_refuses_a_second_taker_naming_the_holder(tmp_path):
@@ -27,7 +27,7 @@ def test_a_killed_holder_leaves_no_lock_and_a_foreign_file_gives_no_pid(tmp_path
     path = tmp_path / "run.lock"
     # A holder that dies without releasing: the kernel drops its flock.
     code = (
-        "import os, pathlib; from protocol.runlock import RunLock; "
+        "import os, pathlib; from runtime.runlock import RunLock; "
         f"RunLock.take(pathlib.Path({str(path)!r}), what='x'); os._exit(9)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 9

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.sdnotify import Notifier, Watchdog
+from runtime.sdnotify import Notifier, Watchdog
 
 
 class NotifySocket:

@@ -14,16 +14,9 @@ import pytest
 
 from edge_agent.keys import AgentKeys
 from protocol import PrototypeUpdate, RoundAnnouncement
-from protocol.auth import (
-    KeyFileError,
-    generate_ed25519,
-    load_enrolled,
-    load_signer,
-    load_verifier,
-    sign,
-    signature_problem,
-)
-from protocol.security import AgentSecurity, CoordinatorSecurity
+from protocol.auth import KeyFileError, sign, signature_problem
+from runtime.keyfiles import generate_ed25519, load_enrolled, load_signer, load_verifier
+from runtime.security import AgentSecurity, CoordinatorSecurity
 from tests import factories
 from tests.coordinator_helpers import (
     BUNDLE,

@@ -1,4 +1,4 @@
-"""The MQTT client helpers every service shares (``protocol/transport.py``)."""
+"""The MQTT client helpers every service shares (``runtime/transport.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 
 from fleet.broker import free_port
-from protocol.transport import (
+from runtime.transport import (
     MqttSettings,
     TakeoverWatch,
     connect_failure,

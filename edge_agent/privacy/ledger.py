@@ -20,7 +20,7 @@ from typing import Any
 
 from edge_agent.privacy.accounting import Event, epsilon
 from edge_agent.privacy.randomness import DP_GUARANTEE, REPRODUCIBLE
-from protocol.files import atomic_write
+from runtime.files import atomic_write
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,7 @@ def make_client(
     a reconnect. Raises :class:`CredentialsError` for an unusable password or TLS file."""
     import paho.mqtt.client as mqtt
 
-    from protocol.bulkread import client_class
+    from runtime.bulkread import client_class
 
     credentials = load_credentials(settings)
     # clean_session=False keeps subscriptions and queued QoS 1 messages across reconnects.

@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Protocol, TypeVar
 
-from protocol.sdnotify import Notifier, Watchdog
-from protocol.settings import ConfigError
+from runtime.sdnotify import Notifier, Watchdog
+from runtime.settings import ConfigError
 
 log = logging.getLogger(__name__)
 

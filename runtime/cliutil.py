@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from protocol.settings import ConfigError
-from protocol.version import package_version
+from runtime.settings import ConfigError
+from runtime.version import package_version
 
 
 class JsonFormatter(logging.Formatter):
@@ -50,7 +50,7 @@ class JsonFormatter(logging.Formatter):
 
 class UsageError(Exception):
     """A mistake in what the user asked for: bad path, bad option value, missing file.
-    A bad configuration file (:class:`~protocol.settings.ConfigError`) is reported the same way."""
+    A bad configuration file (:class:`~runtime.settings.ConfigError`) is reported the same way."""
 
 
 class CommandFailed(Exception):
@@ -64,7 +64,7 @@ class Terminated(KeyboardInterrupt):
     Why: Python's default SIGTERM action ends the process on the spot, skipping every
     ``finally``; a command that started processes (a fleet's broker, coordinator and
     workers) would leave them running when stopped by ``kill``, ``timeout`` or a CI job's
-    cancellation. Services that handle SIGTERM themselves (protocol.lifecycle) install
+    cancellation. Services that handle SIGTERM themselves (runtime.lifecycle) install
     their own handler while they run.
     """
 
