@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= agent,coordinator,export,imagenet,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
-.PHONY: demo test lint fmt bench bench-accuracy figures venv clean
+.PHONY: demo test test-fast lint fmt bench bench-accuracy figures venv clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,10 @@ fmt: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The quick loop while working: every package's fast tests, no lint.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
 
 # Each writes only what it measured, with date, commit and machine; `make figures` then
 # rewrites the generated blocks of README.md and docs/ from the results files.

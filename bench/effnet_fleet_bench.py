@@ -18,10 +18,11 @@ from statistics import mean
 
 from bench.export_bench import ensure_zoo
 from fleet import runner
-from fleet.commands import ensure_bundle
+from fleet.bundles import ensure_bundle
 from fleet.partition import digits5
 from fleet.protocols import protocol_train
 from fleet.report import run_summary
+from fleet.spec import RunSpec
 
 EFFNET = Path(__file__).resolve().parent / "effnet-lite0"
 METHODS = ("fedpcl", "solo", "fedavg")
@@ -37,7 +38,7 @@ def _sweep(root: Path, bundle: Path) -> tuple[dict[str, float], float]:
     for seed in SEEDS:
         partition = digits5(clients=5, split="feature", seed=seed, train=100, test=100)
         for method in METHODS:
-            spec = runner.RunSpec(method=method, rounds=ROUNDS, bundle=bundle, seed=seed,
+            spec = RunSpec(method=method, rounds=ROUNDS, bundle=bundle, seed=seed,
                                   out=root / f"{method}-{seed}", transport="memory",
                                   extra_train=dict(protocol_train("fair", method)),
                                   feature_cache=root / "feature-cache", progress=False)  # fmt: skip

@@ -11,12 +11,13 @@ from bench.export_bench import ZOO, ensure_zoo
 from fleet import runner
 from fleet.partition import digits5
 from fleet.report import run_summary
+from fleet.spec import RunSpec
 
 
 def _fleet(root: Path, *, clients: int, rounds: int, transport: str, method: str = "fedpcl",
            workers: int = 4, train: int = 20, test: int = 20) -> dict:  # fmt: skip
     partition = digits5(clients=clients, split="feature", seed=0, train=train, test=test)
-    spec = runner.RunSpec(method=method, rounds=rounds, bundle=ZOO, out=root / f"{method}-{clients}-{transport}",
+    spec = RunSpec(method=method, rounds=rounds, bundle=ZOO, out=root / f"{method}-{clients}-{transport}",
                    transport=transport, workers=workers, progress=True)  # fmt: skip
     return run_summary(runner.run(spec, partition))
 

@@ -22,6 +22,7 @@ from edge_agent.privacy.audit import canary_audit, release_broken
 from fleet import runner
 from fleet.partition import digits5
 from fleet.report import run_summary
+from fleet.spec import RunSpec
 
 ROUNDS = 20
 SEEDS = (0, 1, 2)
@@ -49,7 +50,7 @@ def _final(root: Path, name: str, method: str, privacy: dict[str, Any],
     finals = []
     for seed in SEEDS:
         partition = digits5(clients=5, split="feature", seed=seed, train=TRAIN, test=100)
-        spec = runner.RunSpec(method=method, rounds=ROUNDS, bundle=ZOO, seed=seed,
+        spec = RunSpec(method=method, rounds=ROUNDS, bundle=ZOO, seed=seed,
                               out=root / f"{name}-{seed}", transport="memory",
                               privacy=privacy, extra_train=train, progress=False)  # fmt: skip
         finals.append(float(run_summary(runner.run(spec, partition))["final_mean"]))

@@ -19,10 +19,8 @@ from types import MappingProxyType
 import numpy as np
 
 from protocol import PrototypeUpdate
-from protocol.weights import averaged_weight_shapes
+from protocol.weights import AVERAGED, averaged_weight_shapes
 
-#: Methods whose devices send their model weights as extras (coordinator.strategies).
-AVERAGED = frozenset({"fedavg", "fpl"})
 FISHER = "fisher"
 
 

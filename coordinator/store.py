@@ -20,70 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.schema import BACKFILL, CLIENT_FIELDS, SCHEMA
 from runtime.cliutil import CommandFailed
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS rounds (
-    round INTEGER PRIMARY KEY,
-    opened_at REAL NOT NULL,
-    deadline REAL NOT NULL,
-    closed_at REAL,
-    announcement BLOB NOT NULL,
-    extensions INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS updates (
-    round INTEGER NOT NULL,
-    client TEXT NOT NULL,
-    received_at REAL NOT NULL,
-    payload BLOB NOT NULL,
-    PRIMARY KEY (round, client)
-);
-CREATE TABLE IF NOT EXISTS clients (
-    client TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    version TEXT NOT NULL,
-    last_round INTEGER,
-    reason TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS quarantine (
-    round INTEGER NOT NULL,
-    client TEXT NOT NULL,
-    received_at REAL NOT NULL,
-    payload BLOB NOT NULL,
-    reason TEXT NOT NULL,
-    PRIMARY KEY (round, client)
-);
-CREATE TABLE IF NOT EXISTS contributions (
-    client TEXT PRIMARY KEY,
-    last_round INTEGER NOT NULL,
-    last_at REAL NOT NULL,
-    updates INTEGER NOT NULL
-);
-"""
-
-#: A database from before the contributions table: fill it from the updates it holds.
-BACKFILL = """
-INSERT OR IGNORE INTO contributions
-SELECT client, MAX(round), MAX(received_at), COUNT(*) FROM updates GROUP BY client
-"""
-
-
-#: A client in ``edge-coordinator status``: what its last status message said (``state``
-#: to ``updated_at``; None if none came) and what the coordinator accepted from it.
-CLIENT_FIELDS = (
-    "client",
-    "state",
-    "version",
-    "last_round",
-    "reason",
-    "updated_at",
-    "last_update_round",
-    "updates_accepted",
-    "last_update_at",
-)
 
 
 class StateError(RuntimeError):
@@ -332,6 +270,15 @@ class Store:
                     (since,),
                 )
             )
+
+    def round_times(self, *, before: int) -> list[tuple[int, float, float | None]]:
+        """``(round, opened_at, closed_at)`` of every round below ``before``, in order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT round, opened_at, closed_at FROM rounds WHERE round < ? ORDER BY round",
+                (before,),
+            ).fetchall()
+        return [(int(r), float(o), None if c is None else float(c)) for r, o, c in rows]
 
     def contributors(self) -> set[str]:
         """Every client that ever had an update accepted."""

@@ -15,48 +15,32 @@ import numpy as np
 import torch
 
 from edge_agent import data as data_mod
-from edge_agent import losses
+from edge_agent import screening
 from edge_agent.anchored import AnchoredLearner, FitSplit
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
-from edge_agent.features import FeatureCache, LoggedProgress, fingerprint
+from edge_agent.extras import load_weights, update_extras
+from edge_agent.features import FeatureCache, cache_features, fingerprint, with_cache_dir
 from edge_agent.head import local_prototypes
 from edge_agent.inference import dense_globals, rule_of
 from edge_agent.keys import AgentKeys
-from edge_agent.privacy.accounting import Event, per_part_sigma, release_event, sgd_schedule
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
-from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
+from edge_agent.privacy.mechanisms import MECHANISMS, Release
 from edge_agent.privacy.randomness import NONE, NoiseSource
+from edge_agent.privacy.spending import Spending
 from edge_agent.state import StateDir
 from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from protocol.weights import AVERAGED
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
 
-#: Decisions on announcements no coordinator of this fleet sends: they say nothing of the
-#: fleet's open round.
-IGNORED = frozenset(
-    {
-        "wrong_fleet",
-        "wrong_dim",
-        "implausible_round",
-        "announcement_unsigned",
-        "announcement_bad_signature",
-    }
-)
-
 #: Seconds between two saves (and log lines) of the ignored-announcement counts.
 IGNORED_SAVE_S = 10.0
-
-#: Methods whose server averages the clients' models (head and classifier) each round.
-AVERAGED = frozenset({"fedavg", "fpl"})
-
-#: Their weights travel as extras named after the model's parameters.
-WEIGHT_PREFIXES = ("head.", "classifier.")
 
 
 @dataclass(frozen=True)
@@ -68,56 +52,6 @@ class Decision:
     payload: bytes | None = None
     #: For a round this device cannot take part in: what an operator should fix.
     mismatch: str = ""
-
-
-def _implausible(
-    announcement: RoundAnnouncement, cfg: AgentConfig, last_round: int | None, *, dim: int
-) -> tuple[str, str] | None:
-    """(reason, why) for an announcement no coordinator of this fleet could have sent: a
-    prototype dimension other than ``dim`` (the head's; the backbone features' under
-    dp-features), or a round too far past the last answered. Such an announcement is
-    ignored before anything of it is trained on or recorded."""
-    rows = announcement.global_prototypes
-    clusters = announcement.extras.get("clusters")
-    dims = {rows.shape[1]} if rows.shape[0] else set()
-    if clusters is not None:
-        dims.add(clusters.shape[-1] if clusters.ndim == 2 else -1)
-    if dims - {dim}:
-        shown = ", ".join(str(d) for d in sorted(dims - {dim}))
-        return "wrong_dim", (
-            f"round {announcement.round} announces prototypes of dimension {shown}, this "
-            f"device expects {dim} ([train] out_dim, or the features' under dp-features)"
-        )
-    jump = cfg.security.max_round_jump
-    if last_round is not None and announcement.round > last_round + jump:
-        return "implausible_round", (
-            f"round {announcement.round} is more than {jump} rounds past the last one this "
-            f"device answered ({last_round}; [security] max_round_jump)"
-        )
-    return None
-
-
-def _mismatch(
-    announcement: RoundAnnouncement, cfg: AgentConfig, bundle_id: str
-) -> tuple[str, str] | None:
-    """(reason, what differs) when this device cannot answer the fleet's rounds at all."""
-    if announcement.bundle != bundle_id:
-        return "wrong_bundle", (
-            f"the fleet uses bundle {announcement.bundle[:12]}, this device has {bundle_id[:12]}"
-        )
-    if announcement.method != cfg.method:
-        return "wrong_method", f"the fleet runs {announcement.method}, this device {cfg.method}"
-    theirs, ours = tuple(announcement.classes), tuple(cfg.classes)
-    if theirs != ours:
-        first = next(
-            (i for i, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b),
-            min(len(theirs), len(ours)),
-        )
-        return "wrong_classes", (
-            f"the fleet announces {len(theirs)} classes, this device has {len(ours)}; "
-            f"they differ from position {first}"
-        )
-    return None
 
 
 class Agent:
@@ -134,7 +68,7 @@ class Agent:
         if runtime is None:
             bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
             runtime = BackboneRuntime(
-                bundle, settings=_with_cache_dir(cfg.runtime, self.state.providers_dir)
+                bundle, settings=with_cache_dir(cfg.runtime, self.state.providers_dir)
             )
         # A simulated fleet hands every agent of a worker the same runtime: one set of
         # ONNX Runtime sessions per process instead of one per agent.
@@ -164,20 +98,11 @@ class Agent:
         )
         self.train_labels = train.labels
         del train
-        self.test_features: np.ndarray | None = None
-        self.test_labels: np.ndarray | None = None
-        if cfg.data.test:
-            test = data_mod.load(cfg.data.test, cfg.classes, size=cfg.data.image_size)
-            self.test_features = cache_features(
-                cache, self.bundle_id, test, self.runtime, what="test data"
-            )
-            self.test_labels = test.labels
-            del test
-        self.evaluator = (
-            None
-            if self.test_features is None or self.test_labels is None
-            else Evaluator(method=cfg.method, features=self.test_features, labels=self.test_labels)
-        )
+        # Scored after every round on a labelled test split, if the configuration names one.
+        self.evaluator = Evaluator.for_test_split(
+            cfg, load=lambda d: cache_features(cache, self.bundle_id, d, self.runtime,
+                                               what="test data")
+        )  # fmt: skip
         cache.prune(keep_bundle=self.bundle_id)
         if not cache.shared:
             # What the data was before it changed: its rows are copied by now.
@@ -198,6 +123,9 @@ class Agent:
         )
         # Secret unless the configuration asks for replayable noise (experiments only).
         self.noise = NoiseSource.create(privacy.reproducible_noise_seed)
+        self.spending = Spending(
+            settings=privacy, train=cfg.train, ledger=self.ledger, noise=self.noise
+        )
         self.optimiser = make_optimiser(self.model, cfg.train)
         # Public randomness (data order): the run's seed.
         self.generator = torch.Generator().manual_seed(
@@ -240,15 +168,17 @@ class Agent:
                 f"round {announcement.round}: {forged.replace('_', ' ')} (not signed by the "
                 "pinned coordinator key, security.coordinator)",
             )
-        mismatch = _mismatch(announcement, cfg, self.bundle_id)
+        mismatch = screening.mismatch(announcement, cfg, self.bundle_id)
         if mismatch is not None:
             reason, why = mismatch
             log.warning("round %d ignored: %s", announcement.round, why)
             return Decision(reason, mismatch=f"ignoring rounds: {why}")
-        implausible = _implausible(announcement, cfg, self.last_round, dim=self.prototype_dim)
+        implausible = screening.implausible(
+            announcement, cfg, self.last_round, dim=self.prototype_dim
+        )
         if implausible is not None:
             return self._ignore(*implausible)
-        self._note_params(announcement.params)
+        screening.note_params(announcement.params, own=asdict(cfg.train), noted=self._params_noted)
         last = self.last_round
         if last is not None and announcement.round <= last:
             pending = self.state.pending_update()
@@ -272,23 +202,6 @@ class Agent:
             log.warning("announcement ignored: %s (%d so far)", why, sum(self.ignored.values()))
         return Decision(reason)
 
-    def _note_params(self, params: Any) -> None:
-        """The coordinator's ``[model.params]`` say how the fleet means to train; a device
-        trains with its own ``[train]`` section. Where the two differ, it says so once per
-        setting, so that a fleet mixing, say, two temperatures does not go unnoticed."""
-        own = asdict(self.cfg.train)
-        for key, value in params.items():
-            if key in own and own[key] != value and key not in self._params_noted:
-                self._params_noted.add(key)
-                log.warning(
-                    "the coordinator announces %s = %r; this device trains with %s = %r "
-                    "(its config's [train] section)",
-                    key,
-                    value,
-                    key,
-                    own[key],
-                )
-
     @property
     def prototype_dim(self) -> int:
         """What the fleet's prototypes are: head embeddings, or under dp-features the
@@ -308,12 +221,15 @@ class Agent:
         self._adopt_global(announcement)
         privacy = cfg.privacy
         dp = privacy.mechanism == "dp"
-        if dp and not self.ledger.allows(self._dp_events()):
+        if dp and not self.ledger.allows(self.spending.dp_events()):
             # Checked before training: the round's DP-SGD steps are paid for by its release.
             return self._exhausted(announcement.round)
         feature_release: tuple[Release, float] | None = None
         if self.learner is not None:
-            feature_release = self._feature_release(announcement.round)
+            feature_release = self.spending.feature_release(
+                announcement.round, state=self.state, data_version=self.data_version,
+                features=self.features, labels=self.train_labels, num_classes=self.num_classes,
+            )  # fmt: skip
             if feature_release is None:
                 return self._exhausted(announcement.round)
         log.info("round %d: training on %d samples", announcement.round, len(self.train_labels))
@@ -327,7 +243,7 @@ class Agent:
             metrics = train_round_dp(
                 *args,
                 **common,
-                schedule=self._schedule(),
+                schedule=self.spending.schedule(),
                 noise=self.noise.torch,
                 noise_multiplier=privacy.sgd_noise_multiplier,
                 max_grad_norm=privacy.max_grad_norm,
@@ -358,17 +274,24 @@ class Agent:
             release, spent = feature_release  # the data version's release, sent again
         else:
             release = MECHANISMS[privacy.mechanism].release(
-                z, self.train_labels, self.num_classes, self._mechanism_params(), self.noise.numpy
+                z,
+                self.train_labels,
+                self.num_classes,
+                self.spending.mechanism_params(),
+                self.noise.numpy,
             )
         if dp:
             # Durable before the update exists anywhere: a crash from here on can only
             # over-count this release, never forget it.
             spent = self.ledger.record(
-                announcement.round, self._dp_events(), reproducible=self.noise.reproducible
+                announcement.round, self.spending.dp_events(), reproducible=self.noise.reproducible
             )
             crash_point("after_ledger_write")
         formal = MECHANISMS[privacy.mechanism].formal
-        extras = self._extras(held, z)
+        extras = update_extras(
+            method=cfg.method, model=self.model, held=held, z=z, labels=self.train_labels,
+            num_classes=self.num_classes,
+        )  # fmt: skip
         update = PrototypeUpdate(
             fleet=cfg.fleet,
             round=announcement.round,
@@ -428,78 +351,9 @@ class Agent:
         )
         return Decision("budget_exhausted")
 
-    def _feature_release(self, round_: int) -> tuple[Release, float] | None:
-        """This data version's dp-features release and the epsilon spent: made (and paid
-        for) once per data version, stored, and sent again every round after that as
-        post-processing. None if a new release would exceed the budget."""
-        stored = self.state.load_feature_release(self.data_version)
-        if stored is not None:
-            return stored, self.ledger.spent()
-        events = [self._release_event()]
-        if not self.ledger.allows(events):
-            return None
-        release = MECHANISMS["dp-features"].release(
-            self.features, self.train_labels, self.num_classes, self._mechanism_params(),
-            self.noise.numpy,
-        )  # fmt: skip
-        # Durable before the release exists anywhere: a crash from here on can only make
-        # the device pay again for a release that never left it.
-        spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
-        crash_point("after_ledger_write")
-        self.state.save_feature_release(self.data_version, release)
-        log.info("data version %s released in feature space (epsilon spent %.3g)",
-                 self.data_version[:12], spent)  # fmt: skip
-        return release, spent
-
-    def _mechanism_params(self) -> MechanismParams:
-        p = self.cfg.privacy
-        s = per_part_sigma(p.release_noise_multiplier)
-        return MechanismParams(paper_noise=p.paper_noise, paper_scale=p.paper_scale,
-                               paper_p=p.paper_p, sum_sigma=s, count_sigma=s)  # fmt: skip
-
-    def _schedule(self) -> Any:
-        p, t = self.cfg.privacy, self.cfg.train
-        assert p.dataset_size is not None  # the configuration requires it for dp
-        return sgd_schedule(dataset_size=p.dataset_size, batch=t.batch_size, epochs=t.epochs)
-
-    def _release_event(self) -> Event:
-        s = per_part_sigma(self.cfg.privacy.release_noise_multiplier)
-        return release_event(s, s)
-
-    def _dp_events(self) -> list[Event]:
-        """One dp round's spend, its DP-SGD steps and its release: a function of the
-        public settings alone (the same before and after training, for any data set
-        within privacy.dataset_size)."""
-        schedule = self._schedule()
-        return [
-            Event(self.cfg.privacy.sgd_noise_multiplier, schedule.sample_rate, schedule.steps),
-            self._release_event(),
-        ]
-
     @property
     def epsilon_spent(self) -> float:
         return self.ledger.spent()
-
-    def _extras(self, held: np.ndarray, z: np.ndarray) -> dict[str, np.ndarray]:
-        """Method-specific arrays: FedAvg's and FPL's weights, FedDBP's Fisher scores."""
-        if self.cfg.method in AVERAGED:
-            return self._weights()
-        if self.cfg.method == "feddbp":
-            scores = losses.fisher_scores(
-                self.model.logits,
-                torch.from_numpy(z),
-                torch.from_numpy(self.train_labels),
-                self.num_classes,
-            )
-            return {"fisher": scores.numpy()[held].astype(np.float32)}
-        return {}
-
-    def _weights(self) -> dict[str, np.ndarray]:
-        return {
-            k: v.detach().numpy().astype(np.float32)
-            for k, v in self.model.state_dict().items()
-            if k.startswith(WEIGHT_PREFIXES) and v.dtype.is_floating_point
-        }
 
     def _adopt_global(self, announcement: RoundAnnouncement) -> None:
         """Take what the coordinator returned for the previous round: FedAvg's and FPL's
@@ -510,7 +364,7 @@ class Agent:
         ``edge-agent predict`` predicts with what was scored."""
         method = self.cfg.method
         if method in AVERAGED:
-            if not self._load_weights(announcement.extras):
+            if not load_weights(self.model, announcement.extras):
                 return
             self.state.save_model(self.model)
         if rule_of(method).prototypes == "global":
@@ -530,40 +384,3 @@ class Agent:
             self.state.amend_round(
                 announcement.round - 1, **self.evaluator.from_server(self.model, self.state)
             )
-
-    def _load_weights(self, extras: Any) -> bool:
-        """Load the announced arrays that fit this model; whether there were any (FPL's
-        announcement always has extras, its cluster prototypes, the weights not always)."""
-        state = self.model.state_dict()
-        fitting = {
-            k: torch.from_numpy(np.array(a, dtype=np.float32))
-            for k, a in extras.items()
-            if k in state and tuple(state[k].shape) == a.shape
-        }
-        if fitting:
-            self.model.load_state_dict(fitting, strict=False)
-        return bool(fitting)
-
-
-def cache_features(
-    cache: FeatureCache,
-    bundle_id: str,
-    data: data_mod.LocalData,
-    runtime: BackboneRuntime,
-    *,
-    what: str,
-) -> np.ndarray:
-    return cache.features(
-        bundle_id,
-        data.images,
-        runtime.extract,
-        dim=runtime.feature_dim,
-        labels=data.labels,
-        progress=LoggedProgress(log, what=what, total=len(data)),
-    )
-
-
-def _with_cache_dir(settings: Any, path: Any) -> Any:
-    from dataclasses import replace
-
-    return settings if settings.cache_dir is not None else replace(settings, cache_dir=path)

@@ -4,17 +4,32 @@ prototypes (FedPCL's rule) and by its classifier."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from edge_agent import data as data_mod
 from edge_agent import inference as inf
+from edge_agent.config import AgentConfig
+from edge_agent.data import LocalData
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel
 from edge_agent.train_config import CLASSIFIER_FREE
 
 
 class Evaluator:
+    @classmethod
+    def for_test_split(
+        cls, cfg: AgentConfig, *, load: Callable[[LocalData], np.ndarray]
+    ) -> Evaluator | None:
+        """The evaluator of ``cfg``'s test split (``load`` gives its features), or None
+        if the configuration names none."""
+        if not cfg.data.test:
+            return None
+        test = data_mod.load(cfg.data.test, cfg.classes, size=cfg.data.image_size)
+        return cls(method=cfg.method, features=load(test), labels=test.labels)
+
     def __init__(self, *, method: str, features: np.ndarray, labels: np.ndarray) -> None:
         self.method = method
         self.rule = inf.rule_of(method)

@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from runtime.files import fsync_dir
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from edge_agent.data import LocalData
+    from export.runtime import BackboneRuntime
 
 Extractor = Callable[[np.ndarray], np.ndarray]
 
@@ -240,3 +247,27 @@ def _write_keys(path: Path, keys: np.ndarray) -> None:
 def _remove_entry(npy: Path) -> None:
     npy.unlink(missing_ok=True)
     npy.with_suffix(".keys").unlink(missing_ok=True)
+
+
+def cache_features(
+    cache: FeatureCache,
+    bundle_id: str,
+    data: LocalData,
+    runtime: BackboneRuntime,
+    *,
+    what: str,
+) -> np.ndarray:
+    return cache.features(
+        bundle_id,
+        data.images,
+        runtime.extract,
+        dim=runtime.feature_dim,
+        labels=data.labels,
+        progress=LoggedProgress(log, what=what, total=len(data)),
+    )
+
+
+def with_cache_dir(settings: Any, path: Any) -> Any:
+    from dataclasses import replace
+
+    return settings if settings.cache_dir is not None else replace(settings, cache_dir=path)

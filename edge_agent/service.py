@@ -16,7 +16,8 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edge_agent.agent import IGNORED, Agent
+from edge_agent.agent import Agent
+from edge_agent.screening import IGNORED
 from protocol import (
     FINISHED,
     AgentState,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fleet.partition import Partition
-from fleet.runner import ClientRecord, RunResult, RunSpec, train_table
+from fleet.spec import ClientRecord, RunResult, RunSpec, train_table
 
 if TYPE_CHECKING:
     from export.runtime import BackboneRuntime
@@ -36,8 +36,7 @@ def _features(
     """(train features, train labels, test features, test labels) per client, through the
     agents' own loader and feature cache: the sweep's methods filled it already."""
     from edge_agent import data as data_mod
-    from edge_agent.agent import cache_features
-    from edge_agent.features import FeatureCache
+    from edge_agent.features import FeatureCache, cache_features
 
     root = spec.feature_cache or spec.out / "feature-cache"
     cache = FeatureCache(root, shared=True)

@@ -24,8 +24,9 @@ from typing import Any
 
 from edge_agent.privacy.accounting import Plan, plan, plan_features
 from edge_agent.privacy.randomness import guarantee
-from fleet import commands
-from fleet.partition import Partition
+from fleet import commands, options
+from fleet.bundles import ensure_bundle
+from fleet.partition import SPLITS, Partition
 from fleet.report import arm_settings, protocol_line, run_summary, settings, to_json
 from fleet.resume import run_or_resume, sweep_dir
 from fleet.runner import run as run_fleet
@@ -60,7 +61,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    commands.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
+    options.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
     parser.set_defaults(transport="memory")
 
 
@@ -68,7 +69,7 @@ def _paper_settings(text: str) -> list[tuple[str, float, float]]:
     out: list[tuple[str, float, float]] = []
     if text.strip() == "none":
         return out
-    for item in commands.split_list(text, what="paper"):
+    for item in options.split_list(text, what="paper"):
         try:
             noise, scale, p = item.split(":")
             out.append((noise, float(scale), float(p)))
@@ -122,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
             f"for this one alone give --splits {args.split}"
         )
     try:
-        epsilons = [float(e) for e in commands.split_list(args.epsilons, what="epsilons")]
+        epsilons = [float(e) for e in options.split_list(args.epsilons, what="epsilons")]
     except ValueError as exc:
         raise UsageError(f"--epsilons must be numbers: {exc}") from exc
     if args.data is not None:
@@ -130,13 +131,11 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError("--splits chooses digits-5 settings and does not apply to --data")
         splits = [args.data.name]  # one "setting": the clients the data holds
     else:
-        splits = commands.split_list(
-            args.splits or "feature,label", what="splits", allowed=commands.SPLITS
-        )
+        splits = options.split_list(args.splits or "feature,label", what="splits", allowed=SPLITS)
         args.split, args.swept_splits = splits[0], splits
     paper = _paper_settings(args.paper)
-    mechanisms = commands.split_list(args.mechanisms, what="mechanisms", allowed=FORMAL)
-    seeds = commands.parse_seeds(args.seeds)
+    mechanisms = options.split_list(args.mechanisms, what="mechanisms", allowed=FORMAL)
+    seeds = options.parse_seeds(args.seeds)
     first = commands.check_options(args, method="fedpcl", seed=seeds[0])
     size = _dataset_size(args, first)
     for mechanism in mechanisms:  # an impossible plan fails now, not after the zoo is built
@@ -155,7 +154,7 @@ def _sweep(
     mechanisms: list[str],
     first: Partition,
 ) -> int:
-    bundle = commands.ensure_bundle(args.bundle, args.zoo_size, backbone=args.backbone or "zoo")
+    bundle = ensure_bundle(args.bundle, args.zoo_size, backbone=args.backbone or "zoo")
     sweep = sweep_dir(args.out, resume=args.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
@@ -303,7 +302,7 @@ LABELS = {"dp": "DP FedPCL (DP-SGD)", "dp-features": "FedPCL, dp-features releas
 
 
 def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
-    from fleet.report import finish, pyplot
+    from fleet.plots import finish, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)

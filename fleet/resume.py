@@ -25,7 +25,7 @@ from edge_agent.features import fingerprint as data_fingerprint
 from export import bundle as bundle_mod
 from export.errors import BundleError
 from fleet.partition import Partition
-from fleet.runner import ClientRecord, RunResult, RunSpec
+from fleet.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.files import atomic_write
 

@@ -12,6 +12,10 @@ from typing import Literal
 
 Norm = Literal["batch", "group"]
 
+#: Methods whose server averages the clients' models (head and classifier) each round:
+#: their updates and announcements carry these weights as extras.
+AVERAGED = frozenset({"fedavg", "fpl"})
+
 
 def averaged_weight_shapes(
     *, feature_dim: int, out_dim: int, num_classes: int, norm: Norm = "batch"

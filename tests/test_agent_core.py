@@ -5,6 +5,7 @@ import pytest
 
 from edge_agent import data as data_mod
 from edge_agent.agent import Agent
+from edge_agent.extras import model_weights
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
 
@@ -315,7 +316,7 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
             decision = agent.handle(ann)
             if decision.update is not None:
                 # What the coordinator averages: the device's model after its training.
-                assert set(decision.update.extras) == set(agent._weights())
+                assert set(decision.update.extras) == set(model_weights(agent.model))
                 updates.append(decision.update)
         if not updates:
             return {}
@@ -325,9 +326,9 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
     def global_accuracy(agent: Agent, weights: dict) -> float:
         model = LocalModel(in_dim=agent.runtime.feature_dim, num_classes=10, cfg=agent.cfg.train)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
-        assert agent.test_features is not None and agent.test_labels is not None
-        _, logits = embed(model, agent.test_features)
-        return float((logits.argmax(1) == agent.test_labels).mean())
+        assert agent.evaluator is not None
+        _, logits = embed(model, agent.evaluator.features)
+        return float((logits.argmax(1) == agent.evaluator.labels).mean())
 
     first = play(0, {})
     for agent in agents:  # round 0's global model is not known yet
@@ -369,12 +370,12 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
     assert first.payload is not None
     assert agent.state.snapshot.history[-1]["test_accuracy"] is None  # not known yet
     update = PrototypeUpdate.from_wire(first.payload)
-    assert agent.test_features is not None and agent.test_labels is not None
+    assert agent.evaluator is not None
     assert agent.model.decision is not None
-    labels = agent.test_labels
+    labels = agent.evaluator.labels
     with torch.no_grad():  # the decision branch as round 0 left it
         agent.model.eval()
-        z_d = agent.model.decision(torch.from_numpy(np.array(agent.test_features))).numpy()
+        z_d = agent.model.decision(torch.from_numpy(np.array(agent.evaluator.features))).numpy()
     # This client's personalised set is its own prototypes; the plain global set is
     # another set of the same vectors (the classes rolled by one).
     personal = update.prototypes.astype(np.float32)

@@ -28,14 +28,12 @@ from export.runtime import BackboneRuntime
 from fleet import partition as part
 from fleet.amqtt_broker import AmqttBroker
 from fleet.broker import MosquittoBroker, free_port
-from fleet.report import (
-    build_report,
-    markdown,
-    plot_domains,
-    to_json,
-    train_note,
-)
-from fleet.runner import ClientRecord, RunResult, RunSpec, parse_broker_url, run, to_toml
+from fleet.configs import to_toml
+from fleet.hosting import parse_broker_url
+from fleet.plots import plot_domains
+from fleet.report import build_report, markdown, to_json, train_note
+from fleet.runner import run
+from fleet.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
 
@@ -533,7 +531,7 @@ def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
 
 
 def test_a_stop_request_is_raised_at_the_runs_next_check_as_the_signal_it_was() -> None:
-    from fleet.runner import _StopRequest
+    from fleet.hosting import _StopRequest
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup
     try:
@@ -645,27 +643,27 @@ def test_a_privacy_report_marks_reproducible_noise_as_no_guarantee() -> None:
 
 
 def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
-    from fleet.runner import _agent_tables
+    from fleet.configs import agent_tables
 
     client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
     for rounds, kept in ((30, 200), (450, 450)):  # a device's default, or every round
         spec = RunSpec(method="fedpcl", rounds=rounds, bundle=tmp_path, out=tmp_path)
-        tables = _agent_tables(spec, client, tmp_path / str(rounds), ("0", "1"), 0)
+        tables = agent_tables(spec, client, tmp_path / str(rounds), ("0", "1"), 0)
         assert tables["history"] == kept
 
 
 def test_simulated_agents_draw_secret_noise_unless_the_run_asks_for_replayable_noise(
     tmp_path: Path,
 ) -> None:
-    from fleet.runner import _agent_tables, prototype_dim
+    from fleet.configs import agent_tables, prototype_dim
 
     client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
     privacy = {"mechanism": "dp-features", "epsilon": 8.0}
     secret = RunSpec(method="fedpcl", rounds=2, bundle=tmp_path, out=tmp_path, privacy=privacy)
-    tables = _agent_tables(secret, client, tmp_path / "a", ("0", "1"), 3)
+    tables = agent_tables(secret, client, tmp_path / "a", ("0", "1"), 3)
     assert tables["privacy"] == privacy  # no seed: the agents draw from the OS
     replayable = replace(secret, reproducible_noise=True, seed=2)
-    tables = _agent_tables(replayable, client, tmp_path / "b", ("0", "1"), 3)
+    tables = agent_tables(replayable, client, tmp_path / "b", ("0", "1"), 3)
     assert tables["privacy"]["reproducible_noise_seed"] == 2 * 100_003 + 3
     # A feature-space release sets the coordinator's prototype dimension.
     assert prototype_dim(secret, 896) == 896
@@ -848,7 +846,7 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
     import subprocess
     import sys
 
-    from fleet.runner import _liveness
+    from fleet.hosting import _liveness
     from runtime.cliutil import CommandFailed
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -870,7 +868,8 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
 def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosquitto) -> None:
     # FedPCL's announcement to 200 agents carries 200 padded local sets: 2 MB. Ignored as
     # too large, it left `edge-fleet run --clients 200` waiting until the coordinator's exit.
-    from fleet.runner import FLEET, _Watcher
+    from fleet.spec import FLEET
+    from fleet.watcher import Watcher
     from protocol import RoundAnnouncement, round_topic
     from tests.mqtt_helpers import connected
 
@@ -883,7 +882,7 @@ def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosqu
     )  # fmt: skip
     payload = big.to_wire()
     assert len(payload) > 1 << 20
-    watcher = _Watcher(mosquitto.address.host, mosquitto.address.port, expected=0)
+    watcher = Watcher(mosquitto.address.host, mosquitto.address.port, expected=0)
     try:
         with connected(mosquitto.address, "coordinator") as (pub, _):
             pub.publish(round_topic(FLEET), payload, qos=1, retain=True).wait_for_publish(30)

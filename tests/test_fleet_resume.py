@@ -14,7 +14,7 @@ import pytest
 
 from fleet import partition as part
 from fleet.resume import fingerprint, load, run_or_resume, save, sweep_dir
-from fleet.runner import ClientRecord, RunResult, RunSpec
+from fleet.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.faults import ENV as CRASH_AT
 

@@ -294,8 +294,8 @@ def test_dp_agent_reports_its_spend_and_stops_publishing_at_the_budget(
     small_zoo: Path, tmp_path: Path
 ) -> None:
     probe = Agent(dp_config(tmp_path / "probe", small_zoo, epsilon=1e6))
-    two_rounds = probe.ledger.spent(probe._dp_events() * 2)
-    three_rounds = probe.ledger.spent(probe._dp_events() * 3)
+    two_rounds = probe.ledger.spent(probe.spending.dp_events() * 2)
+    three_rounds = probe.ledger.spent(probe.spending.dp_events() * 3)
     # A budget that holds two rounds and not three.
     cfg = dp_config(tmp_path / "agent", small_zoo, epsilon=(two_rounds + three_rounds) / 2)
     agent = Agent(cfg)
@@ -361,10 +361,10 @@ def test_neighbouring_data_sets_publish_byte_identical_metadata(
     (not three), and one dp-features release (sent again every round)."""
     probe = Agent(dp_config(tmp_path / "probe", small_zoo, epsilon=1e6, mechanism=mechanism))
     if mechanism == "dp":
-        events = probe._dp_events()
+        events = probe.spending.dp_events()
         budget = (probe.ledger.spent(events * 2) + probe.ledger.spent(events * 3)) / 2
     else:
-        budget = probe.ledger.spent([probe._release_event()]) * 1.5
+        budget = probe.ledger.spent([probe.spending.release_event()]) * 1.5
     views, ledgers = [], []
     for name in ("full", "neighbour"):
         root = tmp_path / name

@@ -1,0 +1,60 @@
+"""The method-specific arrays an update carries beside its prototypes, and the averaged
+weights an announcement brings back: FedAvg's and FPL's head and classifier, FedDBP's
+Fisher scores."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent import losses
+from edge_agent.train import LocalModel
+from protocol.weights import AVERAGED
+
+#: Their weights travel as extras named after the model's parameters.
+WEIGHT_PREFIXES = ("head.", "classifier.")
+
+
+def update_extras(
+    *,
+    method: str,
+    model: LocalModel,
+    held: np.ndarray,
+    z: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+) -> dict[str, np.ndarray]:
+    """What ``method``'s update carries beside the prototypes of the ``held`` classes."""
+    if method in AVERAGED:
+        return model_weights(model)
+    if method == "feddbp":
+        scores = losses.fisher_scores(
+            model.logits, torch.from_numpy(z), torch.from_numpy(labels), num_classes
+        )
+        return {"fisher": scores.numpy()[held].astype(np.float32)}
+    return {}
+
+
+def model_weights(model: LocalModel) -> dict[str, np.ndarray]:
+    """The floating-point head and classifier weights (protocol/weights.py names them)."""
+    return {
+        k: v.detach().numpy().astype(np.float32)
+        for k, v in model.state_dict().items()
+        if k.startswith(WEIGHT_PREFIXES) and v.dtype.is_floating_point
+    }
+
+
+def load_weights(model: LocalModel, extras: Any) -> bool:
+    """Load the announced arrays that fit ``model``; whether there were any (FPL's
+    announcement always has extras, its cluster prototypes, the weights not always)."""
+    state = model.state_dict()
+    fitting = {
+        k: torch.from_numpy(np.array(a, dtype=np.float32))
+        for k, a in extras.items()
+        if k in state and tuple(state[k].shape) == a.shape
+    }
+    if fitting:
+        model.load_state_dict(fitting, strict=False)
+    return bool(fitting)

@@ -1,0 +1,91 @@
+"""The backbone bundle a fleet command runs on: ``--bundle`` and ``--backbone`` resolved,
+and the zoo or a pretrained backbone built once where none is."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from runtime.cliutil import CommandFailed, UsageError
+from runtime.runlock import RunLock
+
+BIN = Path(sys.executable).parent
+
+#: ``--backbone``: the ``edge-export`` arguments that build each into a bundle folder.
+BACKBONES: dict[str, list[str]] = {
+    "zoo": ["zoo"],
+    "effnet-lite0": ["bundle", "--backbone", "name=effnet-lite0,pretrained=efficientnet-lite0"],
+}
+
+
+def resolve_bundle(args: argparse.Namespace) -> None:
+    """``--bundle`` defaults to runs/BACKBONE; a bundle already there must be what an
+    explicit ``--backbone`` asks for (a zoo silently used for effnet-lite0 would mislead)."""
+    backbone = args.backbone or "zoo"
+    if args.bundle is None:
+        args.bundle = Path("runs") / backbone
+    if args.backbone is None or not (args.bundle / "bundle.json").exists():
+        return
+    from export import bundle as bundle_mod
+    from export.errors import BundleError
+
+    try:
+        held = bundle_kind(bundle_mod.load(args.bundle, check_hashes=False))
+    except BundleError as exc:
+        raise UsageError(str(exc)) from None
+    if held != args.backbone:
+        raise UsageError(
+            f"--bundle {args.bundle} holds {held or 'other backbones'}, not --backbone "
+            f"{args.backbone}; choose another --bundle (or none: runs/{args.backbone})"
+        )
+
+
+def bundle_kind(bundle: Any) -> str | None:
+    """Which ``--backbone`` built ``bundle`` (None: neither)."""
+    if "zoo" in bundle.extra:
+        return "zoo"
+    pretrained = [m.provenance.get("pretrained") for m in bundle.members]
+    return "effnet-lite0" if pretrained == ["efficientnet-lite0"] else None
+
+
+def ensure_bundle(path: Path, size: str, *, backbone: str = "zoo") -> Path:
+    """``path`` if it holds a bundle; else ``backbone`` (the zoo of ``size``, or a
+    pretrained backbone), built there once.
+
+    The zoo is built in a staging folder beside ``path`` and moved into place when it is
+    whole: a build cut short (Ctrl-C in the minutes it takes) leaves no half-written
+    bundle at ``path`` for the next run to trip over, and the next run starts it afresh.
+    """
+    if (path / "bundle.json").exists():
+        return path
+    # Two sweeps started at once on a fresh clone: the second waits for the first's build
+    # (it used to delete the first's staging folder as an interrupted build's leftover).
+    with RunLock.take(
+        path.with_name(f".{path.name}.lock"),
+        what=f"the zoo in {path}",
+        wait=lambda message: print(message, file=sys.stderr, flush=True),
+    ) as lock:
+        if (path / "bundle.json").exists():
+            return path  # the other sweep built it
+        if path.exists() and any(path.iterdir()):
+            raise UsageError(f"{path} exists but holds no bundle.json")
+        staging = path.with_name(f".{path.name}.building")
+        if staging.exists():
+            shutil.rmtree(staging)  # what an interrupted build left
+        what = f"the {size} backbone zoo" if backbone == "zoo" else backbone
+        print(f"building {what} in {path} (once) ...", file=sys.stderr, flush=True)
+        argv = [str(BIN / "edge-export"), *BACKBONES[backbone], "--out", str(staging)]
+        done = subprocess.run(
+            argv + (["--size", size] if backbone == "zoo" else []), stdout=subprocess.DEVNULL
+        )
+        if done.returncode != 0:
+            raise CommandFailed(f"building {what} failed (exit {done.returncode})")
+        staging.replace(path)  # onto nothing or an empty folder: atomic
+        # Safe to remove now that bundle.json is there: a waiter holding the old file's
+        # lock, and anyone later, finds the bundle first and never builds.
+        lock.path.unlink(missing_ok=True)
+        return path

@@ -1,0 +1,50 @@
+"""A finished run read back: every agent's per-round record from its state directory, and
+the rounds' times from the coordinator's store."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.store import Store
+from fleet.partition import Partition
+from fleet.spec import ClientRecord, RunResult, RunSpec
+from runtime.cliutil import CommandFailed
+
+
+def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float) -> RunResult:
+    """Read the run back from every agent's state.json and the coordinator's database."""
+    records = []
+    for client in partition.clients:
+        state_file = spec.out / "clients" / client.name / "state" / "state.json"
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CommandFailed(f"no record of {client.name}: {exc}") from exc
+        by_round = {h["round"]: h for h in state.get("history", [])}
+        rows = [by_round.get(r, {}) for r in range(spec.rounds)]
+        records.append(
+            ClientRecord(
+                name=client.name,
+                domain=client.domain,
+                accuracy=tuple(h.get("test_accuracy") for h in rows),
+                accuracy_prototype=tuple(h.get("test_accuracy_prototype") for h in rows),
+                accuracy_classifier=tuple(h.get("test_accuracy_classifier") for h in rows),
+                bytes_up=tuple(int(h.get("bytes_up") or 0) for h in rows),
+                bytes_down=tuple(int(h.get("bytes_down") or 0) for h in rows),
+            )
+        )
+    database = spec.out / "coordinator" / "coordinator.sqlite3"
+    if not database.is_file():
+        raise CommandFailed(f"no coordinator database at {database}")
+    store = Store(database)
+    try:
+        rows = store.round_times(before=spec.rounds)
+    finally:
+        store.close()
+    # A round's wall time runs from its announcement to the next one (closing = opening).
+    opened = {r: t for r, t, _ in rows}
+    seconds = []
+    for r, t, closed in rows:
+        end = closed if closed is not None else opened.get(r + 1)
+        seconds.append(float(end - t) if end is not None else float("nan"))
+    return RunResult(spec, tuple(records), tuple(seconds), peak_mb, wall)

@@ -1,0 +1,140 @@
+"""The files a simulated fleet is set up from: each agent's and the coordinator's
+configuration tables (written as TOML) and the fleet's signing keys."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.partition import ClientData
+from fleet.spec import FLEET, RunSpec, train_table
+from protocol.weights import AVERAGED
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string
+
+
+def to_toml(tables: dict[str, Any]) -> str:
+    """Top-level keys first, then one ``[table]`` per dict value (one level deep)."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in tables.items() if not isinstance(v, dict)]
+    for name, table in tables.items():
+        if isinstance(table, dict):
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def agent_tables(
+    spec: RunSpec, client: ClientData, root: Path, classes: tuple[str, ...], index: int
+) -> dict[str, Any]:
+    train, test = client.save(root / "data")
+    return {
+        "agent_id": client.name,
+        "fleet": FLEET,
+        "state_dir": str(root / "state"),
+        "bundle": str(spec.bundle),
+        "method": spec.method,
+        "classes": list(classes),
+        "seed": spec.seed * 100_003 + index,
+        # Averaged models start from one head, as a server-initialised model would; every
+        # other method's devices start apart, as independent devices do.
+        **({"init_seed": spec.seed} if spec.method in AVERAGED else {}),
+        # The report reads every round back from state.json: none may be dropped.
+        "history": max(200, spec.rounds),
+        "data": {
+            "train": str(train),
+            "test": str(test),
+            **(
+                {"feature_cache": str(spec.feature_cache), "shared_feature_cache": True}
+                if spec.feature_cache
+                else {}
+            ),
+        },
+        "train": train_table(spec),
+        # One intra-op thread per session: many agents share a few cores.
+        "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
+        **(privacy_tables(spec, index) if spec.privacy else {}),
+    }
+
+
+def privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
+    seed = (
+        {"reproducible_noise_seed": spec.seed * 100_003 + index} if spec.reproducible_noise else {}
+    )
+    return {"privacy": {**spec.privacy, **seed}}
+
+
+def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
+    """What the agents' updates carry: head embeddings, or (dp-features) backbone features."""
+    return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
+
+
+def coordinator_tables(
+    spec: RunSpec,
+    bundle_id: str,
+    classes: tuple[str, ...],
+    clients: int,
+    *,
+    dim: int,
+    feature_dim: int,
+) -> dict[str, Any]:
+    return {
+        "fleet": FLEET,
+        "state_dir": str(spec.out / "coordinator"),
+        "sqlite_synchronous": "NORMAL",
+        "model": {
+            "method": spec.method,
+            "bundle": bundle_id,
+            "classes": list(classes),
+            "dim": dim,
+            # With the classes they fix the weights FedAvg and FPL devices send.
+            "feature_dim": feature_dim,
+            "norm": train_table(spec).get("norm", "batch"),
+        },
+        "rounds": {
+            "min_clients": clients,
+            "wait_after_quorum_s": 0.0,
+            "timeout_s": 3600.0,
+            "max_rounds": spec.rounds,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class FleetKeys:
+    """Ed25519 keys of a simulated fleet, so it runs the signed path a deployment runs:
+    ``coordinator.key`` and ``.pub``, ``agents/<name>.key``, ``devices/<name>.pub`` (the
+    coordinator's enrolment folder)."""
+
+    root: Path
+
+    def agent_table(self, name: str) -> dict[str, Any]:
+        return {
+            "key": str(self.root / "agents" / f"{name}.key"),
+            "coordinator": str(self.root / "coordinator.pub"),
+        }
+
+    def coordinator_table(self) -> dict[str, Any]:
+        return {"key": str(self.root / "coordinator.key"), "devices": str(self.root / "devices")}
+
+
+def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
+    """Make the keys a run lacks; a resumed run keeps its own (its stored updates are
+    signed with them)."""
+    from runtime.keyfiles import generate_ed25519
+
+    if not (root / "coordinator.key").exists():
+        generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
+    for name in names:
+        if not (root / "agents" / f"{name}.key").exists():
+            generate_ed25519(root / "agents" / f"{name}.key", root / "devices" / f"{name}.pub")
+    return FleetKeys(root)

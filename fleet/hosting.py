@@ -1,0 +1,243 @@
+"""The ``mqtt`` transport: a broker (Mosquitto from PATH, else amqtt in-process, or
+``--broker URL``), ``edge-coordinator run`` as its own process, and the agents hosted in a
+few worker processes (``python -m fleet.worker``), each agent with its own state
+directory and MQTT session, all agents of a worker sharing one set of ONNX Runtime
+sessions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from fleet import tether
+from fleet.configs import to_toml
+from fleet.procmem import FleetMemory
+from fleet.progress import log_round, progress_bar
+from fleet.spec import FLEET_MAX_PAYLOAD_BYTES, RunSpec
+from fleet.watcher import Watcher
+from runtime.cliutil import CommandFailed, Terminated, UsageError
+from runtime.lifecycle import SignalDispatch
+
+log = logging.getLogger(__name__)
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    parsed = urlparse(url if "://" in url else f"mqtt://{url}")
+    if parsed.scheme not in ("mqtt", "tcp") or not parsed.hostname:
+        raise UsageError(f"--broker must look like mqtt://host:port, got {url!r}")
+    try:
+        port = parsed.port or 1883
+    except ValueError as exc:
+        raise UsageError(f"--broker {url!r}: {exc}") from exc
+    return parsed.hostname, port
+
+
+@contextmanager
+def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
+    """(host, port, broker pid or None): the external broker, else Mosquitto, else amqtt."""
+    if spec.broker:
+        host, port = parse_broker_url(spec.broker)
+        yield host, port, None
+        return
+    from fleet.amqtt_broker import AmqttBroker
+    from fleet.broker import BrokerError, MosquittoBroker, find_mosquitto
+
+    broker: Any
+    if find_mosquitto() is not None:
+        broker = MosquittoBroker()
+    else:
+        log.warning("mosquitto not found on PATH: using the embedded amqtt broker")
+        broker = AmqttBroker()
+    try:
+        broker.start()
+    except BrokerError as exc:
+        raise CommandFailed(str(exc)) from exc
+    try:
+        pid = broker.pid if isinstance(broker, MosquittoBroker) else None
+        yield broker.address.host, broker.address.port, pid
+    finally:
+        broker.stop()
+
+
+class _StopRequest:
+    """Ctrl-C and SIGTERM during an MQTT run, taken as a request that the run acts on at
+    its next check (about once a second) instead of as an exception raised wherever the
+    main thread happens to be.
+
+    Why: a KeyboardInterrupt raised inside ``Popen.poll`` between its taking and its
+    releasing of the process's wait lock leaves the lock taken for good, and the clean-up's
+    ``Popen.wait`` then blocks forever (seen: an ``edge-fleet`` hung after Ctrl-C, its
+    Mosquitto a zombie). Signals the process was told to ignore stay ignored.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def actions(self) -> dict[int, Callable[[int], None]]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # no signal handling off the main thread
+        return {
+            sig: self._record
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not signal.SIG_IGN
+        }
+
+    def _record(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        if self.signum == signal.SIGTERM:
+            raise Terminated
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+
+def run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+    stop = _StopRequest()
+    actions = stop.actions()
+    try:
+        with SignalDispatch(actions) if actions else nullcontext():
+            peak = _run_mqtt_fleet(spec, agents, coord, stop)
+    except Exception:
+        stop.check()  # processes that ended on the same Ctrl-C: report the stop itself
+        raise
+    stop.check()  # a request after the last check still stops the command (a sweep)
+    return peak
+
+
+def _run_mqtt_fleet(
+    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any], stop: _StopRequest
+) -> float:
+    bin_dir = Path(sys.executable).parent
+    logs = spec.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    with broker_for(spec) as (host, port, broker_pid):
+        mqtt = {"host": host, "port": port, "keepalive": 60,
+                "max_payload_bytes": FLEET_MAX_PAYLOAD_BYTES}  # fmt: skip
+        coord_cfg = spec.out / "coordinator.toml"
+        coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
+        configs = []
+        for tables in agents:
+            path = Path(tables["state_dir"]).parent / "agent.toml"
+            path.write_text(to_toml({**tables, "mqtt": mqtt}))
+            configs.append(path)
+        workers = min(spec.workers, len(configs))
+        memory = FleetMemory()
+        if broker_pid is not None:
+            memory.pids.append(broker_pid)
+        try:
+            watcher = Watcher(host, port, expected=len(configs))
+            procs.append(
+                _spawn(
+                    tether.command(
+                        os.getpid(),
+                        [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
+                    ),
+                    logs / "coordinator.log",
+                )
+            )
+            for w in range(workers):
+                spec_file = logs / f"worker-{w}.json"
+                spec_file.write_text(
+                    json.dumps(
+                        {
+                            "bundle": str(spec.bundle),
+                            "configs": [str(c) for c in configs[w::workers]],
+                            "parent": os.getpid(),
+                        }
+                    )
+                )
+                procs.append(
+                    _spawn(
+                        [sys.executable, "-m", "fleet.worker", str(spec_file)],
+                        logs / f"worker-{w}.log",
+                    )
+                )
+            coordinator = procs[0]
+            memory.pids += [p.pid for p in procs]
+            named = {"the coordinator": (procs[0], logs / "coordinator.log")}
+            named |= {f"worker {w}": (p, logs / f"worker-{w}.log") for w, p in enumerate(procs[1:])}
+            alive = _liveness(named, memory.sample, stop.check)
+            with progress_bar(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
+                watcher.wait_online(bar, alive)
+            log.info("%s: %d agents online", spec.method, len(configs))
+            with progress_bar(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
+                watcher.wait_rounds(spec.rounds, bar, alive, lambda r: log_round(spec, r))
+            # The coordinator exits by itself once it has announced the last round.
+            del named["the coordinator"]
+            watcher.wait_finished(_liveness(named, memory.sample, stop.check))
+            memory.sample()
+            if coordinator.wait(timeout=60) != 0:
+                raise CommandFailed(f"the coordinator failed; see {logs / 'coordinator.log'}")
+            watcher.close()
+        finally:
+            _stop_all(procs)
+    for w, proc in enumerate(procs[1:]):
+        if proc.returncode != 0:  # a worker stops with 0 after SIGTERM
+            raise CommandFailed(f"a worker did not stop cleanly; see {logs / f'worker-{w}.log'}")
+    return memory.peak_mb
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as handle:
+        return subprocess.Popen(
+            argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+def _liveness(
+    named: dict[str, tuple[subprocess.Popen[bytes], Path]],
+    sample: Callable[[], None],
+    stop_check: Callable[[], None],
+    *,
+    grace_s: float = 5.0,
+    may_finish: frozenset[str] = frozenset({"the coordinator"}),
+) -> Callable[[], None]:
+    """A check that raises :class:`CommandFailed` once any of ``named`` (what to call it ->
+    (process, its log)) has exited: without it a dead coordinator or worker would leave the
+    fleet waiting out the no-progress limit. An exit counts after ``grace_s``. A process in
+    ``may_finish`` that exits with status 0 has finished, not failed: the coordinator ends
+    once it has announced the last round, and with 200 agents answering, that message can
+    reach the watcher many seconds later. ``stop_check`` raises for a Ctrl-C or SIGTERM
+    received."""
+    exited: dict[str, float] = {}
+
+    def check() -> None:
+        stop_check()
+        sample()
+        now = time.monotonic()
+        for name, (proc, log_path) in named.items():
+            if proc.poll() == 0 and name in may_finish:
+                continue
+            if proc.poll() is not None and now - exited.setdefault(name, now) >= grace_s:
+                raise CommandFailed(
+                    f"{name} exited early (status {proc.returncode}); see {log_path}"
+                )
+
+    return check
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,83 @@
+"""What a simulated fleet run is asked to do (:class:`RunSpec`) and what it gives back
+(:class:`RunResult`, one :class:`ClientRecord` per agent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_agent.train_config import TrainConfig
+from runtime.cliutil import UsageError
+from runtime.settings import ConfigError, build
+
+FLEET = "sim"
+TRANSPORTS = ("mqtt", "memory")
+
+#: Both transports' payload cap. FedPCL's announcement carries every client's padded local
+#: set (Eq. 7), about 10 kB per client, so a 100-agent fleet's exceeds the 1 MB default;
+#: FedAvg's update carries the head, FC(K*d_e, 256): 1.3 MB over a 1280-d backbone.
+FLEET_MAX_PAYLOAD_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    rounds: int
+    bundle: Path
+    out: Path  # this run's folder
+    seed: int = 0
+    transport: str = "mqtt"
+    broker: str | None = None  # mqtt://host:port of an external broker
+    workers: int = 2
+    out_dim: int = 256
+    epochs: int = 1
+    progress: bool = True
+    extra_train: dict[str, Any] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # the agents' [privacy] table
+    # Mechanism noise replayable from the seed: for experiments that must repeat to the
+    # bit; it voids every guarantee (the agents and reports say so). Secret otherwise.
+    reproducible_noise: bool = False
+    # Shared by every run that sees the same images (the methods of a compare): the
+    # backbones then run once per image, not once per method.
+    feature_cache: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        if self.rounds < 1 or self.workers < 1 or self.epochs < 1:
+            raise UsageError("--rounds, --workers and --epochs must be at least 1")
+        if self.out_dim < 1:
+            raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
+        # The agents build the same table from their TOML file: a bad value fails here,
+        # before a fleet starts, not in every worker process.
+        try:
+            build(TrainConfig, train_table(self), prefix="train.")
+        except ConfigError as exc:
+            raise UsageError(f"--train-param {exc}") from None
+
+
+def train_table(spec: RunSpec) -> dict[str, Any]:
+    """The agents' [train] table of a run."""
+    return {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train}
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    name: str
+    domain: str
+    accuracy: tuple[float | None, ...]  # per round, by the method's own inference rule
+    accuracy_prototype: tuple[float | None, ...]  # per round, cosine to local prototypes
+    accuracy_classifier: tuple[float | None, ...]  # per round, the linear classifier
+    bytes_up: tuple[int, ...]
+    bytes_down: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    spec: RunSpec
+    clients: tuple[ClientRecord, ...]
+    round_seconds: tuple[float, ...]
+    peak_mb: float
+    wall_seconds: float
+    backbone_samples: int | None = None  # images the backbones ran on (memory transport)
