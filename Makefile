@@ -49,7 +49,7 @@ bench-accuracy: $(STAMP)
 	$(PY) bench/run.py --suite accuracy
 
 figures: $(STAMP)
-	$(PY) bench/figures.py
+	$(PY) -m bench.figures
 
 clean:
 	rm -rf $(VENV) build *.egg-info

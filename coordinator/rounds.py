@@ -1,29 +1,32 @@
 """The round state machine: accept or reject updates, decide when a round closes,
 aggregate, and produce the next announcement. Transport-free, so it is driven the same
-way by the MQTT service, an in-memory fleet and the tests."""
+way by the MQTT service, an in-memory fleet and the tests.
+
+The manager is the one object the service talks to; it hands the devices' statuses to
+:mod:`coordinator.presence`, checks updates with :mod:`coordinator.screening`, counts
+rejections with :mod:`coordinator.rejections` and builds and signs what it sends with
+:mod:`coordinator.announcements`."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import numpy as np
-
+from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
+from coordinator.presence import Presence
+from coordinator.rejections import Rejections
+from coordinator.screening import Screening
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
-from protocol.auth import sign, signature_problem
 from protocol.receipts import payload_digest
 
 log = logging.getLogger(__name__)
@@ -73,16 +76,14 @@ class RoundManager:
         self.keys = CoordinatorKeys.load(config.security)
         self.run_id = store.run_id()
         self.metrics.insecure.set(1 if self.keys.insecure else 0)
-        self._dtype: type[np.floating[Any]] = (
-            np.float16 if config.model.announce_dtype == "f2" else np.float32
-        )
+        self.announcer = Announcer(config=config, keys=self.keys, run_id=self.run_id)
         store.bind_identity(
             {"fleet": config.fleet, "method": config.model.method, "bundle": config.model.bundle}
         )
         latest = store.latest_round()
         now = clock()
         if latest is None:
-            first = self._announce(0, Aggregate(), deadline=now + config.rounds.timeout_s)
+            first = self.announcer.announce(0, Aggregate(), deadline=now + config.rounds.timeout_s)
             store.open_first_round(first.to_wire(), opened_at=now, deadline=first.deadline)
             latest = store.latest_round()
             assert latest is not None
@@ -108,35 +109,32 @@ class RoundManager:
             RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
         )
         self._done = latest.closed_at is not None  # the final round is stored closed
-        self._admission = config.admission_checks()
-        self._quarantine_failing(latest.round)
+        self.screening = Screening(
+            admission=config.admission_checks(), keys=self.keys, run_id=self.run_id
+        )
+        self.screening.quarantine_failing(store, self.metrics, latest.round)
         # Digests of the open round's stored updates, by client, for receipts.
         self._digests = {c: payload_digest(p) for c, p in store.updates(latest.round)}
         self._clients = set(self._digests)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
+        self.rejections = Rejections(store=store, metrics=self.metrics)
         # Clients whose statuses are stored: enrolled or allow-listed, or ever accepted.
-        self._known = set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors()
-        self._rejected: Counter[str] = Counter()
-        self._rejected_lock = threading.Lock()
-        # One labelled child per reason (a handful), looked up once: a flood costs little.
-        self._rejected_metric = functools.cache(
-            lambda reason: self.metrics.updates_rejected.labels(reason=reason)
+        self.presence = Presence(
+            config=config,
+            store=store,
+            metrics=self.metrics,
+            rejections=self.rejections,
+            known=set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors(),
+            clock=clock,
         )
-        # What the log last said of each client: a persistent session replays queued
-        # status messages after a restart, and repeating "offline" for each says nothing.
-        self._logged_status: dict[str, tuple[str, str]] = {}
         self.metrics.current_round.set(self._round)
         self.metrics.round_opened.set(self._opened_at)
         self.metrics.round_extensions.set(self._extensions)
-        self.metrics.round_stalled.set(
-            1
-            if config.stalled(
-                round_=self._round, updates=len(self._arrivals), extensions=self._extensions
-            )
-            else 0
-        )
+        have = len(self._arrivals)
+        stalled = config.stalled(round_=self._round, updates=have, extensions=self._extensions)
+        self.metrics.round_stalled.set(1 if stalled else 0)
 
     # -- state -------------------------------------------------------------------------
 
@@ -163,53 +161,20 @@ class RoundManager:
             assert decision.client is not None and decision.round is not None
             self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
         else:
-            self._rejected_metric(decision.reason).inc()
-            self.count_rejection(decision.reason)
-            if log.isEnabledFor(logging.DEBUG):  # one line each: a flood must stay cheap
-                log.debug(
-                    "rejected update from %s for round %s: %s",
-                    decision.client or topic_client,
-                    decision.round,
-                    decision.reason,
-                    extra={
-                        "event": "update_rejected",
-                        "round": decision.round,
-                        "client": decision.client or topic_client,
-                        "reason": decision.reason,
-                    },
-                )
+            self.rejections.reject_update(
+                decision.reason, round_=decision.round, client=decision.client or topic_client
+            )
         return decision
 
     def count_rejection(self, reason: str) -> None:
-        # Counted in memory and written by flush_rejections(): a burst of 20,000 junk
-        # messages must not become 20,000 SQLite transactions and log lines.
-        with self._rejected_lock:
-            self._rejected[reason] += 1
+        """Count one rejected message (written and logged in batches by
+        :meth:`flush_rejections`)."""
+        self.rejections.count(reason)
 
     def flush_rejections(self) -> dict[str, int]:
-        """Write the rejections counted since the last flush to the database and log them
-        as one line (per reason); returns them. The service calls this every few seconds
-        and when it stops."""
-        with self._rejected_lock:
-            counts, self._rejected = self._rejected, Counter()
-        if not counts:
-            return {}
-        self.store.count_rejections(counts)
-        updates = {r: n for r, n in counts.items() if not r.startswith("status_")}
-        statuses = {r[len("status_") :]: n for r, n in counts.items() if r.startswith("status_")}
-        for what, table in (("updates", updates), ("status messages", statuses)):
-            if table:
-                # Duplicates are QoS 1 and re-sends doing their job; the rest deserve a look.
-                level = logging.INFO if set(table) <= {"duplicate"} else logging.WARNING
-                log.log(
-                    level,
-                    "rejected %d %s since the last report: %s",
-                    sum(table.values()),
-                    what,
-                    ", ".join(f"{n} {r}" for r, n in sorted(table.items())),
-                    extra={"event": "rejections", "counts": json.dumps(table, sort_keys=True)},
-                )
-        return dict(counts)
+        """Write and log the rejections counted since the last flush; returns them. The
+        service calls this every few seconds and when it stops."""
+        return self.rejections.flush()
 
     def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
         try:
@@ -218,7 +183,7 @@ class RoundManager:
             )
         except ProtocolError as exc:
             return Decision(exc.reason)
-        reject = self._admission.check(update, topic_client=topic_client) or self._forged(update)
+        reject = self.screening.problem(update, topic_client=topic_client)
         if reject:
             return Decision(reject, update.round, update.client)
         with self._lock:
@@ -232,97 +197,28 @@ class RoundManager:
                 return Decision("duplicate", update.round, update.client, stored)
             digest = self._digests[update.client] = payload_digest(payload)
             self._clients.add(update.client)
-            self._known.add(update.client)
+            self.presence.know(update.client)
             self._arrivals.append(now)
         return Decision(ACCEPTED, update.round, update.client, digest)
 
-    def _forged(self, update: PrototypeUpdate) -> str | None:
-        """Why ``update`` is not signed by its enrolled device for this run, if it is not."""
-        if self.keys.insecure:
-            return None
-        return signature_problem(update, self.keys.devices.get(update.client), run=self.run_id)
-
     def sign(self, message: M) -> M:
         """``message`` signed by the coordinator for this run (as is, when insecure)."""
-        unsigned = dataclasses.replace(message, auth=None)  # type: ignore[type-var]
-        if self.keys.signer is None:
-            return unsigned
-        return sign(unsigned, self.keys.signer, run=self.run_id)
-
-    def _quarantine_failing(self, round_: int) -> None:
-        """Set aside the open round's stored updates that today's checks refuse.
-
-        They were admitted by an older version or another configuration (a reload that
-        lowered ``admission.max_count``, say); aggregating them could fail at every
-        restart, so they leave the round, counted, and the service keeps serving."""
-        for client, payload in self.store.updates(round_):
-            try:
-                update = PrototypeUpdate.from_wire(payload, max_bytes=len(payload))
-            except ProtocolError as exc:
-                reason: str | None = exc.reason
-            else:
-                reason = self._admission.check(update) or self._forged(update)
-                if reason is None and update.round != round_:
-                    reason = "wrong_round"
-            if reason is None:
-                continue
-            self.store.quarantine(round_, client, reason)
-            self.metrics.updates_quarantined.inc()
-            log.warning(
-                "round %d: the stored update of %s fails today's checks (%s); quarantined",
-                round_,
-                client,
-                reason,
-                extra={
-                    "event": "update_quarantined",
-                    "round": round_,
-                    "client": client,
-                    "reason": reason,
-                },
-            )
+        return self.announcer.sign(message)
 
     def record_status(
         self, payload: bytes | bytearray, *, topic_client: str | None = None
     ) -> Status | None:
-        try:
-            status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
-        except ProtocolError as exc:
-            self.count_rejection(f"status_{exc.reason}")
-            return None
-        if status.fleet != self.config.fleet or (
-            topic_client is not None and status.client != topic_client
-        ):
-            self.count_rejection("status_mismatch")
-            return None
-        if status.client not in self._known:
-            # Counted, not stored: invented ids would otherwise fill the clients table
-            # (and the online gauge) for good.
-            self.count_rejection("status_unknown_client")
-            return None
-        self.store.record_status(
-            status.client,
-            state=status.state.value,
-            version=status.version,
-            last_round=status.last_round,
-            reason=status.reason,
-            at=self._clock(),
-        )
-        self.update_online()
-        said = (status.state.value, status.reason or "-")
-        if self._logged_status.get(status.client) != said:
-            self._logged_status[status.client] = said
-            log.info("client %s is %s (%s)", status.client, *said)
-        return status
+        """Store a device's status message; None (and counted) when it is refused."""
+        return self.presence.record(payload, topic_client=topic_client)
 
     def count_foreign_announcement(self) -> None:
         """Something other than this coordinator published on the round topic."""
-        self.count_rejection("foreign_announcement")
+        self.rejections.count("foreign_announcement")
 
     def update_online(self) -> None:
         """The online gauge: devices whose last status is online and fresher than
         ``rounds.online_ttl_s`` (devices restate it every round)."""
-        since = self._clock() - self.config.rounds.online_ttl_s
-        self.metrics.clients_online.set(self.store.online_count(since=since))
+        self.presence.update_online()
 
     # -- closing -----------------------------------------------------------------------
 
@@ -407,7 +303,7 @@ class RoundManager:
         finished = self._round + 1
         final = self.config.rounds.max_rounds > 0 and finished >= self.config.rounds.max_rounds
         deadline = now if final else now + self.config.rounds.timeout_s
-        nxt = self._announce(finished, result, deadline=deadline, final=final)
+        nxt = self.announcer.announce(finished, result, deadline=deadline, final=final)
         self.store.advance(
             self._round,
             closed_at=now,
@@ -451,32 +347,3 @@ class RoundManager:
         self._digests = {}
         self.metrics.current_round.set(finished)
         return nxt
-
-    # -- announcements -----------------------------------------------------------------
-
-    def _signed_announcement(self, **fields: Any) -> RoundAnnouncement:
-        return self.sign(RoundAnnouncement(**fields))
-
-    def _announce(
-        self, round_: int, result: Aggregate, *, deadline: float, final: bool = False
-    ) -> RoundAnnouncement:
-        model = self.config.model
-        cast = self._dtype
-        dim = model.dim if result.global_classes else 0
-        protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
-            len(result.global_classes), dim
-        )
-        return self._signed_announcement(
-            fleet=self.config.fleet,
-            round=round_,
-            bundle=model.bundle,
-            method=model.method,
-            classes=model.classes,
-            deadline=deadline,
-            params={**model.params, "final": final},
-            global_classes=result.global_classes,
-            global_prototypes=protos,
-            local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
-            client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
-            extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
-        )

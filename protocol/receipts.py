@@ -17,7 +17,7 @@ from protocol import fields as f
 from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.messages import _Message, _take_auth
+from protocol.message_base import WireMessage, take_auth
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> str:
@@ -25,7 +25,7 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class Receipt(_Message):
+class Receipt(WireMessage):
     KIND: ClassVar[str] = "receipt"
 
     fleet: str
@@ -57,5 +57,5 @@ class Receipt(_Message):
             round=env.take("round"),
             client=env.take("client"),
             digest=env.take("digest"),
-            auth=_take_auth(env),
+            auth=take_auth(env),
         )

@@ -229,11 +229,11 @@ def test_status_messages_update_the_client_table(tmp_path, caplog):
     offline = Status(
         fleet="lab", client="dev-0", state=AgentState.OFFLINE, version="0.1.0", reason="lost"
     )
-    with caplog.at_level(logging.INFO, logger="coordinator.rounds"):
+    with caplog.at_level(logging.INFO, logger="coordinator.presence"):
         # A restarted coordinator's session replays queued statuses: one line says it.
         for _ in range(3):
             m.record_status(offline.to_wire(), topic_client="dev-0")
-    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.rounds"]
+    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.presence"]
     assert said == ["client dev-0 is offline (lost)"]
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0

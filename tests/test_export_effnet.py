@@ -19,7 +19,7 @@ import torch
 
 from export import architectures, builder, photos
 from export import bundle as bundle_mod
-from export.architectures import _same_padding
+from export.backbones.efficientnet import _same_padding
 from export.errors import ExportError
 from export.onnx_io import export_onnx
 from export.sources import (

@@ -424,7 +424,7 @@ def test_the_same_seed_draws_different_noise_and_masks_unless_reproducible(
     ledger = json.loads((tmp_path / "c" / "state" / "privacy.json").read_text())
     assert ledger["guarantee"] == "none (reproducible noise)"
     assert ledger["spends"][0]["guarantee"] == "none (reproducible noise)"
-    from edge_agent.cli import _privacy_status
+    from edge_agent.commands.status import _privacy_status
 
     status = _privacy_status(dp_config(tmp_path / "c", small_zoo, epsilon=100.0, seed=11), {})
     assert status["guarantee"] == "none (reproducible noise)"

@@ -1,0 +1,84 @@
+"""The devices' presence: their retained status messages, kept in the client table, and
+the gauge of devices online."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics
+from coordinator.rejections import Rejections
+from coordinator.store import Store
+from protocol import ProtocolError, Status
+
+log = logging.getLogger(__name__)
+
+
+class Presence:
+    """Records the statuses of known clients; ``known`` starts as the enrolled, allow-listed
+    and ever-accepted clients, and grows by :meth:`know` as updates are accepted."""
+
+    def __init__(
+        self,
+        *,
+        config: CoordinatorConfig,
+        store: Store,
+        metrics: Metrics,
+        rejections: Rejections,
+        known: Iterable[str],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._metrics = metrics
+        self._rejections = rejections
+        self._clock = clock
+        self._known = set(known)
+        # What the log last said of each client: a persistent session replays queued
+        # status messages after a restart, and repeating "offline" for each says nothing.
+        self._logged: dict[str, tuple[str, str]] = {}
+
+    def know(self, client: str) -> None:
+        """``client`` had an update accepted: its statuses are stored from now on."""
+        self._known.add(client)
+
+    def record(
+        self, payload: bytes | bytearray, *, topic_client: str | None = None
+    ) -> Status | None:
+        """Store one status payload; None (and counted) when it is refused."""
+        try:
+            status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
+        except ProtocolError as exc:
+            self._rejections.count(f"status_{exc.reason}")
+            return None
+        if status.fleet != self.config.fleet or (
+            topic_client is not None and status.client != topic_client
+        ):
+            self._rejections.count("status_mismatch")
+            return None
+        if status.client not in self._known:
+            # Counted, not stored: invented ids would otherwise fill the clients table
+            # (and the online gauge) for good.
+            self._rejections.count("status_unknown_client")
+            return None
+        self._store.record_status(
+            status.client,
+            state=status.state.value,
+            version=status.version,
+            last_round=status.last_round,
+            reason=status.reason,
+            at=self._clock(),
+        )
+        self.update_online()
+        said = (status.state.value, status.reason or "-")
+        if self._logged.get(status.client) != said:
+            self._logged[status.client] = said
+            log.info("client %s is %s (%s)", status.client, *said)
+        return status
+
+    def update_online(self) -> None:
+        """The online gauge: devices whose last status is online and fresher than
+        ``rounds.online_ttl_s`` (devices restate it every round)."""
+        since = self._clock() - self.config.rounds.online_ttl_s
+        self._metrics.clients_online.set(self._store.online_count(since=since))
