@@ -24,6 +24,7 @@ def announcement(bundle_id: str, round_: int, **kw) -> RoundAnnouncement:
     return RoundAnnouncement(**fields)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     cfg = agent_config(tmp_path / "a", small_zoo, agent_id="dev-a", domain="clean")
     agent = Agent(cfg)
@@ -150,6 +151,7 @@ def test_mismatched_announcements_are_ignored(small_zoo, tmp_path):
     assert agent.last_round is None
 
 
+@pytest.mark.slow
 def test_announced_settings_that_differ_from_the_device_are_warned_about_once(
     small_zoo, tmp_path, caplog
 ):
@@ -220,6 +222,7 @@ def test_values_found_only_at_run_time_before_are_refused_as_the_file_is_read(
         load(path)
 
 
+@pytest.mark.slow
 def test_status_and_predict_commands(small_zoo, tmp_path):
     import json
     import subprocess
@@ -288,6 +291,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
         assert bad.returncode == 2 and "state.json is damaged" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedavg", "fpl"])
 def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
     small_zoo, tmp_path, method

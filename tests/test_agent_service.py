@@ -122,6 +122,7 @@ class StandInCoordinator:
             )
 
 
+@pytest.mark.slow
 def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zoo, tmp_path):
     from export import bundle as bundle_mod
 
@@ -180,6 +181,7 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
     assert state["last_round"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(small_zoo, tmp_path):
     from fleet.broker import MosquittoBroker, free_port
@@ -235,6 +237,7 @@ def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
         wait_acknowledged(refused, timeout=30, stopping=lambda: False)
 
 
+@pytest.mark.slow
 def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_zoo, tmp_path):
     from export import bundle as bundle_mod
 
@@ -282,6 +285,7 @@ def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_
             agent.close()
 
 
+@pytest.mark.slow
 def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps_serving(
     mosquitto, small_zoo, tmp_path
 ):
@@ -335,6 +339,7 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
         first.close()
 
 
+@pytest.mark.slow
 def test_two_devices_given_one_agent_id_are_told_so(mosquitto, small_zoo, tmp_path):
     # The broker drops the older of two sessions with one client id, and each reconnect
     # drops the other: without a word, this read as a flaky network. (An id no other test

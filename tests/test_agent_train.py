@@ -31,6 +31,7 @@ def test_every_method_name_has_an_objective():
     assert sorted(LOSSES) == sorted(METHODS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(LOSSES))
 def test_every_method_learns_separable_features(method):
     torch.manual_seed(0)

@@ -77,6 +77,7 @@ def test_every_message_arrives_whole_and_in_order_across_reads(mosquitto):
     assert messages[-1].topic == "t/bulk/kept" and not messages[-1].retain  # live, not replayed
 
 
+@pytest.mark.slow
 def test_acknowledged_messages_are_gone_and_unacknowledged_ones_come_again(mosquitto):
     # manual_ack: the coordinator acknowledges only what it stored. A batch's PUBACKs
     # go out together; a message left unacknowledged is delivered again after a reconnect.

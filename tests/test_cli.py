@@ -42,6 +42,7 @@ def test_help_works(script):
     assert result.stdout.startswith(f"usage: {script}")
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_ends_the_command_quietly():
     # `edge-agent privacy-plan ... | head -1`: the JSON meets a closed pipe. The read end
     # is closed before the command starts, so the write fails every time.
@@ -93,6 +94,7 @@ def test_the_example_config_is_printed_and_loads(script, loader, tmp_path):
     assert "Every key below is shown with its default" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_example_configs(tmp_path):
     # A device installed from a wheel has no docs/ folder: `example-config` reads the
     # file from inside the package. Built from a copy, so the tree is left as it is.
@@ -114,6 +116,7 @@ def test_the_wheel_ships_the_example_configs(tmp_path):
     assert {"edge_agent/agent.toml", "coordinator/coordinator.toml"} <= names
 
 
+@pytest.mark.slow
 def test_unusable_broker_files_are_one_line_before_anything_starts(tmp_path):
     # A missing or wrong CA or password file used to be an ssl traceback, and for the agent
     # only after its backbones had run over the whole data set.
@@ -170,6 +173,7 @@ def test_no_command_prints_help_and_fails():
     assert "demo" in result.stdout
 
 
+@pytest.mark.slow
 def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
     (tmp_path / "not-a-bundle.txt").write_text("x")
     (tmp_path / "text.npz").write_text("train_x_0")
@@ -191,6 +195,7 @@ def test_unknown_option_is_a_usage_error_not_a_traceback(tmp_path):
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
     # The bundle folder does not exist: any of these reaching the zoo build would start
     # minutes of training and create the folder.
@@ -242,6 +247,7 @@ def test_bad_fleet_options_fail_before_the_zoo_is_built(tmp_path):
     assert not bundle.exists()  # no case reached the zoo build
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     result = run(
@@ -332,6 +338,7 @@ def test_a_file_error_is_one_line_naming_the_file_and_exit_1(root_logging, capsy
         cliutil.run(parser, ["bug"], handlers=handlers)
 
 
+@pytest.mark.slow
 def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
     from export import bundle as bundle_mod
     from fleet.bundles import ensure_bundle

@@ -97,6 +97,7 @@ def test_five_fedpcl_rounds_match_a_hand_computation(mosquitto, tmp_path):
     assert summary["rejections"] == {}
 
 
+@pytest.mark.slow
 def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path):
     # Reference: an uninterrupted run of two rounds in its own fleet state.
     ref_dir = tmp_path / "ref"
@@ -137,6 +138,7 @@ def test_sigkill_between_updates_ends_with_the_same_globals(mosquitto, tmp_path)
     assert set(rejections) == {"duplicate"} and 2 <= rejections["duplicate"] <= 4, rejections
 
 
+@pytest.mark.slow
 def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_path):
     valid = [stand_in_update(0, 0).to_wire()]
     malformed = []
@@ -165,6 +167,7 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
     assert set(rejections) <= {"malformed", "field", "array", "id", "version", "too_large"}
 
 
+@pytest.mark.slow
 def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_is_up(tmp_path):
     from fleet.broker import MosquittoBroker, free_port
     from tests.process_helpers import coordinator_process
@@ -187,6 +190,7 @@ def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_i
         coordinator.close()
 
 
+@pytest.mark.slow
 def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
     # No broker is needed: the first holds the lock from before its first connection.
     from fleet.broker import free_port

@@ -57,6 +57,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, certs: Path) -> None:
     stage = tmp_path / "stage"
     env = {"DESTDIR": str(stage), "PROTOFLEET_TEGRA_RELEASE": str(tmp_path / "none")}
@@ -133,6 +134,7 @@ def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, cer
     assert f"kept the existing {stage}/etc/protofleet/agent.toml" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("release", "jetpack"), [("R35", "5"), ("R36", "6")])
 def test_agent_installer_on_jetson_uses_system_packages_and_the_named_ort(
     tmp_path: Path, release: str, jetpack: str
@@ -194,6 +196,7 @@ def scrape(port: int) -> str:
     return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_coordinator_notifies_systemd_reloads_on_sighup_and_stops_on_sigterm(
     mosquitto: MosquittoBroker, tmp_path: Path
@@ -392,6 +395,7 @@ def test_a_broker_certificate_the_coordinator_does_not_trust_is_logged_as_such(
             coordinator.close()
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_a_fleet_over_the_shipped_tls_config(
     certs: Path, small_zoo: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory

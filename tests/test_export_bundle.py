@@ -33,6 +33,7 @@ def test_zoo_bundle_manifest(small_zoo):
     assert data["bundle_id"] == bundle_mod.load(small_zoo).id
 
 
+@pytest.mark.slow
 def test_verify_passes_on_a_fresh_zoo(small_zoo):
     result = edge_export("verify", str(small_zoo))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -42,6 +43,7 @@ def test_verify_passes_on_a_fresh_zoo(small_zoo):
     )
 
 
+@pytest.mark.slow
 def test_verify_names_a_file_with_one_flipped_byte(small_zoo, tmp_path):
     copy = tmp_path / "bundle"
     shutil.copytree(small_zoo, copy)
@@ -77,6 +79,7 @@ def test_runtime_extracts_concatenated_features_on_cpu(small_zoo):
     assert runtime.extract(np.zeros((2, 3, 48, 48), np.float32)).shape == (2, 896)
 
 
+@pytest.mark.slow
 def test_missing_or_bad_bundles_are_clear_errors(tmp_path):
     with pytest.raises(BundleError, match="not a bundle directory"):
         bundle_mod.load(tmp_path / "nope")
@@ -89,11 +92,13 @@ def test_missing_or_bad_bundles_are_clear_errors(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_zoo_refuses_to_overwrite_without_force(small_zoo):
     result = edge_export("zoo", "--out", str(small_zoo), "--size", "small")
     assert result.returncode == 2 and "--force" in result.stderr
 
 
+@pytest.mark.slow
 def test_bench_input_side_applies_to_architectures_only(small_zoo):
     # A bundle's backbones carry their own input sides: --input would be ignored.
     result = edge_export("bench", str(small_zoo), "--input", "64")
@@ -106,6 +111,7 @@ def test_bench_input_side_applies_to_architectures_only(small_zoo):
     assert result.stderr.strip() == "edge-export: error: --input must be positive, got 0"
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_bundle(small_zoo, tmp_path):
     from export.zoo import build_zoo
 

@@ -85,6 +85,7 @@ def test_lite0_has_the_published_state_dicts_layout():
     assert "_blocks.16._bn0.weight" not in state  # 16 blocks
 
 
+@pytest.mark.slow
 def test_lite0_backbone_returns_unit_1280_d_features():
     torch.manual_seed(0)
     model = architectures.build("efficientnet_lite0").eval()

@@ -56,6 +56,7 @@ def torchvision_style_resnet18_state() -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow
 def test_resnet18_with_torchvision_keys_loads_and_exports_with_parity(tmp_path):
     state = torchvision_style_resnet18_state()
     for key in (
@@ -145,6 +146,7 @@ def test_missing_files_are_explained(tmp_path):
         load(Source(name="a", factory="no_such_module:make"))
 
 
+@pytest.mark.slow
 def test_fp16_and_int8_bundles_report_quality(tmp_path):
     loaded = [load(Source(name="cnn", arch="cnn32"))]
     labels = np.arange(16) % 4

@@ -361,6 +361,7 @@ def independent_accuracy(client_dir: Path) -> float:
     return float((scores.argmax(1) == y).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
     small_zoo: Path, tmp_path: Path
@@ -440,6 +441,7 @@ def _group_members(group: int) -> dict[int, str]:
     return members
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_fleet_process_takes_its_children_with_it(small_zoo: Path, tmp_path: Path) -> None:
@@ -471,6 +473,7 @@ def test_a_killed_fleet_process_takes_its_children_with_it(small_zoo: Path, tmp_
     ("how", "status"),
     [("ctrl-c", 128 + signal.SIGINT), ("sigterm", 128 + signal.SIGTERM)],
 )
+@pytest.mark.slow
 def test_a_stopped_fleet_leaves_no_process_behind(
     small_zoo: Path, tmp_path: Path, how: str, status: int
 ) -> None:
@@ -504,6 +507,7 @@ def test_a_stopped_fleet_leaves_no_process_behind(
         ("worker-1.json", "worker 1", "worker-1.log"),
     ],
 )
+@pytest.mark.slow
 def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
     small_zoo: Path, tmp_path: Path, victim: str, name: str, log_file: str
 ) -> None:
@@ -578,6 +582,7 @@ def test_a_broker_the_fleet_cannot_use_is_named_before_anything_starts(
             assert not list((out / "logs").glob("*.log"))  # no coordinator, no worker
 
 
+@pytest.mark.slow
 def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Path) -> None:
     partition = part.digits5(clients=2, split="label", seed=1, train=30, test=20)
     with AmqttBroker() as broker:
@@ -590,6 +595,7 @@ def test_a_fleet_through_the_embedded_amqtt_broker(small_zoo: Path, tmp_path: Pa
     assert all(u > 0 for c in result.clients for u in c.bytes_up)
 
 
+@pytest.mark.slow
 def test_privacy_sweep_reports_accuracy_and_the_label_attack(
     small_zoo: Path, tmp_path: Path
 ) -> None:
@@ -726,6 +732,7 @@ def test_averaged_models_start_from_one_head_and_the_others_apart(
     assert not torch.equal(first["head.fc.weight"], second["head.fc.weight"])
 
 
+@pytest.mark.slow
 def test_a_sweep_waits_for_a_zoo_another_is_building_and_refuses_a_busy_out_folder(
     small_zoo: Path, tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ def compare(bundle: Path, out: Path, *extra: str, env: dict[str, str] | None = N
     )
 
 
+@pytest.mark.slow
 def test_a_crashed_sweep_resumes_and_reports_what_an_uninterrupted_one_does(
     small_zoo: Path, tmp_path: Path
 ) -> None:
@@ -66,6 +67,7 @@ def test_a_crashed_sweep_resumes_and_reports_what_an_uninterrupted_one_does(
         assert got[method]["final_mean"] == want[method]["final_mean"]
 
 
+@pytest.mark.slow
 def test_resume_needs_an_earlier_sweep(small_zoo: Path, tmp_path: Path) -> None:
     done = compare(small_zoo, tmp_path / "empty", "--resume")
     assert done.returncode == 2

@@ -142,6 +142,7 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
     assert shown["ignored_announcements"] == {"wrong_dim": 2}  # once per process
 
 
+@pytest.mark.slow
 def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
     from protocol import AgentState, Status, status_topic
 

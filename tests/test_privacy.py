@@ -82,6 +82,7 @@ def test_the_sgd_schedule_is_a_function_of_public_settings() -> None:
     assert (small.sample_rate, small.steps, small.expected_batch) == (1.0, 1, 20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism", ["dp", "dp-features"])
 def test_opacus_reproduces_the_published_epsilon_and_pld_agrees(mechanism: str) -> None:
     """The epsilon a plan publishes, recomputed by Opacus's own accountant object from the
@@ -521,6 +522,7 @@ print(decision.reason, agent.epsilon_spent)
 """
 
 
+@pytest.mark.slow
 def test_sigkill_after_the_ledger_write_never_lowers_the_spent_epsilon(
     small_zoo: Path, tmp_path: Path
 ) -> None:

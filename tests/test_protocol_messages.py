@@ -136,6 +136,7 @@ def test_update_round_trips(message):
     assert PrototypeUpdate.from_wire(message.to_wire()) == message
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(announcements())
 def test_announcement_round_trips(message):

@@ -22,6 +22,7 @@ def receipts_of(inbox, count: int) -> list[Receipt]:
     return [Receipt.from_wire(m.payload) for m in inbox.wait(count)[:count]]
 
 
+@pytest.mark.slow
 def test_an_update_and_its_duplicate_are_answered_with_the_stored_updates_receipt(
     mosquitto, tmp_path
 ):

@@ -152,6 +152,7 @@ def test_a_coordinator_without_keys_or_with_a_bad_one_says_so_in_one_line(tmp_pa
         assert message in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_forged_unenrolled_and_restamped_updates_are_rejected_and_the_real_ones_accepted(
     mosquitto, tmp_path, keys

@@ -74,6 +74,7 @@ def update(i: int) -> PrototypeUpdate:
     )
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_coordinator_in_one_line_and_it_resumes_with_nothing_lost(
     mosquitto, small_disk, tmp_path
 ):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from fleet.broker import free_port
 from runtime.transport import (
     MqttSettings,
@@ -15,6 +17,7 @@ from runtime.transport import (
 )
 
 
+@pytest.mark.slow
 def test_the_first_retry_comes_after_the_delay_the_service_set():
     # After a failed first attempt paho's own thread waited the delay twice (1 s, then
     # 2 s): an agent that logged "reconnecting in 1 s" tried again after 3.
