@@ -78,7 +78,8 @@ class Announcer:
 
     def _within_budget(self, message: RoundAnnouncement, budget: int) -> RoundAnnouncement:
         """``message`` with a uniform sample of its local sets, the most that keep it within
-        ``budget`` bytes but at least one; ``message`` itself when all of them fit."""
+        ``budget`` bytes but at least ``downlink.MIN_SETS``; ``message`` itself when all of
+        them fit."""
         sets = message.local_sets
         # Sizes measured with the encoder and the signature, so the bound is the real one.
         rest = len(self.sign(dataclasses.replace(message, local_sets={})).to_wire())
@@ -90,21 +91,22 @@ class Announcer:
         k = downlink.sets_that_fit(
             budget=budget, rest=rest, array_bytes=array_bytes, clients=list(sets)
         )
-        if k == len(sets):
-            return message
-        if k == 0:
+        if k < downlink.MIN_SETS and not self._said_too_small:
             # Prototypes wider than the budget was set for (dp-features sends backbone
-            # features: 36 kB a set at 896-d float32): one set still keeps Eq. 7's
+            # features: 36 kB a set at 896-d float32): the floor still keeps Eq. 7's
             # expectation, and the size stays independent of the fleet's.
-            k = 1
-            if not self._said_too_small:
-                self._said_too_small = True
-                log.warning(
-                    "model.downlink_budget = %d bytes holds no local set beside the rest of "
-                    "the announcement (%d bytes with one): sending one set a round",
-                    budget,
-                    one,
-                )
+            self._said_too_small = True
+            log.warning(
+                "model.downlink_budget = %d bytes holds %d local sets beside the rest of "
+                "the announcement (%d bytes with one): sending %d a round",
+                budget,
+                k,
+                one,
+                downlink.MIN_SETS,
+            )
+        k = max(k, downlink.MIN_SETS)
+        if k >= len(sets):
+            return message
         chosen = downlink.sample_clients(
             list(sets), k, seed=downlink.round_seed(message.fleet, message.round)
         )

@@ -5,8 +5,9 @@ FedPCL's local term (Eq. 7) is ``L_p = (1/m) sum_{p=1..m} l_p``, the contrastive
 against each of the m clients' padded local sets. Sending all m sets makes the one retained
 announcement, and so every device's download, grow with the fleet: 10 kB a client at 256-d
 float32, past a device's payload cap at a few hundred clients. Instead the coordinator sends
-k sets, the most that fit ``model.downlink_budget`` bytes (but at least one), chosen
-uniformly at random without replacement. Each client is then sent with probability k/m, so the device's plain average
+k sets, the most that fit ``model.downlink_budget`` bytes (but at least :data:`MIN_SETS`,
+so a fleet of that many clients is always exact), chosen uniformly at random without
+replacement. Each client is then sent with probability k/m, so the device's plain average
 over the sets it receives, ``(1/k) sum_{p in S} l_p``, has expectation
 ``(1/k) sum_p (k/m) l_p = L_p``: the same local term in expectation (and its gradient, which
 is linear in the l_p), with no weights on the wire and no change on the device. The sample
@@ -28,6 +29,12 @@ from runtime.cliutil import CommandFailed
 #: ``model.downlink_budget``'s default: an announcement of at most 64 KiB. At 256-d and 10
 #: classes that is 11 local sets in float16 or 5 in float32 beside the global set.
 DEFAULT_BUDGET = 64 << 10
+
+#: The fewest local sets a sampled announcement carries, whatever the budget: a fleet of at
+#: most this many clients always gets the exact announcement (wide prototypes, such as
+#: dp-features' 896-d backbone features at 36 kB a set, would otherwise get one set a round
+#: even in a 5-device fleet). Still a bound independent of the fleet's size.
+MIN_SETS = 5
 
 
 def key_bytes(client: str) -> int:

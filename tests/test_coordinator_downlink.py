@@ -190,7 +190,7 @@ def test_the_device_averages_over_the_sets_it_receives(tmp_path, signer_key) -> 
     torch.testing.assert_close(targets.weights, expected.to(targets.weights.dtype))
 
 
-def test_a_budget_without_room_for_one_set_still_sends_one_and_says_so_once(
+def test_a_budget_with_room_for_fewer_than_the_floor_sends_the_floor_and_says_so_once(
     tmp_path, signer_key, caplog
 ) -> None:
     with pytest.raises(ValueError, match="downlink_budget must be >= 0"):
@@ -200,9 +200,12 @@ def test_a_budget_without_room_for_one_set_still_sends_one_and_says_so_once(
     with caplog.at_level("WARNING", logger="coordinator.announcements"):
         first = ann.announce(3, aggregate(20), deadline=9.0)
         second = ann.announce(4, aggregate(20), deadline=9.0)
-    assert len(first.local_sets) == len(second.local_sets) == 1
+    assert len(first.local_sets) == len(second.local_sets) == downlink.MIN_SETS == 5
+    assert set(first.local_sets) != set(second.local_sets)  # another sample each round
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and said[0].startswith("model.downlink_budget = 8000 bytes holds no")
+    assert len(said) == 1
+    assert said[0].startswith("model.downlink_budget = 8000 bytes holds 0 local sets")
+    assert said[0].endswith("sending 5 a round")
 
 
 # -- refusing what the devices would drop ----------------------------------------------
