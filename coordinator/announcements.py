@@ -1,18 +1,23 @@
 """What the coordinator sends: every message signed for this run, and each round's
-announcement built from the strategy's aggregate in the fleet's announced dtype."""
+announcement built from the strategy's aggregate in the fleet's announced dtype, within
+the downlink budget (coordinator.downlink) and never larger than the devices accept."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, TypeVar
 
 import numpy as np
 
+from coordinator import downlink
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.strategies import Aggregate
 from protocol import RoundAnnouncement
 from protocol.auth import sign
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M")
 
@@ -25,6 +30,7 @@ class Announcer:
         self.config = config
         self.keys = keys
         self.run_id = run_id
+        self._said_too_small = False
         self._dtype: type[np.floating[Any]] = (
             np.float16 if config.model.announce_dtype == "f2" else np.float32
         )
@@ -39,28 +45,87 @@ class Announcer:
     def announce(
         self, round_: int, result: Aggregate, *, deadline: float, final: bool = False
     ) -> RoundAnnouncement:
-        """The signed announcement of round ``round_``, carrying ``result``."""
+        """The signed announcement of round ``round_``, carrying ``result``.
+
+        Raises :class:`~coordinator.downlink.AnnouncementRefused` when it would exceed the
+        devices' payload limit.
+        """
         model = self.config.model
         cast = self._dtype
         dim = model.dim if result.global_classes else 0
         protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
             len(result.global_classes), dim
         )
-        return self.sign(
-            RoundAnnouncement(
-                fleet=self.config.fleet,
-                round=round_,
-                bundle=model.bundle,
-                method=model.method,
-                classes=model.classes,
-                deadline=deadline,
-                params={**model.params, "final": final},
-                global_classes=result.global_classes,
-                global_prototypes=protos,
-                local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
-                client_globals={
-                    c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()
-                },
-                extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
-            )
+        message = RoundAnnouncement(
+            fleet=self.config.fleet,
+            round=round_,
+            bundle=model.bundle,
+            method=model.method,
+            classes=model.classes,
+            deadline=deadline,
+            params={**model.params, "final": final},
+            global_classes=result.global_classes,
+            global_prototypes=protos,
+            local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
+            client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
+            extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
         )
+        if message.local_sets and model.downlink_budget > 0:
+            message = self._within_budget(message, model.downlink_budget)
+        signed = self.sign(message)
+        self._refuse_oversize(signed)
+        return signed
+
+    def _within_budget(self, message: RoundAnnouncement, budget: int) -> RoundAnnouncement:
+        """``message`` with a uniform sample of its local sets, the most that keep it within
+        ``budget`` bytes but at least ``downlink.MIN_SETS``; ``message`` itself when all of
+        them fit."""
+        sets = message.local_sets
+        # Sizes measured with the encoder and the signature, so the bound is the real one.
+        rest = len(self.sign(dataclasses.replace(message, local_sets={})).to_wire())
+        first = min(sets)
+        one = len(
+            self.sign(dataclasses.replace(message, local_sets={first: sets[first]})).to_wire()
+        )
+        array_bytes = one - rest - downlink.key_bytes(first)
+        k = downlink.sets_that_fit(
+            budget=budget, rest=rest, array_bytes=array_bytes, clients=list(sets)
+        )
+        if k < downlink.MIN_SETS and not self._said_too_small:
+            # Prototypes wider than the budget was set for (dp-features sends backbone
+            # features: 36 kB a set at 896-d float32): the floor still keeps Eq. 7's
+            # expectation, and the size stays independent of the fleet's.
+            self._said_too_small = True
+            log.warning(
+                "model.downlink_budget = %d bytes holds %d local sets beside the rest of "
+                "the announcement (%d bytes with one): sending %d a round",
+                budget,
+                k,
+                one,
+                downlink.MIN_SETS,
+            )
+        k = max(k, downlink.MIN_SETS)
+        if k >= len(sets):
+            return message
+        chosen = downlink.sample_clients(
+            list(sets), k, seed=downlink.round_seed(message.fleet, message.round)
+        )
+        return dataclasses.replace(message, local_sets={c: sets[c] for c in chosen})
+
+    def _refuse_oversize(self, message: RoundAnnouncement) -> None:
+        limit = self.config.agents.max_payload_bytes
+        size = len(message.to_wire())
+        if size > limit:
+            raise downlink.AnnouncementRefused(
+                round_=message.round,
+                size=size,
+                limit=limit,
+                setting="agents.max_payload_bytes",
+                remedy=(
+                    "every device would drop it and the fleet would stall. FedPCL's local "
+                    "sets keep to model.downlink_budget (now "
+                    f"{self.config.model.downlink_budget}; 0 sends them all), "
+                    'model.announce_dtype = "f2" halves every prototype; or raise the '
+                    "devices' mqtt.max_payload_bytes and this setting together"
+                ),
+            )

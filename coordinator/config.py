@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 from coordinator.admission import AVERAGED, Admission
+from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
-from protocol import validate_id
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -39,6 +40,9 @@ class ModelSettings:
     #: of the weights devices send (protocol.weights), so no update can choose them.
     feature_dim: int = 0
     norm: Literal["batch", "group"] = "batch"
+    #: The most bytes a round announcement may take by carrying FedPCL's local sets: past
+    #: it a uniform sample of them is sent (coordinator.downlink). 0 sends every set.
+    downlink_budget: int = DEFAULT_BUDGET
 
     def __post_init__(self) -> None:
         if self.method not in available():
@@ -54,6 +58,10 @@ class ModelSettings:
                 f"feature_dim is required for {self.method}: the bundle's feature size "
                 "(feature_dim in its bundle.json), which fixes the shapes of the weights "
                 "devices send"
+            )
+        if self.downlink_budget < 0:
+            raise ValueError(
+                f"downlink_budget must be >= 0 (0: no bound), got {self.downlink_budget}"
             )
         # Built once here so that a bad [model.strategy] is reported with the file's name
         # when the configuration is read, not by the first round.
@@ -128,6 +136,19 @@ class AdmissionSettings:
 
 
 @dataclass(frozen=True)
+class AgentsSettings:
+    """What the coordinator must know of its devices' configuration. ``max_payload_bytes``
+    is their ``[mqtt] max_payload_bytes``: a device drops a larger payload unread, so the
+    coordinator refuses to publish an announcement above it (coordinator.downlink)."""
+
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_payload_bytes < 1024:
+            raise ValueError("agents.max_payload_bytes must be at least 1024")
+
+
+@dataclass(frozen=True)
 class MetricsSettings:
     port: int = 0  # 0 disables the Prometheus endpoint
     host: str = "127.0.0.1"
@@ -149,6 +170,7 @@ class CoordinatorConfig:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     security: CoordinatorSecurity = field(default_factory=CoordinatorSecurity)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    agents: AgentsSettings = field(default_factory=AgentsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     def __post_init__(self) -> None:

@@ -64,6 +64,7 @@ def spec_for(
         workers=args.workers,
         out_dim=args.out_dim,
         epochs=args.epochs,
+        downlink_budget=args.downlink_budget,
         progress=not args.no_progress,
         feature_cache=args.out / "feature-cache",
         **extra,

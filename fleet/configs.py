@@ -99,6 +99,7 @@ def coordinator_tables(
             # With the classes they fix the weights FedAvg and FPL devices send.
             "feature_dim": feature_dim,
             "norm": train_table(spec).get("norm", "batch"),
+            "downlink_budget": spec.downlink_budget,
         },
         "rounds": {
             "min_clients": clients,

@@ -24,7 +24,7 @@ from fleet import tether
 from fleet.configs import to_toml
 from fleet.procmem import FleetMemory
 from fleet.progress import log_round, progress_bar
-from fleet.spec import FLEET_MAX_PAYLOAD_BYTES, RunSpec
+from fleet.spec import RunSpec
 from fleet.watcher import Watcher
 from runtime.cliutil import CommandFailed, Terminated, UsageError
 from runtime.lifecycle import SignalDispatch
@@ -125,8 +125,8 @@ def _run_mqtt_fleet(
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     with broker_for(spec) as (host, port, broker_pid):
-        mqtt = {"host": host, "port": port, "keepalive": 60,
-                "max_payload_bytes": FLEET_MAX_PAYLOAD_BYTES}  # fmt: skip
+        # The deployed payload limits, as the memory transport's (fleet/inmemory.py).
+        mqtt = {"host": host, "port": port, "keepalive": 60}
         coord_cfg = spec.out / "coordinator.toml"
         coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
         configs = []

@@ -8,7 +8,7 @@ from typing import Any
 
 from fleet.procmem import peak_self_mb, reset_peak
 from fleet.progress import log_round, progress_bar
-from fleet.spec import FLEET_MAX_PAYLOAD_BYTES, RunSpec
+from fleet.spec import RunSpec
 from runtime.faults import crash_point
 
 
@@ -24,7 +24,7 @@ def run_memory(
     from edge_agent.agent import Agent
     from edge_agent.config import AgentConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
-    from protocol import RoundAnnouncement
+    from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
     from runtime.settings import build
 
     torch.set_num_threads(1)
@@ -35,16 +35,17 @@ def run_memory(
         for tables in agents:
             live.append(Agent(build(AgentConfig, tables), runtime=runtime))
             bar.update()
-    cfg = build(
-        CoordinatorConfig, {**coord, "mqtt": {"max_payload_bytes": FLEET_MAX_PAYLOAD_BYTES}}
-    )
+    # The deployed payload limits: an announcement above the agents' is refused by the
+    # coordinator, and decoded here under their limit as a device would.
+    cfg = build(CoordinatorConfig, coord)
+    limit = min((a.cfg.mqtt.max_payload_bytes for a in live), default=DEFAULT_MAX_PAYLOAD_BYTES)
     store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:
         manager = RoundManager(config=cfg, store=store, metrics=Metrics())
         with progress_bar(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
             while True:
                 wire = manager.announcement.to_wire()
-                announcement = RoundAnnouncement.from_wire(wire, max_bytes=len(wire))
+                announcement = RoundAnnouncement.from_wire(wire, max_bytes=limit)
                 for agent in live:
                     decision = agent.handle(announcement, received_bytes=len(wire))
                     if decision.payload is not None:

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.train_config import METHODS
 from fleet.bundles import BACKBONES
 from fleet.partition import SPLITS
@@ -23,6 +24,19 @@ DATA_HELP = """data:
                     client per folder), or DIR/<domain>/<class>/* (Digit-5, Office-10,
                     DomainNet laid out as folders: one client per domain, 30% for testing)
 """
+
+
+def downlink_budget(text: str) -> int:
+    """``--downlink-budget``: bytes, or ``exact`` (0) for every local set."""
+    if text.strip().lower() == "exact":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes or 'exact', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 bytes (0: exact), got {value}")
+    return value
 
 
 class TrainParams(argparse.Action):
@@ -90,6 +104,12 @@ def add_common_options(
                     help="any other key of the agents' [train] table (edge-agent example-config) "
                          "for every method, over the protocol's settings, e.g. tau=0.2, "
                          "fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
+    fl.add_argument("--downlink-budget", type=downlink_budget, default=DEFAULT_BUDGET,
+                    metavar="BYTES",
+                    help="the coordinator's [model] downlink_budget: the most bytes of a round "
+                         "announcement; past it FedPCL sends a seeded uniform sample of the "
+                         "clients' local sets, as many as fit (docs/fleet.md). 0 or 'exact': "
+                         f"every set, however large (default {DEFAULT_BUDGET})")  # fmt: skip
     fl.add_argument("--bundle", type=Path,
                     help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
     fl.add_argument("--backbone", choices=list(BACKBONES),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.downlink import DEFAULT_BUDGET
 from fleet.spec import RunResult, RunSpec
 
 
@@ -146,6 +147,7 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
         "inference": inference,
         "rounds": spec.rounds,
         "transport": spec.transport,
+        "downlink_budget": spec.downlink_budget,
         "privacy": dict(spec.privacy) or {"mechanism": "none"},
     }
 
@@ -175,6 +177,9 @@ def settings(config: dict[str, Any], train: dict[str, dict[str, Any]] | None = N
         parts.append(f"head output {config['out_dim']}")
     if "transport" in config:
         parts.append(f"{config['transport']} transport")
+    budget = config.get("downlink_budget", DEFAULT_BUDGET)
+    if budget != DEFAULT_BUDGET:  # named when not the deployed default
+        parts.append("every local set announced" if budget == 0 else f"downlink {budget:,} bytes")
     if note := train_note(config, train):
         parts.append(note)
     return ", ".join(parts)

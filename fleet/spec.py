@@ -7,17 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.train_config import TrainConfig
 from runtime.cliutil import UsageError
 from runtime.settings import ConfigError, build
 
 FLEET = "sim"
 TRANSPORTS = ("mqtt", "memory")
-
-#: Both transports' payload cap. FedPCL's announcement carries every client's padded local
-#: set (Eq. 7), about 10 kB per client, so a 100-agent fleet's exceeds the 1 MB default;
-#: FedAvg's update carries the head, FC(K*d_e, 256): 1.3 MB over a 1280-d backbone.
-FLEET_MAX_PAYLOAD_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -41,6 +37,10 @@ class RunSpec:
     # Shared by every run that sees the same images (the methods of a compare): the
     # backbones then run once per image, not once per method.
     feature_cache: Path | None = None
+    # The coordinator's [model] downlink_budget (bytes; 0 sends every local set). Agents
+    # and coordinator otherwise run the deployed defaults, payload limits included: a run
+    # whose announcement the agents would drop fails, as a deployment's would.
+    downlink_budget: int = DEFAULT_BUDGET
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -49,6 +49,8 @@ class RunSpec:
             raise UsageError("--rounds, --workers and --epochs must be at least 1")
         if self.out_dim < 1:
             raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
+        if self.downlink_budget < 0:
+            raise UsageError(f"--downlink-budget must be >= 0, got {self.downlink_budget}")
         # The agents build the same table from their TOML file: a bad value fails here,
         # before a fleet starts, not in every worker process.
         try:

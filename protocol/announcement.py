@@ -38,8 +38,9 @@ class RoundAnnouncement(WireMessage):
     """The coordinator's retained message opening round ``round``.
 
     ``global_prototypes[i]`` is the global prototype of class ``classes[global_classes[i]]``.
-    ``local_sets`` maps every client to its padded local prototype set (FedPCL Eq. 7), rows
-    aligned with ``global_classes``; ``client_globals`` holds per-client global prototypes
+    ``local_sets`` maps clients to their padded local prototype sets (FedPCL Eq. 7), rows
+    aligned with ``global_classes``: every client's, or a uniform sample of them that keeps
+    the announcement within the coordinator's downlink budget; ``client_globals`` holds per-client global prototypes
     (FedDBP); ``extras`` carries global weights (FedAvg). ``deadline`` is Unix seconds.
     """
 

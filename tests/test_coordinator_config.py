@@ -10,7 +10,7 @@ from runtime.settings import ConfigError, parse_value
 def test_documented_example_loads():
     cfg = load(EXAMPLE)
     assert cfg.fleet == "lab" and cfg.model.method == "fedpcl" and cfg.model.dim == 256
-    assert cfg.mqtt.max_payload_bytes == 1 << 20
+    assert cfg.mqtt.max_payload_bytes == 4 << 20
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -108,7 +108,7 @@ def test_duplicates_malformed_and_foreign_clients(tmp_path):
     assert m.offer(u.to_wire(), topic_client="dev-9").reason == "client_mismatch"
     assert m.offer(stand_in_update(1, 0).to_wire()).reason == "not_allowed"
     assert m.offer(b"\xc1garbage").reason == "malformed"
-    assert m.offer(b"x" * (2 << 20)).reason == "too_large"
+    assert m.offer(b"x" * (5 << 20)).reason == "too_large"
     m.flush_rejections()
     assert m.store.summary()["rejections"] == {
         "duplicate": 1,

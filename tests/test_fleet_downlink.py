@@ -1,0 +1,64 @@
+"""The simulated fleet and the bounded downlink: ``--downlink-budget`` reaches the
+coordinator, and agents and coordinator otherwise run the deployed payload limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.downlink import DEFAULT_BUDGET
+from fleet.cli import build_parser
+from fleet.commands import spec_for
+from fleet.configs import coordinator_tables
+from fleet.report import settings
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES
+from runtime.settings import build
+from runtime.transport import MqttSettings
+
+
+def test_run_help_documents_the_downlink_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--downlink-budget BYTES" in text
+    assert "0 or 'exact': every set" in text and f"(default {DEFAULT_BUDGET})" in text
+
+
+@pytest.mark.parametrize(("given", "budget"), [(None, DEFAULT_BUDGET), ("exact", 0), ("0", 0),
+                                               ("EXACT", 0), ("131072", 131072)])  # fmt: skip
+def test_the_budget_reaches_the_coordinators_model_table(
+    tmp_path: Path, given: str | None, budget: int
+) -> None:
+    argv = ["run"] + ([] if given is None else ["--downlink-budget", given])
+    args = build_parser().parse_args(argv)
+    args.workers = 2  # what check_options fills in before a sweep
+    spec = spec_for(args, method="fedpcl", bundle=tmp_path, seed=0, out=tmp_path)
+    assert spec.downlink_budget == budget
+    tables = coordinator_tables(spec, "b" * 64, tuple("abc"), 5, dim=256, feature_dim=8)
+    tables["security"] = {"insecure": True}
+    cfg = build(CoordinatorConfig, tables)
+    assert cfg.model.downlink_budget == budget
+    # No payload limit of the simulator's own: the deployed defaults, agents' included.
+    assert "mqtt" not in tables and "agents" not in tables
+    assert cfg.mqtt.max_payload_bytes == DEFAULT_MAX_PAYLOAD_BYTES
+    assert cfg.agents.max_payload_bytes == MqttSettings().max_payload_bytes
+
+
+@pytest.mark.parametrize("bad", ["-1", "64k", ""])
+def test_a_bad_budget_is_a_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", "--downlink-budget", bad])
+    assert exit_.value.code == 2
+    assert "--downlink-budget" in capsys.readouterr().err
+
+
+def test_a_report_names_a_budget_other_than_the_default() -> None:
+    assert settings({"transport": "memory", "downlink_budget": DEFAULT_BUDGET}) == (
+        "memory transport"
+    )
+    assert settings({"transport": "memory", "downlink_budget": 0}) == (
+        "memory transport, every local set announced"
+    )
+    assert settings({"downlink_budget": 131072}) == "downlink 131,072 bytes"
