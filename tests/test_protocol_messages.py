@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from protocol import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
     PROTOCOL_VERSION,
     ArrayError,
     FieldError,
@@ -303,7 +304,7 @@ def test_payload_over_the_cap_is_refused_before_decoding():
         PrototypeUpdate.from_wire(payload, max_bytes=len(payload) - 1)
     assert PrototypeUpdate.from_wire(payload, max_bytes=len(payload)) == factories.update()
     with pytest.raises(PayloadTooLarge):
-        PrototypeUpdate.from_wire(b"\x00" * (1024 * 1024 + 1))
+        PrototypeUpdate.from_wire(b"\x00" * (DEFAULT_MAX_PAYLOAD_BYTES + 1))
 
 
 def test_wrong_message_type_is_refused():
