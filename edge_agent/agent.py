@@ -55,7 +55,15 @@ class Decision:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, *, runtime: BackboneRuntime | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        *,
+        runtime: BackboneRuntime | None = None,
+        evaluator: type[Evaluator] = Evaluator,
+    ) -> None:
+        """``evaluator`` scores the configured test split after every round (the
+        simulated fleet passes one that scores more)."""
         self.cfg = cfg
         self._params_noted: set[str] = set()  # announced settings already warned about
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, history=cfg.history)
@@ -99,7 +107,7 @@ class Agent:
         self.train_labels = train.labels
         del train
         # Scored after every round on a labelled test split, if the configuration names one.
-        self.evaluator = Evaluator.for_test_split(
+        self.evaluator = evaluator.for_test_split(
             cfg, load=lambda d: cache_features(cache, self.bundle_id, d, self.runtime,
                                                what="test data")
         )  # fmt: skip

@@ -1,6 +1,6 @@
-"""An agent's figures on its own test split: by its method's inference rule
-(:mod:`edge_agent.inference`), and for every method by cosine similarity to its local
-prototypes (FedPCL's rule) and by its classifier."""
+"""A device's figure on its own labelled test split (``[data] test``), by its method's
+inference rule (:mod:`edge_agent.inference`): what ``edge-agent status`` shows after every
+round. The simulated fleet's comparisons of every rule live in fleet/evaluation.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from edge_agent.config import AgentConfig
 from edge_agent.data import LocalData
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel
-from edge_agent.train_config import CLASSIFIER_FREE
 
 
 class Evaluator:
@@ -51,15 +50,14 @@ class Evaluator:
             own = self._accuracy(by_rule[rule], out, refs)
         else:
             own = None if self.rule.from_server else self._own(out, refs)
-        return {
-            "test_accuracy": own,
-            "test_accuracy_prototype": self._accuracy(by_rule["local_prototype_cosine"], out, refs),
-            "test_accuracy_classifier": (
-                None
-                if self.method in CLASSIFIER_FREE and rule is None
-                else self._accuracy(by_rule["classifier"], out, refs)
-            ),
-        }
+        return {"test_accuracy": own} | self.comparisons(out, refs, rule=rule)
+
+    def comparisons(
+        self, out: inf.Outputs, refs: inf.References, *, rule: str | None
+    ) -> dict[str, Any]:
+        """Figures beyond the device's own, for research: none on a device
+        (fleet/evaluation.py scores every method by every rule)."""
+        return {}
 
     def from_server(self, model: LocalModel, state: StateDir) -> dict[str, Any]:
         """The method's own figure on the model and prototypes the device holds once the

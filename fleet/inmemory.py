@@ -24,6 +24,7 @@ def run_memory(
     from edge_agent.agent import Agent
     from edge_agent.config import AgentConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
+    from fleet.evaluation import FleetEvaluator
     from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
     from runtime.settings import build
 
@@ -33,7 +34,9 @@ def run_memory(
     live = []
     with progress_bar(spec, len(agents), f"{spec.method}: starting agents", "agent") as bar:
         for tables in agents:
-            live.append(Agent(build(AgentConfig, tables), runtime=runtime))
+            live.append(
+                Agent(build(AgentConfig, tables), runtime=runtime, evaluator=FleetEvaluator)
+            )
             bar.update()
     # The deployed payload limits: an announcement above the agents' is refused by the
     # coordinator, and decoded here under their limit as a device would.

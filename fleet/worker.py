@@ -51,6 +51,7 @@ def _host(spec: dict[str, Any], stop: threading.Event, services: list[Any]) -> i
     from edge_agent.config import load
     from edge_agent.service import AgentService
     from export.runtime import BackboneRuntime, RuntimeSettings
+    from fleet.evaluation import FleetEvaluator
 
     torch.set_num_threads(1)
     runtime = BackboneRuntime(Path(spec["bundle"]), settings=RuntimeSettings(intra_op_threads=1))
@@ -58,7 +59,8 @@ def _host(spec: dict[str, Any], stop: threading.Event, services: list[Any]) -> i
     for path in spec["configs"]:
         if stop.is_set():
             break
-        service = AgentService(agent=Agent(load(Path(path)), runtime=runtime))
+        agent = Agent(load(Path(path)), runtime=runtime, evaluator=FleetEvaluator)
+        service = AgentService(agent=agent)
         services.append(service)
         thread = threading.Thread(target=service.run, name=service.cfg.agent_id, daemon=True)
         thread.start()

@@ -6,6 +6,7 @@ import pytest
 from edge_agent import data as data_mod
 from edge_agent.agent import Agent
 from edge_agent.extras import model_weights
+from fleet.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
 
@@ -27,7 +28,7 @@ def announcement(bundle_id: str, round_: int, **kw) -> RoundAnnouncement:
 @pytest.mark.slow
 def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     cfg = agent_config(tmp_path / "a", small_zoo, agent_id="dev-a", domain="clean")
-    agent = Agent(cfg)
+    agent = Agent(cfg, evaluator=FleetEvaluator)
     assert agent.runtime.samples_processed == 180  # train + test features computed once
     first = agent.handle(announcement(agent.bundle_id, 0))
     assert first.reason == "answered" and first.payload is not None
@@ -50,6 +51,10 @@ def test_agent_answers_once_and_resumes_from_its_state(small_zoo, tmp_path):
     assert again.last_round == 0
     assert again.handle(announcement(again.bundle_id, 0)).reason == "already_answered"
     assert again.handle(announcement(again.bundle_id, 1)).reason == "answered"
+    # A device scores its test split by its own rule alone; the rest is the fleet's.
+    device_record = again.state.snapshot.history[-1]
+    assert device_record["round"] == 1 and device_record["test_accuracy"] is not None
+    assert "test_accuracy_prototype" not in device_record
 
 
 def test_state_keeps_the_configured_number_of_rounds_of_history(small_zoo, tmp_path):
@@ -308,7 +313,7 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
                            domain=domain, method=method)  # fmt: skip
         return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=10, lr=1e-2))
 
-    agents = [Agent(config(d)) for d in ("clean", "inverted")]
+    agents = [Agent(config(d), evaluator=FleetEvaluator) for d in ("clean", "inverted")]
     strategy = make_strategy(method)
 
     def play(round_: int, extras: dict, *, final: bool = False) -> dict:

@@ -26,6 +26,7 @@ from edge_agent.privacy.ledger import Ledger, LedgerError
 from edge_agent.privacy.mechanisms import MechanismParams, release_dp, release_none, release_paper
 from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod
+from fleet.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
 
@@ -495,7 +496,7 @@ def test_dp_features_trains_alone_when_no_anchor_helps(small_zoo: Path, tmp_path
     agent = Agent(cfg)
     solo_cfg = replace(agent_config(tmp_path / "solo", small_zoo, agent_id="dev-dp", domain="clean",
                                     method="solo"), train=cfg.train)  # fmt: skip
-    solo = Agent(solo_cfg)
+    solo = Agent(solo_cfg, evaluator=FleetEvaluator)
     for r in range(3):
         assert agent.handle(announcement(agent.bundle_id, r, dim=0)).reason == "answered"
         assert solo.handle(announcement(solo.bundle_id, r, "solo", dim=0)).reason == "answered"
