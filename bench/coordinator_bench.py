@@ -4,7 +4,6 @@ from publishers through a real Mosquitto into the coordinator's SQLite database.
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from coordinator.store import StoreReader
 from coordinator.strategies import make_strategy
 from fleet.broker import MosquittoBroker
 from protocol import PrototypeUpdate, round_topic, update_topic
@@ -150,8 +150,10 @@ def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
 
 
 def _rows(db: Path) -> int:
-    with sqlite3.connect(db) as conn:
-        return int(conn.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
+    if not db.exists():
+        return 0  # the coordinator has not created it yet
+    with StoreReader(db) as store:
+        return store.update_count()
 
 
 def _wait(predicate, *, timeout: float) -> None:  # type: ignore[no-untyped-def]

@@ -22,10 +22,10 @@ from export import builder, photos
 from export.bundle import INPUT_NAME
 from export.runtime import CPU, BackboneRuntime, RuntimeSettings, preprocess, quiet_threads
 from export.sources import Source, load
-from runtime.benchutil import paired_ratio, paired_seconds
+from export.timing import paired_ratio, paired_seconds
 
 BATCH = 8
-ROUNDS = 21  # paired timing rounds (runtime.benchutil.paired_seconds): ratios per round
+ROUNDS = 21  # paired timing rounds (export.timing.paired_seconds): ratios per round
 TORCH_ROUNDS = 5
 
 

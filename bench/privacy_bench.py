@@ -18,9 +18,9 @@ from typing import Any
 
 from bench.export_bench import ZOO, ensure_zoo
 from edge_agent.privacy.accounting import plan, plan_features
-from edge_agent.privacy.audit import canary_audit, release_broken
 from fleet import runner
 from fleet.partition import digits5
+from fleet.privacy_audit import canary_audit, release_broken
 from fleet.report import run_summary
 from fleet.spec import RunSpec
 

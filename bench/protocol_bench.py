@@ -7,8 +7,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from export.timing import seconds_per_call
 from protocol.messages import PrototypeUpdate
-from runtime.benchutil import seconds_per_call
 
 
 def sample_update(

@@ -271,15 +271,6 @@ class Store:
                 )
             )
 
-    def round_times(self, *, before: int) -> list[tuple[int, float, float | None]]:
-        """``(round, opened_at, closed_at)`` of every round below ``before``, in order."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT round, opened_at, closed_at FROM rounds WHERE round < ? ORDER BY round",
-                (before,),
-            ).fetchall()
-        return [(int(r), float(o), None if c is None else float(c)) for r, o, c in rows]
-
     def contributors(self) -> set[str]:
         """Every client that ever had an update accepted."""
         with self._lock:
@@ -342,3 +333,34 @@ class Store:
             "rejections": rejections,
             "quarantined": quarantined,
         }
+
+
+class StoreReader:
+    """Read-only access to a database a coordinator wrote (a finished simulated run, a
+    benchmark's): opened with ``mode=ro``, so reading never migrates, checkpoints or
+    otherwise changes it, and works on read-only files."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"cannot read coordinator database {path}: {exc}") from exc
+        self.path = path
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._db.close()
+
+    def round_times(self, *, before: int) -> list[tuple[int, float, float | None]]:
+        """``(round, opened_at, closed_at)`` of every round below ``before``, in order."""
+        rows = self._db.execute(
+            "SELECT round, opened_at, closed_at FROM rounds WHERE round < ? ORDER BY round",
+            (before,),
+        ).fetchall()
+        return [(int(r), float(o), None if c is None else float(c)) for r, o, c in rows]
+
+    def update_count(self) -> int:
+        """Updates stored, over every round."""
+        return int(self._db.execute("SELECT COUNT(*) FROM updates").fetchone()[0])

@@ -1,8 +1,9 @@
 """How each method predicts a class, as its paper states it: one function per rule, in a
 registry keyed by rule name, and the method -> rule table.
 
-The simulated fleet's evaluation (``Agent``) and ``edge-agent predict`` both call
-:func:`predict`, so a device predicts exactly the way the simulation scored it.
+A device's score on its test split (:mod:`edge_agent.evaluation`, and the simulated
+fleet's :mod:`fleet.evaluation` over it) and ``edge-agent predict`` both call
+:func:`predict`, so a device predicts exactly the way it was scored.
 
 The math is pure functions on plain arrays (:func:`nearest_by_cosine`,
 :func:`nearest_by_distance`, :func:`argmax_logits`); the rules pick which model output

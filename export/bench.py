@@ -16,7 +16,7 @@ from export import architectures, quantize, render
 from export.bundle import INPUT_NAME, Bundle
 from export.onnx_io import export_onnx
 from export.runtime import CPU, choose_providers, quiet_threads
-from runtime.benchutil import seconds_per_call
+from export.timing import seconds_per_call
 
 
 @dataclass

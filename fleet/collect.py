@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.store import Store
+from coordinator.store import StoreReader
 from fleet.partition import Partition
 from fleet.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed
@@ -36,11 +36,8 @@ def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float)
     database = spec.out / "coordinator" / "coordinator.sqlite3"
     if not database.is_file():
         raise CommandFailed(f"no coordinator database at {database}")
-    store = Store(database)
-    try:
+    with StoreReader(database) as store:
         rows = store.round_times(before=spec.rounds)
-    finally:
-        store.close()
     # A round's wall time runs from its announcement to the next one (closing = opening).
     opened = {r: t for r, t, _ in rows}
     seconds = []

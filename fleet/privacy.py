@@ -229,8 +229,8 @@ def label_attack(
     client). dp releases counts every round (one round's are read here); dp-features once."""
     import numpy as np
 
-    from edge_agent.privacy.audit import label_inference_error
     from edge_agent.privacy.mechanisms import MechanismParams, release_dp
+    from fleet.privacy_audit import label_inference_error
 
     rng = np.random.default_rng(0)
     num_classes = len(partition.classes)

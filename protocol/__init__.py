@@ -1,6 +1,7 @@
 """ProtoFleet wire protocol: topics, messages and their strict msgpack encoding.
 
-Depends on numpy and msgpack only, so any process of the fleet can import it.
+Depends on numpy and msgpack only (and ``cryptography``, imported lazily, to sign and
+check signatures), so any process of the fleet can import it.
 """
 
 from protocol.errors import (

@@ -1,4 +1,6 @@
-"""The three protocol messages as frozen, self-validating dataclasses, in one place.
+"""The devices' and the coordinator's three main messages as frozen, self-validating
+dataclasses, in one place; the fourth, the coordinator's :class:`~protocol.receipts.Receipt`,
+is in :mod:`protocol.receipts`.
 
 Each kind has its own module (:mod:`protocol.update`, :mod:`protocol.announcement`,
 :mod:`protocol.status`) over the plumbing they share (:mod:`protocol.message_base`).

@@ -4,6 +4,6 @@
 client (``transport``, ``bulkread``), configuration loading (``settings``, ``security``),
 command-line helpers (``cliutil``), stop signals and systemd notification (``lifecycle``,
 ``sdnotify``), the single-instance lock (``runlock``), crash-safe files (``files``,
-``npz``), fault injection for tests (``faults``), the installed version (``version``) and
-the benchmarks' paired timing (``benchutil``).
+``npz``), key files (``keyfiles``), fault injection for tests (``faults``) and the
+installed version (``version``).
 """

@@ -1,6 +1,6 @@
 """Conventions shared by the four console scripts.
 
-It lives here because ``protocol`` is the one package every entry point already imports.
+It lives in ``runtime`` beside the other conventions every service and command shares.
 A user mistake is reported as one ``error:`` line and exit status 2, never a traceback; a
 failure at run time that the command could only report (a process it started died, a
 broker would not start, a file could not be written) as one ``error:`` line and exit

@@ -1,7 +1,7 @@
 """MQTT connection settings and the one place a paho client is configured.
 
-paho-mqtt is imported lazily so the protocol package itself still needs only numpy and
-msgpack; the agent and the coordinator both call :func:`make_client`.
+paho-mqtt is imported lazily, so reading settings costs nothing for a command that never
+connects; the agent and the coordinator both call :func:`make_client`.
 """
 
 from __future__ import annotations

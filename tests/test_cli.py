@@ -100,7 +100,8 @@ def test_the_wheel_ships_the_example_configs(tmp_path):
     # file from inside the package. Built from a copy, so the tree is left as it is.
     root = Path(__file__).resolve().parent.parent
     src = tmp_path / "src"
-    for name in ("protocol", "export", "edge_agent", "coordinator", "fleet"):
+    packages = ("protocol", "runtime", "export", "edge_agent", "coordinator", "fleet")
+    for name in packages:
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
@@ -114,6 +115,8 @@ def test_the_wheel_ships_the_example_configs(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     assert {"edge_agent/agent.toml", "coordinator/coordinator.toml"} <= names
+    # Every package the console scripts import is in it.
+    assert {f"{name}/__init__.py" for name in packages} | {"runtime/transport.py"} <= names
 
 
 @pytest.mark.slow

@@ -37,7 +37,21 @@ def imported(path: Path, package: str) -> set[str]:
                 names.add(package)
             elif node.module:
                 names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and _dynamic_import(node.func):
+            # importlib.import_module("x.y") / __import__("x"): the named module counts; a
+            # name computed at run time cannot be checked, so it counts as itself.
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names.add(arg.value.split(".")[0])
+            else:
+                names.add("<dynamic import>")
     return names
+
+
+def _dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
 
 
 def sources(package: str) -> list[Path]:
@@ -47,10 +61,21 @@ def sources(package: str) -> list[Path]:
 def test_imported_reads_plain_lazy_and_relative_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
-        "import os.path\nfrom numpy import zeros\n"
-        "def f():\n    import torch\n    from . import ids\n"
+        "import os.path\nfrom numpy import zeros\nimport importlib\n"
+        "def f(name):\n    import torch\n    from . import ids\n"
+        "    importlib.import_module('paho.mqtt')\n    __import__('onnx')\n"
+        "    importlib.import_module(name)\n"
     )
-    assert imported(sample, "protocol") == {"os", "numpy", "torch", "protocol"}
+    assert imported(sample, "protocol") == {
+        "os",
+        "numpy",
+        "importlib",
+        "torch",
+        "protocol",
+        "paho",
+        "onnx",
+        "<dynamic import>",
+    }
 
 
 def test_protocol_is_the_wire_contract_alone() -> None:
@@ -75,3 +100,17 @@ def test_no_package_imports_one_above_it(package: str) -> None:
         if imported(path, package) & above
     }
     assert upward == {}
+
+
+#: What the coordinator never imports: it runs on a small server without them (README,
+#: docs/architecture.md); a lazy import would still pull them into a deployment's install.
+COORDINATOR_NEVER = {"torch", "onnx", "onnxruntime", "opacus", "export", "edge_agent"}
+
+
+def test_the_coordinator_needs_no_torch_onnx_or_opacus() -> None:
+    found = {
+        str(path.relative_to(ROOT)): sorted(imported(path, "coordinator") & COORDINATOR_NEVER)
+        for path in sources("coordinator")
+        if imported(path, "coordinator") & COORDINATOR_NEVER
+    }
+    assert found == {}

@@ -564,7 +564,7 @@ def test_sigkill_after_the_ledger_write_never_lowers_the_spent_epsilon(
 
 
 def test_clopper_pearson_by_hand() -> None:
-    from edge_agent.privacy.audit import clopper_pearson
+    from fleet.privacy_audit import clopper_pearson
 
     low, high = clopper_pearson(0, 100)
     assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 100), rel=1e-9)
@@ -576,7 +576,7 @@ def test_clopper_pearson_by_hand() -> None:
 def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one(space: str) -> None:
     """Both formal releases: dp (unit embeddings) and dp-features (raw features of norms up
     to 3, clipped by the mechanism)."""
-    from edge_agent.privacy.audit import canary_audit, release_broken
+    from fleet.privacy_audit import canary_audit, release_broken
 
     real = canary_audit(runs=6000, seed=1, space=space)
     broken = canary_audit(runs=6000, seed=1, mechanism=release_broken, space=space)
@@ -586,7 +586,7 @@ def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one(space
 
 
 def test_label_inference_from_counts_with_and_without_noise() -> None:
-    from edge_agent.privacy.audit import label_inference_error
+    from fleet.privacy_audit import label_inference_error
 
     rng = np.random.default_rng(0)
     z = rng.normal(size=(60, 8))
