@@ -33,6 +33,26 @@ def weighted_sums(protos: F64, counts: F64) -> tuple[F64, F64]:
     return np.einsum("uc,ucd->cd", counts, protos), counts.sum(axis=0)
 
 
+def client_sums(protos: F64, counts: F64) -> tuple[F64, np.ndarray]:
+    """Per class, ``sum C_ic`` over the clients holding it (C, d) and their number (C,)."""
+    mask = present_mask(counts)
+    return np.einsum("uc,ucd->cd", mask.astype(np.float64), protos), mask.sum(axis=0)
+
+
+def mean_of_sums(sums: F64, totals: F64, *, holders: np.ndarray | None = None) -> tuple[F64, Mask]:
+    """``sums / totals`` for every class with ``totals > 0`` (zeros elsewhere), divided
+    once more by ``holders`` if given (the paper's weighting), and the (C,) mask of those
+    classes. The one division every averaging rule ends in, whether its sums were taken
+    over all updates at once or added up from workers' partial sums (coordinator/partial.py).
+    """
+    has = totals > 0
+    out = np.zeros_like(sums)
+    out[has] = sums[has] / totals[has, None]
+    if holders is not None:
+        out[has] /= holders[has, None]
+    return out, has
+
+
 def count_weighted_mean(
     protos: F64, counts: F64, *, weighting: Weighting = "count"
 ) -> tuple[F64, Mask]:
@@ -43,16 +63,11 @@ def count_weighted_mean(
     ``paper``: the same times ``1 / |N_j|`` exactly as printed in the paper, which shrinks a
     class's prototype by the number of clients holding it.
     """
-    sums, totals = weighted_sums(protos, counts)
-    has = totals > 0
-    out = np.zeros_like(sums)
-    out[has] = sums[has] / totals[has, None]
-    if weighting == "paper":
-        holders = present_mask(counts).sum(axis=0)
-        out[has] /= holders[has, None]
-    elif weighting != "count":
+    if weighting not in ("count", "paper"):
         raise ValueError(f"unknown weighting {weighting!r}; use 'count' or 'paper'")
-    return out, has
+    sums, totals = weighted_sums(protos, counts)
+    holders = present_mask(counts).sum(axis=0) if weighting == "paper" else None
+    return mean_of_sums(sums, totals, holders=holders)
 
 
 def combine(
@@ -65,14 +80,11 @@ def combine(
     every coordinate before averaging. Median and trimmed mean bound the influence of a
     minority of arbitrary updates.
     """
+    if rule == "mean":
+        return mean_of_sums(*client_sums(protos, counts))
     mask = present_mask(counts)
     has = np.asarray(mask.any(axis=0))
     out = np.zeros((protos.shape[1], protos.shape[2]), dtype=np.float64)
-    if rule == "mean":
-        n = mask.sum(axis=0)
-        sums = np.einsum("uc,ucd->cd", mask.astype(np.float64), protos)
-        out[has] = sums[has] / n[has, None]
-        return out, has
     if rule not in ("median", "trimmed_mean"):
         raise ValueError(f"unknown rule {rule!r}; use mean, median or trimmed_mean")
     if not 0.0 <= trim < 0.5:

@@ -22,6 +22,11 @@ from runtime.transport import MqttSettings
 Scalar = bool | int | float | str
 
 
+def database_in(state_dir: Path) -> Path:
+    """The coordinator's SQLite database in its state directory."""
+    return state_dir / "coordinator.sqlite3"
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """What the fleet trains: announced to every device in each round."""
@@ -204,7 +209,7 @@ class CoordinatorConfig:
 
     @property
     def database(self) -> Path:
-        return self.state_dir / "coordinator.sqlite3"
+        return database_in(self.state_dir)
 
     @property
     def run_lock(self) -> Path:

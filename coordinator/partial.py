@@ -100,12 +100,12 @@ def partial_of(updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
         raise OverlapError(_repeated(u.client for u in updates))
     d = Dense.from_updates(updates, num_classes=num_classes, dim=dim, robust=RobustOptions())
     weighted, counts = agg.weighted_sums(d.protos, d.counts)  # (C, d), (C,)
-    mask = agg.present_mask(d.counts)  # (U, C)
+    plain, holders = agg.client_sums(d.protos, d.counts)
     return PartialSum(
         weighted=weighted,
         counts=counts,
-        plain=np.einsum("uc,ucd->cd", mask.astype(np.float64), d.protos),
-        holders=mask.sum(axis=0).astype(np.int64),
+        plain=plain,
+        holders=holders.astype(np.int64),
         clients=clients,
     )
 
@@ -145,15 +145,9 @@ def global_prototypes(partial: PartialSum, *, mean: Mean = "count") -> tuple[agg
     associative, and summing per group then across groups rounds at other points than one
     sum over all updates (relative differences of order 1e-16 times the number of terms).
     """
-    out = np.zeros_like(partial.weighted)
     if mean == "client":
-        has = partial.holders > 0
-        out[has] = partial.plain[has] / partial.holders[has, None]
-        return out, has
+        return agg.mean_of_sums(partial.plain, partial.holders)
     if mean not in ("count", "paper"):
         raise ValueError(f"unknown mean {mean!r}; use 'count', 'paper' or 'client'")
-    has = partial.counts > 0
-    out[has] = partial.weighted[has] / partial.counts[has, None]
-    if mean == "paper":
-        out[has] /= partial.holders[has, None]
-    return out, has
+    holders = partial.holders if mean == "paper" else None
+    return agg.mean_of_sums(partial.weighted, partial.counts, holders=holders)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+from coordinator.config import database_in
 from coordinator.store import StoreReader
+from fleet.configs import coordinator_state_dir
 from fleet.partition import Partition
 from fleet.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed
@@ -33,7 +35,7 @@ def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float)
                 bytes_down=tuple(int(h.get("bytes_down") or 0) for h in rows),
             )
         )
-    database = spec.out / "coordinator" / "coordinator.sqlite3"
+    database = database_in(coordinator_state_dir(spec))
     if not database.is_file():
         raise CommandFailed(f"no coordinator database at {database}")
     with StoreReader(database) as store:

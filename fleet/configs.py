@@ -78,6 +78,11 @@ def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
     return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 
+def coordinator_state_dir(spec: RunSpec) -> Path:
+    """Where a run's coordinator keeps its database."""
+    return spec.out / "coordinator"
+
+
 def coordinator_tables(
     spec: RunSpec,
     bundle_id: str,
@@ -89,7 +94,7 @@ def coordinator_tables(
 ) -> dict[str, Any]:
     return {
         "fleet": FLEET,
-        "state_dir": str(spec.out / "coordinator"),
+        "state_dir": str(coordinator_state_dir(spec)),
         "sqlite_synchronous": "NORMAL",
         "model": {
             "method": spec.method,
