@@ -1,0 +1,89 @@
+"""Flower's half of the side-by-side benchmark: the shared workload (bench/peer_workload.py)
+run through Flower's simulation engine, timed per round.
+
+Flower is an optional extra (``pip install -e '.[peer]'``): without it the function says
+so and returns None, and the benchmark leaves its key out rather than copy an old figure.
+The apps themselves live in bench/flower_apps.py, imported only once Flower is known to be
+there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.peer_workload import Workload
+
+log = logging.getLogger(__name__)
+
+#: CPUs each Flower client (Ray actor) reserves: the pool holds cores / CLIENT_CPUS
+#: actors. Tried on the 2-core development machine, 1,000 clients x 100 samples, D 256,
+#: C 10, one epoch of batch 32, torch one thread per actor (median s/round, rounds 2-3):
+#:   1   (2 actors)  FILLED_IN
+#:   0.5 (4 actors)  FILLED_IN
+#:   2   (1 actor)   FILLED_IN
+CLIENT_CPUS = 1.0
+#: Threads of Flower's server that each carry one client's round trip (see flower_apps).
+SERVER_THREADS = 64
+
+
+def flower_fedavg_round_seconds(
+    workload: Workload,
+    *,
+    rounds: int,
+    client_cpus: float = CLIENT_CPUS,
+    server_threads: int = SERVER_THREADS,
+) -> float | None:
+    """Median seconds of a FedAvg round with every client of ``workload`` taking part,
+    or None when Flower's simulation engine is not installed.
+
+    A round is timed by the strategy, from configure_fit to the end of aggregate_fit
+    (bench/flower_apps.py: TimedFedAvg), since Flower reports no per-round time. Round 1
+    also starts the actors and imports torch in each, so with two or more rounds it is
+    left out of the median.
+    """
+    if rounds < 1:
+        raise ValueError("rounds must be >= 1")
+    missing = [name for name in ("flwr", "ray") if importlib.util.find_spec(name) is None]
+    if missing:
+        log.warning(
+            "Flower's simulation engine is not installed (%s missing; pip install -e "
+            "'.[peer]'): the Flower comparison is skipped",
+            ", ".join(missing),
+        )
+        return None
+    # Flower and Ray report usage to their hosts unless told not to; a benchmark has no
+    # business doing so. Both read these when imported or started, so set them first,
+    # keeping any value the caller chose.
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from flwr.simulation import run_simulation
+
+    from bench import flower_apps
+
+    clock = flower_apps.RoundClock()
+    with tempfile.TemporaryDirectory(prefix="protofleet-flower-") as tmp:
+        where = flower_apps.spill(workload, Path(tmp))
+        run_simulation(
+            server_app=flower_apps.server_app(
+                where,
+                clients=workload.clients,
+                rounds=rounds,
+                clock=clock,
+                server_threads=server_threads,
+            ),
+            client_app=flower_apps.client_app(where),
+            num_supernodes=workload.clients,
+            backend_config={"client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0}},
+        )
+    if clock.failures or len(clock.seconds) != rounds:
+        raise RuntimeError(
+            f"Flower ran {len(clock.seconds)} of {rounds} rounds with {clock.failures} "
+            "failed client updates: no figure"
+        )
+    steady = clock.seconds[1:] if rounds > 1 else clock.seconds
+    return statistics.median(steady)
