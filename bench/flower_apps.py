@@ -82,7 +82,7 @@ _MAPPED: dict[str, dict[str, np.ndarray]] = {}
 def _client_rows(where: Spill, client: int) -> tuple[np.ndarray, np.ndarray]:
     if where.folder not in _MAPPED:
         # One actor runs one client at a time: torch's intra-op threads would only
-        # contend with the other actor for the machine's cores.
+        # contend with the other actors for the machine's cores.
         torch.set_num_threads(1)
         _MAPPED[where.folder] = {
             name: np.load(Path(where.folder) / f"{name}.npy", mmap_mode="r") for name in _ARRAYS
@@ -201,7 +201,8 @@ def server_app(
         server = Server(client_manager=SimpleClientManager(), strategy=strategy)
         # Flower's server sends each client its instructions from a thread pool, one
         # client per thread until it replies; the default pool (cores + 4 threads) keeps
-        # six clients in flight on two cores, far fewer than the actors could serve.
+        # six clients in flight on two cores, which leaves actors idle while replies wait
+        # for the next 0.1 s poll (bench/flower_peer.py has the figures).
         server.set_max_workers(server_threads)
         return ServerAppComponents(server=server, config=ServerConfig(num_rounds=rounds))
 

@@ -20,14 +20,21 @@ from bench.peer_workload import Workload
 
 log = logging.getLogger(__name__)
 
-#: CPUs each Flower client (Ray actor) reserves: the pool holds cores / CLIENT_CPUS
-#: actors. Tried on the 2-core development machine, 1,000 clients x 100 samples, D 256,
-#: C 10, one epoch of batch 32, torch one thread per actor (median s/round, rounds 2-3):
-#:   1   (2 actors)  FILLED_IN
-#:   0.5 (4 actors)  FILLED_IN
-#:   2   (1 actor)   FILLED_IN
-CLIENT_CPUS = 1.0
-#: Threads of Flower's server that each carry one client's round trip (see flower_apps).
+# Flower's fastest setting found on the 2-core development machine, for 1,000 clients x
+# 100 samples, D 256, C 10, one epoch of batch 32, torch one thread per actor (median
+# s/round of rounds 2-3, one run each; other work shared the machine, load 6 to 26):
+#   client CPUs 1    (2 actors), server threads  6 (Flower's default): 33.2
+#   client CPUs 1    (2 actors), server threads 64:                     34.0
+#   client CPUs 0.5  (4 actors), server threads  6:                     33.1
+#   client CPUs 0.5  (4 actors), server threads 64:                     23.6  <- kept
+#   client CPUs 0.25 (8 actors), server threads 64:                     24.6
+# One client's fit alone (edge_agent.train on its 100 rows) takes 7 ms; the rest of a
+# client's ~24 ms is Flower's round trip (message queues polled every 0.1 s, Ray calls),
+# which more actors and more server threads in flight hide only together.
+
+#: CPUs each Flower client (Ray actor) reserves: the pool holds cores / CLIENT_CPUS actors.
+CLIENT_CPUS = 0.5
+#: Threads of Flower's server, each carrying one client's round trip (see flower_apps).
 SERVER_THREADS = 64
 
 
