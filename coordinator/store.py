@@ -364,3 +364,29 @@ class StoreReader:
     def update_count(self) -> int:
         """Updates stored, over every round."""
         return int(self._db.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
+
+    def update_copies(self, *, before: int) -> dict[tuple[int, str], int]:
+        """Rows held in the updates table for each ``(round, client)`` below ``before``.
+        The primary key allows one; the rows are counted, not assumed, so a checker that
+        reads this would see a schema that lost its key."""
+        rows = self._db.execute(
+            "SELECT round, client, COUNT(*) FROM updates WHERE round < ? GROUP BY round, client",
+            (before,),
+        ).fetchall()
+        return {(int(r), str(c)): int(n) for r, c, n in rows}
+
+    def pruned_rounds(self, *, before: int) -> list[int]:
+        """Rounds below ``before`` whose payloads ``keep_rounds`` has dropped (their
+        announcement is emptied in the same transaction as their updates are deleted)."""
+        rows = self._db.execute(
+            "SELECT round FROM rounds WHERE round < ? AND length(announcement) = 0 ORDER BY round",
+            (before,),
+        ).fetchall()
+        return [int(r) for (r,) in rows]
+
+    def accepted_tally(self) -> int:
+        """Updates ever accepted, by the clients' running tallies (which outlive the
+        payloads ``keep_rounds`` drops and count each (round, client) once)."""
+        return int(
+            self._db.execute("SELECT COALESCE(SUM(updates), 0) FROM contributions").fetchone()[0]
+        )

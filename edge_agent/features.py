@@ -1,8 +1,8 @@
 """The on-disk feature cache: backbones run once per sample, ever.
 
-Features ``r_x`` (N, K*d_e) of a data set are stored as a memory-mapped ``.npy`` keyed by
-the bundle id and a fingerprint of the data, so a second epoch, a second round or a
-restart reads them back instead of running the backbones. Beside each entry a ``.keys``
+Features ``r_x`` (N, K*d_e) of a data set are stored as an ``.npy`` (memory-mapped when
+large) keyed by the bundle id and a fingerprint of the data, so a second epoch, a second
+round or a restart reads them back instead of running the backbones. Beside each entry a ``.keys``
 file holds one digest per sample: when a device's data set changes (new images collected,
 some deleted, a label fixed), a private cache copies the rows of the samples it has seen
 and runs the backbones on the new ones only, then drops the superseded entry. Entries of
@@ -153,7 +153,7 @@ class FeatureCache:
         progress: Any = None,
     ) -> np.ndarray:
         """The cached features of ``images``, computing (in batches, straight to disk) only
-        what no entry holds. The result is a read-only memory map."""
+        what no entry holds. The result is read-only (a memory map when large)."""
         target = self.path(bundle_id, fingerprint(images, labels))
         if target.exists():
             cached = _load(target)
@@ -199,7 +199,10 @@ class FeatureCache:
         tmp.replace(target)  # atomic: a crash leaves either no entry or a complete one
         fsync_dir(self.root)
         self.served.add(target.name)
-        return np.load(target, mmap_mode="r")
+        loaded = _load(target)
+        if loaded is None:
+            raise OSError(f"feature cache entry {target} cannot be read back")
+        return loaded
 
 
 class LoggedProgress:
@@ -226,13 +229,25 @@ class LoggedProgress:
             )
 
 
+#: Entries smaller than this are read into memory, not mapped. A map holds a file
+#: descriptor for as long as the array lives (CPython's mmap keeps a duplicate), and a small
+#: entry saves no memory by being mapped: a fleet worker hosting 250 agents held 500 such
+#: descriptors, which pushed its agents' sockets past the 1,023 that paho's select() can
+#: watch (those agents never connected).
+MAP_MIN_BYTES = 16 << 20
+
+
 def _load(path: Path, *, mmap: bool = True) -> np.ndarray | None:
-    """A cache file's array, or None when it cannot be read (cut short or emptied by a
-    failing disk, not an array): a damaged file costs its recomputation, not the agent."""
+    """A cache file's array, read-only, or None when it cannot be read (cut short or
+    emptied by a failing disk, not an array): a damaged file costs its recomputation, not
+    the agent. Mapped when ``mmap`` and the file is large (:data:`MAP_MIN_BYTES`)."""
     try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        mapped = mmap and path.stat().st_size >= MAP_MIN_BYTES
+        array = np.load(path, mmap_mode="r" if mapped else None, allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None
+    array.flags.writeable = False  # as a read-only map is: the cache is never written through
+    return array
 
 
 def _write_keys(path: Path, keys: np.ndarray) -> None:

@@ -6,8 +6,10 @@ so a laptop without Mosquitto still runs a fleet. Both bind to a free loopback p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import resource
 import shutil
 import socket
 import subprocess
@@ -126,6 +128,16 @@ def _keep_identity() -> str:
         return ""
 
 
+def _raise_file_limit(pid: int) -> None:
+    """Lift the broker's soft limit on open files to its hard limit. Mosquitto holds one
+    descriptor per client and does not raise the limit itself: under the common soft
+    limit of 1,024 a fleet of 1,000 agents, its coordinator and watcher, its listener and
+    log come within a few descriptors of it, and one client more is refused."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # not Linux; not ours
+        _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (hard, hard))
+
+
 class MosquittoBroker(ManagedBroker):
     """A private Mosquitto on a free loopback port, stopped on exit.
 
@@ -199,6 +211,7 @@ class MosquittoBroker(ManagedBroker):
             stdin=subprocess.DEVNULL,
         )
         log.close()
+        _raise_file_limit(self._process.pid)
         try:
             wait_for_port(self._host, self._port, timeout=self._timeout, process=self._process)
         except BrokerError as exc:

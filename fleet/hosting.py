@@ -43,6 +43,26 @@ def parse_broker_url(url: str) -> tuple[str, int]:
     return parsed.hostname, port
 
 
+#: The most agents one worker process hosts. paho waits on a client's sockets with
+#: select(), which cannot watch a descriptor numbered 1,024 or more, and each agent holds
+#: three (its connection and paho's wake-up pair): an agent past that never connects, and
+#: the fleet would wait for it until the no-progress limit. 300 leaves room for the
+#: process's own files.
+AGENTS_PER_WORKER = 300
+
+
+def workers_for(agents: int, asked: int) -> int:
+    """Worker processes for ``agents``: ``asked`` (at most one per agent), or more when
+    that would put over :data:`AGENTS_PER_WORKER` agents in one."""
+    needed = -(-agents // AGENTS_PER_WORKER)
+    if needed > asked:
+        log.warning(
+            "%d agents need %d worker processes (at most %d agents each), not %d",
+            agents, needed, AGENTS_PER_WORKER, asked,
+        )  # fmt: skip
+    return max(min(asked, agents), needed)
+
+
 @contextmanager
 def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
     """(host, port, broker pid or None): the external broker, else Mosquitto, else amqtt."""
@@ -134,7 +154,7 @@ def _run_mqtt_fleet(
             path = Path(tables["state_dir"]).parent / "agent.toml"
             path.write_text(to_toml({**tables, "mqtt": mqtt}))
             configs.append(path)
-        workers = min(spec.workers, len(configs))
+        workers = workers_for(len(configs), spec.workers)
         memory = FleetMemory()
         if broker_pid is not None:
             memory.pids.append(broker_pid)

@@ -30,6 +30,7 @@ from fleet.amqtt_broker import AmqttBroker
 from fleet.broker import MosquittoBroker, free_port
 from fleet.configs import to_toml
 from fleet.hosting import parse_broker_url
+from fleet.ledger import update_ledger
 from fleet.plots import plot_domains
 from fleet.report import build_report, markdown, to_json, train_note
 from fleet.runner import run
@@ -388,6 +389,9 @@ def test_three_clients_two_rounds_over_mosquitto_match_the_agents_records(
     }
     announced = dict(db.execute("SELECT round, length(announcement) FROM rounds"))
     db.close()
+    ledger = update_ledger(run_dir / "coordinator" / "coordinator.sqlite3",
+                           clients=list(run_["final"]), rounds=2)  # fmt: skip
+    assert ledger.exact and ledger.stored == 6
     for client, accs in run_["accuracy"].items():
         assert len(accs) == 2 and all(0.0 <= a <= 1.0 for a in accs)
         # The final figure is what the agent's saved head and prototypes really score.
@@ -897,3 +901,12 @@ def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosqu
             assert watcher._cond.wait_for(lambda: watcher.round == 2, timeout=30)
     finally:
         watcher.close()
+
+
+def test_no_worker_hosts_more_agents_than_pahos_select_can_watch() -> None:
+    from fleet.hosting import AGENTS_PER_WORKER, workers_for
+
+    assert workers_for(1000, 4) == 4  # 250 each
+    assert workers_for(3, 4) == 3  # never an idle worker
+    assert workers_for(1000, 2) == -(-1000 // AGENTS_PER_WORKER)
+    assert 3 * AGENTS_PER_WORKER < 1024  # three sockets an agent, under select()'s limit
