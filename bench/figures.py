@@ -34,6 +34,7 @@ FILES = tuple(
         "docs/privacy.md",
         "docs/deploy.md",
         "docs/export.md",
+        "docs/scale.md",
     )
 )
 BLOCK = re.compile(
@@ -53,6 +54,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "comparison": accuracy.comparison,
     "bench-table": performance.bench_table,
     "traffic": performance.traffic,
+    "scale": performance.scale,
 }
 
 

@@ -148,3 +148,42 @@ def reliability(r: Results) -> str:
         f"cost {num(lost)} honest updates; a 200-device MQTT fleet closes a round in "
         f"{num(round_s)} s (`make bench`: {where})."
     )
+
+
+#: Issue-level targets of the fleet-scale keys: (key, what it is, bound, at most?).
+SCALE_TARGETS = (
+    ("fleet.bytes_down_per_client_round_fedpcl_1000", "FedPCL bytes down per client and "
+     "round, 1,000 clients", 65_536, True),
+    ("fleet.bytes_total_fedavg_over_fedpcl", "FedAvg's bytes up + down over FedPCL's, "
+     "1,000 clients", 20, False),
+    ("fleet.memory_10k_round_s", "seconds per round, 10,000 FedPCL clients (vector "
+     "engine)", 60, True),
+    ("fleet.memory_10k_peak_mb", "peak MB of that run", 12_000, True),
+    ("fleet.speedup_vs_flower", "Flower's seconds per FedAvg round over ProtoFleet's, "
+     "1,000 clients", 10, False),
+    ("fleet.mqtt_1000_round_s", "seconds per round, 1,000 agents over Mosquitto", None, True),
+    ("fleet.mqtt_1000_peak_mb", "peak MB of every process of that run", None, True),
+    ("fleet.mqtt_1000_lost", "updates missing from the coordinator's database", 0, True),
+)  # fmt: skip
+
+
+def scale(r: Results) -> str:
+    """The fleet-scale keys against their targets (bench.vector_bench, mqtt_fleet_bench)."""
+    rows = ["| key | what | value | target | |", "|---|---|---:|---:|---|"]
+    where: list[str] = []
+    for key, what, bound, at_most in SCALE_TARGETS:
+        value = r.get(key)
+        target = "" if bound is None else f"{'<=' if at_most else '>='} {num(bound)}"
+        if value is None:
+            verdict = "not measured"
+        elif bound is None:
+            verdict = ""
+        else:
+            verdict = "met" if (value <= bound if at_most else value >= bound) else "missed"
+        rows.append(f"| `{key}` | {what} | {'-' if value is None else num(value)} | {target} "
+                    f"| {verdict} |")  # fmt: skip
+        section = r.section_of.get(key)
+        if section is not None and section not in where:
+            where.append(section)
+    runs = "; ".join(f"{s.removeprefix('bench.')}: {r.provenance(s)}" for s in where)
+    return "\n".join([f"`make bench` ({runs or 'not run'}).", "", *rows])

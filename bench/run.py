@@ -41,6 +41,8 @@ SUITES: dict[str, list[str]] = {
         "bench.export_bench",
         "bench.agent_bench",
         "bench.fleet_bench",
+        "bench.vector_bench",
+        "bench.mqtt_fleet_bench",
         "bench.privacy_bench",
         "bench.effnet_bench",
         "bench.effnet_fleet_bench",

@@ -51,6 +51,10 @@ class RoundRow:
     extensions: int = 0
 
 
+#: Bytes per database page (SQLite's largest).
+PAGE_SIZE = 65_536
+
+
 class Store:
     """A thread-safe handle on the coordinator database."""
 
@@ -58,6 +62,11 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            # Large pages for a table of large BLOBs (an update is 5 kB to 1.3 MB): at the
+            # default 4 KiB a FedAvg update spans hundreds of chained overflow pages, and
+            # writing a round of them took twice as long (1.35 vs 0.64 s for 1,000 x 270 kB
+            # in WAL mode on the development machine). Takes effect on a new database only.
+            self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
@@ -71,7 +80,9 @@ class Store:
                 self._db.execute(BACKFILL)
         except sqlite3.DatabaseError as exc:
             raise StateError(f"cannot open coordinator database {path}: {exc}") from exc
-        self._lock = threading.Lock()
+        # Re-entrant: a batch (below) holds it across the writes it groups.
+        self._lock = threading.RLock()
+        self._batching = False
         self.path = path
 
     def close(self) -> None:
@@ -84,6 +95,9 @@ class Store:
         and raise the error itself. SQLite rolls back on its own after some errors (a full
         disk among them); a ROLLBACK then fails with "no transaction is active", and
         raising that would hide the cause."""
+        if self._batching:
+            yield  # part of the batch's transaction
+            return
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
@@ -93,6 +107,18 @@ class Store:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("ROLLBACK")
             raise
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Every write inside in one transaction (one commit, not one per update): for a
+        driver that offers a thousand updates at once, the simulator's vector engine. An
+        error or a crash inside loses the whole batch, never part of it."""
+        with self._lock, self._transaction():
+            self._batching = True
+            try:
+                yield
+            finally:
+                self._batching = False
 
     def _one(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         row = self._db.execute(sql, args).fetchone()

@@ -105,6 +105,18 @@ def pretrain(
     return model.eval(), accuracy, time.perf_counter() - start
 
 
+def member_indices(members: tuple[str, ...] | None) -> list[int]:
+    """Positions in :data:`MEMBERS` of the names given (all when None); a ValueError names
+    the ones that do not exist."""
+    names = [m.name for m in MEMBERS]
+    if members is None:
+        return list(range(len(MEMBERS)))
+    unknown = [m for m in members if m not in names]
+    if unknown or not members:
+        raise ValueError(f"zoo members are {', '.join(names)}; got {', '.join(unknown) or 'none'}")
+    return sorted({names.index(m) for m in members})
+
+
 def build_zoo(
     out: Path,
     *,
@@ -112,12 +124,15 @@ def build_zoo(
     seed: int = 0,
     precision: Literal["fp32", "fp16", "int8"] = "fp32",
     progress_factory: Callable[[str, int], Any] | None = None,
+    members: tuple[str, ...] | None = None,
 ) -> tuple[Bundle, dict[str, Any]]:
-    """Pretrain the three zoo backbones and export them as a bundle in ``out``."""
+    """Pretrain the zoo backbones (all three, or the ``members`` named) and export them as
+    a bundle in ``out``. A member is the same network whichever others are built."""
     recipe = RECIPES[size]
+    chosen = member_indices(members)
     loaded: list[Loaded] = []
     accuracy: dict[str, Any] = {}
-    for i, member in enumerate(MEMBERS):
+    for i, member in ((i, MEMBERS[i]) for i in chosen):
         bar = (
             progress_factory(
                 f"pretrain {member.name} ({member.architecture} on {member.task})",
@@ -164,9 +179,7 @@ def build_zoo(
     # Real inputs of all three tasks: one set calibrates int8, another, held out, is what
     # parity and the quality report are measured on.
     def mix(base: int) -> tuple[np.ndarray, np.ndarray]:
-        parts = [
-            render.render_task(m.task, 64, seed=base + seed + i) for i, m in enumerate(MEMBERS)
-        ]
+        parts = [render.render_task(MEMBERS[i].task, 64, seed=base + seed + i) for i in chosen]
         labels = np.concatenate([p[1] + 100 * i for i, p in enumerate(parts)])
         return np.concatenate([p[0] for p in parts]), labels
 
@@ -180,7 +193,7 @@ def build_zoo(
         labels=labels,
         precision=precision,
         seed=seed,
-        extra={"zoo": {"size": size, "seed": seed}},
+        extra={"zoo": {"size": size, "seed": seed, "members": [MEMBERS[i].name for i in chosen]}},
     )
     report["source_tasks"] = accuracy
     return bundle, report

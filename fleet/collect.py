@@ -15,6 +15,11 @@ from runtime.cliutil import CommandFailed
 
 def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float) -> RunResult:
     """Read the run back from every agent's state.json and the coordinator's database."""
+    return RunResult(spec, client_records(spec, partition), round_seconds(spec), peak_mb, wall)
+
+
+def client_records(spec: RunSpec, partition: Partition) -> tuple[ClientRecord, ...]:
+    """Every agent's per-round record, from its state.json."""
     records = []
     for client in partition.clients:
         state_file = spec.out / "clients" / client.name / "state" / "state.json"
@@ -35,6 +40,11 @@ def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float)
                 bytes_down=tuple(int(h.get("bytes_down") or 0) for h in rows),
             )
         )
+    return tuple(records)
+
+
+def round_seconds(spec: RunSpec) -> tuple[float, ...]:
+    """Each round's wall time, from the coordinator's database."""
     database = database_in(coordinator_state_dir(spec))
     if not database.is_file():
         raise CommandFailed(f"no coordinator database at {database}")
@@ -46,4 +56,4 @@ def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float)
     for r, t, closed in rows:
         end = closed if closed is not None else opened.get(r + 1)
         seconds.append(float(end - t) if end is not None else float("nan"))
-    return RunResult(spec, tuple(records), tuple(seconds), peak_mb, wall)
+    return tuple(seconds)

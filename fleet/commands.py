@@ -92,14 +92,17 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     resolve_bundle(args)
     resolve_data_options(args)
     check_output_folder(args.out, option="--out")
-    if args.transport == "memory":
+    if args.transport != "mqtt":
+        name = args.transport
         if args.broker:
-            raise UsageError("--broker applies to --transport mqtt; the memory transport has none")
+            raise UsageError(f"--broker applies to --transport mqtt; the {name} transport has none")
         if args.workers is not None:
             raise UsageError(
-                "--workers applies to --transport mqtt; the memory transport runs every agent "
-                "in this one process"
+                f"--workers applies to --transport mqtt; the {name} transport runs every "
+                "client in this one process"
             )
+    if args.transport == "vector":
+        vector_options(args, method=method)
     if args.workers is None:
         args.workers = 2
     if args.broker:
@@ -108,7 +111,26 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
     return partition_for(args, seed)
 
 
+def vector_options(args: argparse.Namespace, *, method: str) -> None:
+    """What the vector engine does not implement, refused before anything starts."""
+    from fleet.vector_engine import VECTOR_METHODS
+
+    if method not in VECTOR_METHODS:
+        raise UsageError(
+            f"--transport vector trains {', '.join(VECTOR_METHODS)}; {method} needs "
+            "--transport memory or mqtt"
+        )
+    if getattr(args, "resume", False):
+        raise UsageError(
+            "--resume needs --transport memory or mqtt: the vector engine keeps no "
+            "per-device state to resume from"
+        )
+
+
 def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> dict[str, Path]:
+    if args.transport == "vector":
+        for method in methods:
+            vector_options(args, method=method)
     first = check_options(args, method=methods[0], seed=seeds[0])
     with hold_output_folder(args.out):  # after every check: a usage error leaves no folder
         return _sweep(args, methods, seeds, first)

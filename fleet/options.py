@@ -113,14 +113,19 @@ def add_common_options(
     fl.add_argument("--bundle", type=Path,
                     help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
     fl.add_argument("--backbone", choices=list(BACKBONES),
-                    help="what a missing --bundle is built as: zoo (glyph-pretrained, 32x32) or "
+                    help="what a missing --bundle is built as: zoo (three glyph-pretrained "
+                         "backbones, 32x32, 896-d), zoo-fontdigits (its 192-d digit CNN "
+                         "alone: heads a quarter the size, for fleets of 10,000) or "
                          "effnet-lite0 (ImageNet EfficientNet-Lite0, images resized to 224; the "
                          "imagenet extra) (default zoo)")  # fmt: skip
     fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
                     help="zoo to build when --bundle is missing (default full, ~5 min once)")  # fmt: skip
     tr = parser.add_argument_group("transport")
     tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
-                    help="mqtt: broker + processes; memory: one process, no broker (default mqtt)")  # fmt: skip
+                    help="mqtt: broker + processes; memory: one process, no broker; vector: every "
+                         "client trained as one batched computation (fedpcl, fedproto, solo, "
+                         "fedavg; no privacy mechanism, no --resume), for fleets of thousands "
+                         "(default mqtt)")  # fmt: skip
     tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
     tr.add_argument("--workers", type=int,
                     help="worker processes hosting the agents over mqtt (default 2)")  # fmt: skip

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from fleet.collect import collect
+from fleet.collect import collect, round_seconds
 from fleet.configs import agent_tables, coordinator_tables, fleet_keys, prototype_dim, to_toml
 from fleet.hosting import run_mqtt
 from fleet.inmemory import run_memory
@@ -39,6 +39,8 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     )
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    if spec.transport == "vector":
+        return _run_vector(spec, partition, bundle, started)
     agents: list[dict[str, Any]] = []
     keys = fleet_keys(spec.out / "keys", [c.name for c in partition.clients])
     for i, client in enumerate(partition.clients):
@@ -60,3 +62,27 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         peak = run_mqtt(spec, agents, coord)
     result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
     return replace(result, backbone_samples=samples)
+
+
+def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float) -> RunResult:
+    """No agent files or keys: the vector engine holds every client in this process."""
+    from fleet.vector_engine import VECTOR_METHODS
+    from fleet.vector_run import run_vector
+
+    if spec.method not in VECTOR_METHODS:
+        raise UsageError(
+            f"--transport vector trains {', '.join(VECTOR_METHODS)}; {spec.method} needs "
+            "--transport memory or mqtt"
+        )
+    if spec.privacy:
+        raise UsageError(
+            "the vector transport trains without a privacy mechanism: run privacy "
+            "experiments with --transport memory or mqtt"
+        )
+    coord = coordinator_tables(spec, bundle.id, partition.classes, len(partition.clients),
+                               dim=spec.out_dim, feature_dim=bundle.feature_dim)  # fmt: skip
+    # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
+    coord["security"] = {"insecure": True}
+    records, peak = run_vector(spec, partition, coord, bundle)
+    wall = time.perf_counter() - started
+    return RunResult(spec, tuple(records), round_seconds(spec), peak, wall)

@@ -13,7 +13,7 @@ from runtime.cliutil import UsageError
 from runtime.settings import ConfigError, build
 
 FLEET = "sim"
-TRANSPORTS = ("mqtt", "memory")
+TRANSPORTS = ("mqtt", "memory", "vector")
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,24 @@ def test_the_same_seed_gives_the_same_bundle(small_zoo, tmp_path):
 
     again, _ = build_zoo(tmp_path / "again", size="small", seed=0)
     assert again.id == bundle_mod.load(small_zoo).id
+
+
+def test_zoo_members_names_the_ones_that_exist(tmp_path):
+    result = edge_export("zoo", "--out", str(tmp_path / "z"), "--members", "fontdigits,nope")
+    assert result.returncode == 2
+    assert "letters, shapes, fontdigits; got nope" in result.stderr
+    assert not (tmp_path / "z").exists()
+
+
+@pytest.mark.slow
+def test_a_one_member_zoo_holds_the_same_network_as_the_whole_zoo(small_zoo, tmp_path):
+    from fleet.bundles import bundle_kind
+
+    out = tmp_path / "one"
+    result = edge_export("zoo", "--out", str(out), "--size", "small", "--members", "fontdigits")
+    assert result.returncode == 0, result.stderr
+    one, whole = bundle_mod.load(out), bundle_mod.load(small_zoo)
+    assert [m.name for m in one.members] == ["fontdigits"] and one.feature_dim == 256
+    (same,) = [m for m in whole.members if m.name == "fontdigits"]
+    assert one.members[0].sha256 == same.sha256
+    assert bundle_kind(one) == "zoo-fontdigits" and bundle_kind(whole) == "zoo"

@@ -1,0 +1,158 @@
+"""Fleets of thousands on the vector engine (``--transport vector``), each against the
+real coordinator round manager and SQLite store:
+
+- 10,000 FedPCL clients of 100 training images: seconds per round and peak memory, run in
+  a child process so its peak is its own (this process keeps what earlier sections held);
+- the traffic of FedPCL and FedAvg at 1,000 clients, up and down;
+- the same FedAvg workload (the same features, head, epochs and clients) in Flower's
+  simulation engine and here, side by side (the ``peer`` extra; skipped without it).
+
+The 10,000-client fleet uses the zoo's 192-d digit backbone alone: a client's head with
+its Adam moments is 3 x (D x 256) floats, 0.6 MB at D = 192 but 2.8 MB at the full zoo's
+D = 896, which for 10,000 clients would be 28 GB (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.export_bench import ensure_zoo
+
+ONE_BACKBONE = Path(__file__).resolve().parent / "zoo-fontdigits"
+TEN_K = {"clients": 10_000, "train": 100, "test": 20, "rounds": 3}
+
+
+def ensure_one_backbone() -> Path:
+    """The zoo's fontdigits CNN alone (192-d), built once (a few minutes)."""
+    from fleet.bundles import ensure_bundle
+
+    return ensure_bundle(ONE_BACKBONE, "full", backbone="zoo-fontdigits")
+
+
+def _steady(seconds: tuple[float, ...]) -> float:
+    """The median round after round 0 (whose announcement carries no prototypes yet)."""
+    later = sorted(t for t in seconds[1:] if not math.isnan(t)) or [seconds[0]]
+    return later[len(later) // 2]
+
+
+def pooled_features(bundle_path: Path, *, clients: int, train: int, test: int,
+                    pool: int = 50) -> Any:  # fmt: skip
+    """digits-5 feature shift through the bundle's backbones: ``pool`` clients rendered
+    (twice the images each client draws), ``clients`` drawn from them
+    (``FleetFeatures.pooled``)."""
+    from export import bundle as bundle_mod
+    from fleet.partition import digits5
+    from fleet.spec import RunSpec
+    from fleet.vector_run import features_of
+
+    spec = RunSpec(method="fedpcl", rounds=1, bundle=bundle_path, out=bundle_path,
+                   transport="vector")  # fmt: skip
+    base = digits5(clients=pool, split="feature", seed=0, train=2 * train, test=2 * test)
+    return features_of(spec, base, bundle_mod.load(bundle_path)).pooled(
+        clients=clients, train=train, test=test, seed=0
+    )
+
+
+def vector_fleet(
+    root: Path, *, bundle_path: Path, method: str, clients: int, train: int, test: int,
+    rounds: int, pool: int = 50,
+) -> dict[str, Any]:  # fmt: skip
+    """One vector-engine run on digits-5 feature shift, its clients pooled from ``pool``
+    rendered ones; its records, round times and this process's peak."""
+    from edge_agent.train_config import TrainConfig
+    from export import bundle as bundle_mod
+    from fleet.collect import round_seconds
+    from fleet.configs import coordinator_tables
+    from fleet.procmem import peak_self_mb, reset_peak
+    from fleet.spec import RunSpec
+    from fleet.vector_engine import VectorEngine
+    from fleet.vector_run import client_seeds, drive
+
+    reset_peak()
+    bundle = bundle_mod.load(bundle_path)
+    spec = RunSpec(method=method, rounds=rounds, bundle=bundle_path,
+                   out=root / f"{method}-{clients}", transport="vector")  # fmt: skip
+    data = pooled_features(bundle_path, clients=clients, train=train, test=test, pool=pool)
+    coord = coordinator_tables(spec, bundle.id, tuple(str(c) for c in range(10)), clients,
+                               dim=spec.out_dim, feature_dim=bundle.feature_dim)  # fmt: skip
+    coord["security"] = {"insecure": True}
+    seeds, init_seeds = client_seeds(spec, clients)
+    engine = VectorEngine(data=data, method=method, num_classes=10, cfg=TrainConfig(),
+                          seeds=seeds, init_seeds=init_seeds)  # fmt: skip
+    names = [f"client-{i:05d}" for i in range(clients)]
+    records = drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle.id)
+    last = records.scores["test_accuracy"][:, -1]
+    return {
+        "round_s": _steady(round_seconds(spec)),
+        "peak_mb": peak_self_mb(),
+        "final_mean": float(np.nanmean(last)) if np.isfinite(last).any() else float("nan"),
+        # Per client and round, in the round that moved the most (a steady round).
+        "bytes_up": float(records.bytes_up.mean(axis=0).max()),
+        "bytes_down": float(records.bytes_down.mean(axis=0).max()),
+    }
+
+
+def ten_thousand() -> dict[str, float]:
+    """The 10,000-client FedPCL figures, measured in a child process."""
+    done = subprocess.run([sys.executable, "-m", "bench.vector_bench", "ten-thousand"],
+                          stdout=subprocess.PIPE, text=True, check=True)  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "fleet.memory_10k_round_s": result["round_s"],
+        "fleet.memory_10k_peak_mb": result["peak_mb"],
+        "fleet.memory_10k_final_mean_acc": result["final_mean"],
+    }
+
+
+def traffic(root: Path) -> dict[str, float]:
+    """Bytes each way per client and round at 1,000 clients, full zoo."""
+    runs = {
+        method: vector_fleet(
+            root, bundle_path=ensure_zoo(), method=method, clients=1000, train=20, test=20, rounds=2
+        )
+        for method in ("fedpcl", "fedavg")
+    }
+    total = {m: r["bytes_up"] + r["bytes_down"] for m, r in runs.items()}
+    return {
+        "fleet.bytes_up_per_client_round_fedpcl_1000": runs["fedpcl"]["bytes_up"],
+        "fleet.bytes_down_per_client_round_fedpcl_1000": runs["fedpcl"]["bytes_down"],
+        "fleet.bytes_up_per_client_round_fedavg_1000": runs["fedavg"]["bytes_up"],
+        "fleet.bytes_down_per_client_round_fedavg_1000": runs["fedavg"]["bytes_down"],
+        "fleet.bytes_total_fedavg_over_fedpcl": total["fedavg"] / total["fedpcl"],
+    }
+
+
+def run() -> dict[str, float]:
+    out: dict[str, float] = {}
+    ensure_one_backbone()
+    out |= ten_thousand()
+    with tempfile.TemporaryDirectory(prefix="protofleet-vector-bench-") as tmp:
+        out |= traffic(Path(tmp))
+    from bench.peer_bench import side_by_side
+
+    out |= side_by_side()
+    return out
+
+
+def _child(argv: list[str]) -> int:
+    if argv != ["ten-thousand"]:
+        print("usage: python -m bench.vector_bench ten-thousand", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="protofleet-10k-") as tmp:
+        result = vector_fleet(Path(tmp), bundle_path=ensure_one_backbone(), method="fedpcl",
+                              clients=TEN_K["clients"], train=TEN_K["train"],
+                              test=TEN_K["test"], rounds=TEN_K["rounds"])  # fmt: skip
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,320 @@
+"""The vector engine: every client of a simulated fleet trained as one batched
+computation, with the agent's math (``edge_agent.train``) step for step.
+
+What a client does in a round is what its ``Agent`` does: take the announcement's
+guidance (and, for FedAvg, the averaged weights), shuffle its cached features with its own
+generator (seeded as the agent's), train E epochs of batches of 32 with Adam, embed its
+training set for its prototypes (FedPCL Eq. 5) and its test set for its scores. Here the
+clients of a chunk take each step together: one ``baddbmm`` for their first layers, one
+backward pass for their summed losses, one Adam update over the stack
+(:mod:`fleet.vector_heads`). tests/test_vector_engine.py holds the two paths to the same
+accuracies.
+
+The fleet's features are one matrix (:class:`FleetFeatures`): the backbones ran once per
+distinct image, and each client holds indices into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edge_agent import inference as inf
+from edge_agent.extras import WEIGHT_PREFIXES
+from edge_agent.head import local_prototypes
+from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
+from edge_agent.train import Guidance
+from edge_agent.train_config import CLASSIFIER_FREE, TrainConfig
+from fleet.vector_heads import HeadStack, Rows
+from fleet.vector_losses import GROUP_LOSSES
+
+#: The scores of a client's round, as fleet.evaluation.FleetEvaluator names them.
+SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier")
+
+#: The methods the engine trains (the others need per-client machinery it lacks: FPL's
+#: averaged model with cluster prototypes, FedDBP's second branch and Fisher scores).
+VECTOR_METHODS = tuple(sorted(GROUP_LOSSES))
+
+
+@dataclass(frozen=True)
+class FleetFeatures:
+    """The fleet's cached backbone features (U, D) float32, and per client the rows it
+    holds (``train_index``, ``test_index``) with their labels."""
+
+    features: np.ndarray
+    train_index: tuple[np.ndarray, ...]
+    train_labels: tuple[np.ndarray, ...]
+    test_index: tuple[np.ndarray, ...]
+    test_labels: tuple[np.ndarray, ...]
+
+    @property
+    def clients(self) -> int:
+        return len(self.train_index)
+
+    def pooled(self, *, clients: int, train: int, test: int, seed: int) -> FleetFeatures:
+        """``clients`` clients drawn from these ones: client i draws ``train`` of client
+        (i mod P)'s training rows and ``test`` of its test rows (seeded, without
+        replacement). For fleets of 10,000 at the cost of P clients' images: the
+        backbones run once per pooled image, and clients of one pool share samples."""
+        pool = self.clients
+        if (
+            min(len(i) for i in self.train_index) < train
+            or min(len(i) for i in self.test_index) < test
+        ):
+            raise ValueError(f"every pooled client needs {train} training and {test} test rows")
+        rng = np.random.default_rng(seed)
+        out: dict[str, list[np.ndarray]] = {n: [] for n in ("tr", "trl", "te", "tel")}
+        for i in range(clients):
+            j = i % pool
+            a = rng.choice(len(self.train_index[j]), size=train, replace=False)
+            b = rng.choice(len(self.test_index[j]), size=test, replace=False)
+            out["tr"].append(self.train_index[j][a])
+            out["trl"].append(self.train_labels[j][a])
+            out["te"].append(self.test_index[j][b])
+            out["tel"].append(self.test_labels[j][b])
+        return FleetFeatures(features=self.features, train_index=tuple(out["tr"]),
+                             train_labels=tuple(out["trl"]), test_index=tuple(out["te"]),
+                             test_labels=tuple(out["tel"]))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    """What one client's round produced: its prototypes (float32, the agent's local
+    prototypes) and counts, the release that leaves it, the trained weights an averaged
+    method sends, and its scores."""
+
+    protos: np.ndarray  # (C, d)
+    counts: np.ndarray  # (C,)
+    release_classes: np.ndarray
+    release_protos: np.ndarray
+    release_counts: np.ndarray
+    weights: dict[str, np.ndarray]
+    scores: dict[str, float | None]
+
+
+class VectorEngine:
+    def __init__(self, *, data: FleetFeatures, method: str, num_classes: int, cfg: TrainConfig,
+                 seeds: list[int], init_seeds: list[int], chunk: int = 256,
+                 evaluate: bool = True) -> None:  # fmt: skip
+        """``evaluate``: score every client on its test rows after each round (and on
+        what the coordinator returns); off, the scores are None and the round is the
+        training and the updates alone."""
+        if method not in GROUP_LOSSES:
+            raise ValueError(
+                f"the vector engine trains {', '.join(VECTOR_METHODS)}, not {method!r}: "
+                "run it with --transport memory or mqtt"
+            )
+        if len(seeds) != data.clients or len(init_seeds) != data.clients:
+            raise ValueError("one seed and one initial seed per client")
+        self.data, self.method, self.cfg, self.evaluate = data, method, cfg, evaluate
+        self.num_classes, self.chunk = num_classes, chunk
+        self.features = torch.from_numpy(np.ascontiguousarray(data.features, dtype=np.float32))
+        self.stack = HeadStack.initial(seeds=init_seeds, in_dim=data.features.shape[1],
+                                       num_classes=num_classes, cfg=cfg, method=method)  # fmt: skip
+        # The data order is public randomness from each client's seed, as an agent's.
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.loss = GROUP_LOSSES[method]
+        self.rule = inf.rule_of(method)
+        self.release = MECHANISMS["none"].release
+        # The prototypes each client holds (its last round's), for rules that need them.
+        self.local: list[tuple[np.ndarray, np.ndarray] | None] = [None] * data.clients
+
+    # -- a round ---------------------------------------------------------------------------
+
+    def train_round(self, guidance: Guidance) -> Iterator[tuple[int, ClientRound]]:
+        """Train every client one round; yield (client, its round) as each chunk ends."""
+        for rows in self.stack.chunks(self.chunk):
+            self._train_chunk(rows, guidance)
+            yield from self._finish_chunk(rows)
+
+    def _train_chunk(self, rows: Rows, guidance: Guidance) -> None:
+        cfg = self.cfg
+        for _ in range(cfg.epochs):
+            orders = [
+                torch.randperm(len(self.data.train_index[k]), generator=self.generators[k])
+                for k in range(rows.start, rows.stop)
+            ]
+            for group, order in _by_size(rows, orders):
+                n = len(order[0])
+                idx = torch.stack([torch.from_numpy(self.data.train_index[k]) for k in _ids(group)])
+                lab = torch.stack(
+                    [torch.from_numpy(self.data.train_labels[k]) for k in _ids(group)]
+                )
+                perm = torch.stack(order)
+                idx, lab = idx.gather(1, perm), lab.gather(1, perm)
+                for i in range(0, n, cfg.batch_size):
+                    cols = slice(i, min(i + cfg.batch_size, n))
+                    if cols.stop - cols.start < 2:
+                        continue  # BatchNorm cannot normalise a single sample
+                    self._step(group, self.features[idx[:, cols]], lab[:, cols], guidance)
+
+    def _step(self, rows: Rows, x: torch.Tensor, y: torch.Tensor, guidance: Guidance) -> None:
+        leaves = self.stack.leaves(rows)
+        z = self.stack.forward_train(leaves, rows, x)
+        logits = self.stack.logits(leaves, z) if self.stack.classifier else None
+        self.loss(z, logits, y, guidance, self.cfg).backward()
+        self.stack.step(rows, leaves)
+
+    def _finish_chunk(self, rows: Rows) -> Iterator[tuple[int, ClientRound]]:
+        data, num_classes = self.data, self.num_classes
+        ids = list(range(rows.start, rows.stop))
+        train_z, _ = self._embed(rows, [data.train_index[k] for k in ids])
+        tests = self._test_outputs(rows) if self.evaluate else None
+        # Every client's prototypes and release in one call each: client j's classes are
+        # slots j*C .. j*C + C-1 of one long class list, its samples in their own order,
+        # so each slot sums exactly what the client's own call would, in the same order.
+        sizes = np.array([len(data.train_index[k]) for k in ids])
+        groups, longest, dim = train_z.shape
+        held = np.arange(longest)[None, :] < sizes[:, None]  # (G, N): not padding
+        labels = np.zeros((groups, longest), np.int64)
+        for j, k in enumerate(ids):
+            labels[j, : sizes[j]] = data.train_labels[k]
+        slots = (np.arange(groups)[:, None] * num_classes + labels)[held]
+        z = train_z.reshape(groups * longest, dim)[torch.from_numpy(held.reshape(-1))]
+        protos_t, counts_t = local_prototypes(z, torch.from_numpy(slots), groups * num_classes)
+        protos = protos_t.view(groups, num_classes, dim).numpy()
+        counts = counts_t.view(groups, num_classes).numpy()
+        release = self.release(z.numpy(), slots, groups * num_classes, MechanismParams(), _NO_NOISE)
+        bounds = np.searchsorted(release.classes // num_classes, np.arange(groups + 1))
+        for j, k in enumerate(ids):
+            self.local[k] = (protos[j], counts[j])
+            scores = (
+                self._after_training(k, tests[j], protos[j], counts[j])
+                if tests is not None
+                else dict.fromkeys(SCORES)
+            )
+            part = slice(bounds[j], bounds[j + 1])
+            yield (
+                k,
+                ClientRound(
+                    protos=protos[j],
+                    counts=counts[j],
+                    release_classes=release.classes[part] - j * num_classes,
+                    release_protos=release.prototypes[part],
+                    release_counts=release.counts[part],
+                    weights=self._weights(k) if self.method == "fedavg" else {},
+                    scores=scores,
+                ),
+            )
+
+    def _embed(
+        self, rows: Rows, index: list[np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eval-mode (z, logits) of each client's rows, padded to the longest (padding
+        rows hold sample 0 and are cut by the caller)."""
+        longest = max(len(i) for i in index)
+        padded = np.zeros((len(index), longest), np.int64)
+        for j, i in enumerate(index):
+            padded[j, : len(i)] = i
+        return self.stack.forward_eval(rows, self.features[torch.from_numpy(padded)])
+
+    def _test_outputs(self, rows: Rows) -> list[inf.Outputs]:
+        """Each client's model outputs on its test rows."""
+        index = [self.data.test_index[k] for k in range(rows.start, rows.stop)]
+        z, logits = self._embed(rows, index)
+        # A method without a classifier has no logits; its rules never read them.
+        return [
+            inf.Outputs(
+                z=z[j, : len(i)].numpy(),
+                logits=(
+                    logits[j, : len(i)].numpy()
+                    if logits is not None
+                    else np.zeros((len(i), self.num_classes), np.float32)
+                ),
+            )
+            for j, i in enumerate(index)
+        ]
+
+    def _weights(self, k: int) -> dict[str, np.ndarray]:
+        """``edge_agent.extras.model_weights`` of client k."""
+        return {
+            key: a for key, a in self.stack.arrays_of(k).items() if key.startswith(WEIGHT_PREFIXES)
+        }
+
+    # -- scores, as fleet.evaluation.FleetEvaluator gives them -----------------------------
+
+    def _after_training(
+        self, k: int, out: inf.Outputs, protos: np.ndarray, counts: np.ndarray
+    ) -> dict[str, float | None]:
+        refs = inf.References(local=protos, local_present=counts > 0)
+        labels = self.data.test_labels[k]
+        prototype = _accuracy(inf.RULES["local_prototype_cosine"], out, refs, labels)
+        classifier = (
+            None
+            if self.method in CLASSIFIER_FREE
+            else _accuracy(inf.RULES["classifier"], out, refs, labels)
+        )
+        own = None if self.rule.from_server else _accuracy(self._predict, out, refs, labels)
+        return {
+            "test_accuracy": own,
+            "test_accuracy_prototype": prototype,
+            "test_accuracy_classifier": classifier,
+        }
+
+    def _predict(self, out: inf.Outputs, refs: inf.References) -> inf.Prediction:
+        return inf.predict(self.method, out, refs)
+
+    def adopt(self, extras: Mapping[str, np.ndarray]) -> None:
+        """FedAvg: every client continues from the announced average (the weights that
+        fit, as ``edge_agent.extras.load_weights``)."""
+        state = self.stack.state_of(0)
+        fitting = {
+            key: torch.from_numpy(np.array(a, dtype=np.float32))
+            for key, a in extras.items()
+            if key in state and tuple(state[key].shape) == a.shape
+        }
+        if fitting:
+            self.stack.load(slice(None), fitting)
+
+    def from_server(self, globals_: tuple[np.ndarray, np.ndarray] | None) -> list[float | None]:
+        """Each client's own score on what the coordinator returned (the averaged model
+        just adopted, or the global prototypes), with its last round's local prototypes."""
+        scores: list[float | None] = []
+        data = self.data
+        for rows in self.stack.chunks(self.chunk):
+            if not self.evaluate:
+                scores += [None] * (rows.stop - rows.start)
+                continue
+            outputs = self._test_outputs(rows)
+            for j, k in enumerate(range(rows.start, rows.stop)):
+                out = outputs[j]
+                local = self.local[k]
+                refs = inf.References(
+                    local=None if local is None else local[0],
+                    local_present=None if local is None else local[1] > 0,
+                    global_=None if globals_ is None else globals_[0],
+                    global_present=None if globals_ is None else globals_[1],
+                )
+                scores.append(_accuracy(self._predict, out, refs, data.test_labels[k]))
+        return scores
+
+
+_NO_NOISE = np.random.default_rng(0)  # the exact release draws nothing
+
+
+def _accuracy(rule: inf.Rule, out: inf.Outputs, refs: inf.References,
+              labels: np.ndarray) -> float | None:  # fmt: skip
+    try:
+        return inf.accuracy(rule(out, refs), labels)
+    except inf.MissingReference:
+        return None
+
+
+def _ids(rows: Rows) -> list[int]:
+    return list(range(rows.start, rows.stop)) if rows.index is None else rows.index.tolist()
+
+
+def _by_size(rows: Rows, orders: list[torch.Tensor]) -> Iterator[tuple[Rows, list[torch.Tensor]]]:
+    """The chunk's clients grouped by training-set size (one batch schedule per group): the
+    whole chunk as views when every client holds as many samples, else an index per size."""
+    sizes = [len(o) for o in orders]
+    if len(set(sizes)) == 1:
+        yield rows, orders
+        return
+    for size in sorted(set(sizes)):
+        members = [j for j, s in enumerate(sizes) if s == size]
+        index = torch.tensor([rows.start + j for j in members], dtype=torch.long)
+        yield Rows(rows.start, rows.stop, index), [orders[j] for j in members]

@@ -1,0 +1,220 @@
+"""The ``vector`` transport: a whole fleet trained by the vector engine
+(:mod:`fleet.vector_engine`) against the real coordinator round manager and SQLite
+store, in this process, the updates and announcements passing as wire bytes under the
+deployed payload limits.
+
+What differs from ``--transport memory``: no ``Agent`` objects, state folders or key
+files (the updates are unsigned, as a coordinator without a ``[security]`` table takes
+them), and a run cannot resume; what is the same: every client's math, the coordinator's
+aggregation and the records the report reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edge_agent.train_config import TrainConfig
+from fleet.partition import Partition
+from fleet.procmem import peak_self_mb, reset_peak
+from fleet.progress import log_round, progress_bar
+from fleet.spec import FLEET, ClientRecord, RunSpec, train_table
+from fleet.vector_engine import SCORES, FleetFeatures, VectorEngine
+from runtime.faults import crash_point
+
+
+@dataclass
+class Records:
+    """Per client and round: the three scores and the bytes each way (NaN: none)."""
+
+    clients: int
+    rounds: int
+    scores: dict[str, np.ndarray] = field(init=False)
+    bytes_up: np.ndarray = field(init=False)
+    bytes_down: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.clients, self.rounds)
+        self.scores = {n: np.full(shape, np.nan) for n in SCORES}
+        self.bytes_up = np.zeros(shape, np.int64)
+        self.bytes_down = np.zeros(shape, np.int64)
+
+    def set(self, k: int, r: int, scores: dict[str, float | None]) -> None:
+        if r < self.rounds:
+            for name, value in scores.items():
+                self.scores[name][k, r] = np.nan if value is None else value
+
+    def client(self, k: int, *, name: str, domain: str) -> ClientRecord:
+        def col(a: np.ndarray) -> tuple[float | None, ...]:
+            return tuple(None if np.isnan(v) else float(v) for v in a[k])
+
+        return ClientRecord(
+            name=name,
+            domain=domain,
+            accuracy=col(self.scores["test_accuracy"]),
+            accuracy_prototype=col(self.scores["test_accuracy_prototype"]),
+            accuracy_classifier=col(self.scores["test_accuracy_classifier"]),
+            bytes_up=tuple(int(b) for b in self.bytes_up[k]),
+            bytes_down=tuple(int(b) for b in self.bytes_down[k]),
+        )
+
+
+def drive(
+    engine: VectorEngine,
+    *,
+    spec: RunSpec,
+    names: list[str],
+    coord: dict[str, Any],
+    bundle_id: str,
+) -> Records:
+    """Run ``spec.rounds`` rounds of ``engine``'s clients against a coordinator built from
+    ``coord`` (its tables); every client's scores and traffic per round."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.store import Store
+    from edge_agent.inference import dense_globals
+    from edge_agent.train import Guidance
+    from protocol import DEFAULT_MAX_PAYLOAD_BYTES, PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+    from protocol.weights import AVERAGED
+    from runtime.settings import build
+
+    cfg = build(CoordinatorConfig, coord)
+    records = Records(len(names), spec.rounds)
+    method, num_classes = engine.method, engine.num_classes
+    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+    try:
+        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
+        with progress_bar(spec, spec.rounds * len(names), f"{method}: client-rounds",
+                          "client") as bar:  # fmt: skip
+            while True:
+                wire = manager.announcement.to_wire()
+                # Decoded under the agents' deployed limit, as a device would.
+                announcement = RoundAnnouncement.from_wire(
+                    wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
+                )
+                round_ = announcement.round
+                if method in AVERAGED:
+                    engine.adopt(announcement.extras)
+                if engine.rule.from_server and round_ >= 1:
+                    globals_ = (
+                        dense_globals(
+                            announcement,
+                            client=names[0],
+                            num_classes=num_classes,
+                            dim=engine.cfg.out_dim,
+                        )
+                        if engine.rule.prototypes == "global"
+                        else None
+                    )
+                    for k, score in enumerate(engine.from_server(globals_)):
+                        records.set(k, round_ - 1, {"test_accuracy": score})
+                if manager.done:
+                    break
+                guidance = Guidance.from_announcement(announcement, client=names[0],
+                                                      dim=engine.cfg.out_dim)  # fmt: skip
+                pending: list[tuple[int, bytes]] = []
+                for k, result in engine.train_round(guidance):
+                    update = PrototypeUpdate(
+                        fleet=FLEET, round=round_, client=names[k], bundle=bundle_id,
+                        method=method,
+                        classes=tuple(int(c) for c in result.release_classes),
+                        counts=tuple(int(c) for c in result.release_counts),
+                        prototypes=result.release_protos.astype(np.float16),
+                        extras=result.weights, privacy=PrivacyMeta(),
+                    )  # fmt: skip
+                    pending.append((k, update.to_wire()))
+                    records.set(k, round_, result.scores)
+                    records.bytes_down[k, round_] = len(wire)
+                    if len(pending) == OFFER_BATCH:
+                        _offer(manager, store, pending, names, records, round_)
+                        bar.update(len(pending))
+                        pending = []
+                _offer(manager, store, pending, names, records, round_)
+                bar.update(len(pending))
+                if manager.poll() is None:
+                    raise RuntimeError(f"round {round_} did not close")
+                log_round(spec, round_ + 1)
+                crash_point(f"fleet:{method}:round_closed")
+    finally:
+        store.close()
+    return records
+
+
+#: Updates stored per transaction: one commit per update would be most of a round's time.
+OFFER_BATCH = 256
+
+
+def _offer(manager: Any, store: Any, pending: list[tuple[int, bytes]], names: list[str],
+           records: Records, round_: int) -> None:  # fmt: skip
+    with store.batch():
+        for k, payload in pending:
+            outcome = manager.offer(payload, topic_client=names[k])
+            if not outcome.accepted:
+                raise RuntimeError(f"the coordinator rejected {names[k]}: {outcome.reason}")
+            records.bytes_up[k, round_] = len(payload)
+
+
+def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatures:
+    """Every client's images through the bundle's backbones once (through the shared
+    feature cache when the run has one, so a compare's runs share it), as one matrix."""
+    from edge_agent.data import to_nchw_float
+    from edge_agent.features import FeatureCache
+    from export.runtime import BackboneRuntime, RuntimeSettings
+
+    runtime = BackboneRuntime(bundle, settings=RuntimeSettings(intra_op_threads=1))
+    cache = FeatureCache(spec.feature_cache, shared=True) if spec.feature_cache else None
+    parts: list[np.ndarray] = []
+    train_index: list[np.ndarray] = []
+    test_index: list[np.ndarray] = []
+    offset = 0
+    with progress_bar(spec, len(partition.clients), f"{spec.method}: features", "client") as bar:
+        for client in partition.clients:
+            for images, labels, into in ((client.train_x, client.train_y, train_index),
+                                         (client.test_x, client.test_y, test_index)):  # fmt: skip
+                x = to_nchw_float(images, source=client.name)
+                y = np.asarray(labels, np.int64)
+                rows = (
+                    cache.features(bundle.id, x, runtime.extract, dim=runtime.feature_dim, labels=y)
+                    if cache is not None
+                    else runtime.extract(x)
+                )
+                parts.append(np.asarray(rows, np.float32))
+                into.append(np.arange(offset, offset + len(y)))
+                offset += len(y)
+            bar.update()
+    return FleetFeatures(
+        features=np.concatenate(parts),
+        train_index=tuple(train_index),
+        train_labels=tuple(np.asarray(c.train_y, np.int64) for c in partition.clients),
+        test_index=tuple(test_index),
+        test_labels=tuple(np.asarray(c.test_y, np.int64) for c in partition.clients),
+    )
+
+
+def client_seeds(spec: RunSpec, clients: int) -> tuple[list[int], list[int]]:
+    """(seeds, initial seeds) as fleet.configs.agent_tables gives the agents."""
+    from protocol.weights import AVERAGED
+
+    seeds = [spec.seed * 100_003 + i for i in range(clients)]
+    return seeds, [spec.seed] * clients if spec.method in AVERAGED else seeds
+
+
+def run_vector(
+    spec: RunSpec, partition: Partition, coord: dict[str, Any], bundle: Any
+) -> tuple[list[ClientRecord], float]:
+    """The run's client records and this process's peak resident MiB."""
+    from runtime.settings import build
+
+    reset_peak()
+    data = features_of(spec, partition, bundle)
+    seeds, init_seeds = client_seeds(spec, data.clients)
+    engine = VectorEngine(data=data, method=spec.method, num_classes=len(partition.classes),
+                          cfg=build(TrainConfig, train_table(spec), prefix="train."),
+                          seeds=seeds, init_seeds=init_seeds)  # fmt: skip
+    names = [c.name for c in partition.clients]
+    records = drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle.id)
+    out = [records.client(k, name=c.name, domain=c.domain) for k, c in enumerate(partition.clients)]
+    return out, peak_self_mb()

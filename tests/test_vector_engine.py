@@ -1,0 +1,128 @@
+"""The vector engine against the agent: the same fleet run through ``Agent`` objects
+(--transport memory) and as one batched computation (--transport vector) gives every
+client the same scores, round after round; and its pieces against the agent's own."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
+from edge_agent.train_config import TrainConfig
+from fleet import partition as part
+from fleet import runner
+from fleet.spec import RunSpec
+from fleet.vector_engine import VECTOR_METHODS, FleetFeatures, VectorEngine
+from fleet.vector_heads import HeadStack, Rows
+from runtime.cliutil import UsageError
+
+
+def _scores(result: runner.RunResult) -> list[tuple[float | None, ...]]:
+    return [c.accuracy + c.accuracy_prototype + c.accuracy_classifier for c in result.clients]
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, abs_tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", VECTOR_METHODS)
+def test_the_vector_engine_scores_every_client_as_its_agent_does(
+    method: str, small_zoo: Path, tmp_path: Path
+) -> None:
+    # Two sizes of training set: the engine's ragged path (clients grouped by size) too.
+    partition = part.digits5(clients=8, split="feature", seed=4, train=40, test=30)
+    short = part.ClientData(**{**partition.clients[1].__dict__,
+                               "train_x": partition.clients[1].train_x[:33],
+                               "train_y": partition.clients[1].train_y[:33]})  # fmt: skip
+    clients = list(partition.clients)
+    clients[1] = short
+    partition = part.Partition(tuple(clients), partition.classes, partition.description)
+    results = {}
+    for transport in ("memory", "vector"):
+        spec = RunSpec(method=method, rounds=3, bundle=small_zoo, out=tmp_path / transport,
+                       transport=transport, out_dim=32, progress=False)  # fmt: skip
+        results[transport] = runner.run(spec, partition)
+    memory, vector = (_scores(results[t]) for t in ("memory", "vector"))
+    assert any(v is not None for row in vector for v in row)
+    for m_row, v_row in zip(memory, vector, strict=True):
+        assert all(_close(a, b) for a, b in zip(m_row, v_row, strict=True)), (m_row, v_row)
+    # The same updates, but unsigned: each smaller by one signature envelope's size.
+    overheads = {
+        mu - vu
+        for m, v in zip(results["memory"].clients, results["vector"].clients, strict=True)
+        for mu, vu in zip(m.bytes_up, v.bytes_up, strict=True)
+    }
+    assert len(overheads) == 1 and 0 < overheads.pop() < 200
+    assert all(d > 0 for c in results["vector"].clients for d in c.bytes_down)
+
+
+def test_a_group_step_equals_the_agents_step_weight_for_weight() -> None:
+    """Three clients, one of them ragged, two rounds of FedPCL against announced sets and
+    of FedProto: the stack's weights after training match each agent's LocalModel."""
+    rng = np.random.default_rng(0)
+    cfg = TrainConfig(out_dim=32, batch_size=8)
+    num_classes, dim = 3, 96
+    sizes = [20, 20, 13]
+    features = rng.normal(size=(sum(sizes), dim)).astype(np.float32)
+    starts = np.cumsum([0, *sizes])
+    train_index = tuple(np.arange(a, b) for a, b in itertools.pairwise(starts))
+    labels = tuple(rng.integers(0, num_classes, size=n) for n in sizes)
+    data = FleetFeatures(features=features, train_index=train_index, train_labels=labels,
+                         test_index=train_index, test_labels=labels)  # fmt: skip
+    protos = torch.nn.functional.normalize(torch.randn(num_classes, cfg.out_dim), dim=1)
+    guidance = Guidance(global_protos=protos, global_present=torch.tensor([True, True, False]),
+                        local_sets=protos[None].repeat(2, 1, 1) * 0.5,
+                        local_present=torch.ones(2, num_classes, dtype=torch.bool))  # fmt: skip
+    for method in ("fedpcl", "fedproto"):
+        seeds = [11, 12, 13]
+        engine = VectorEngine(data=data, method=method, num_classes=num_classes, cfg=cfg,
+                              seeds=seeds, init_seeds=seeds)  # fmt: skip
+        for _ in range(2):
+            list(engine.train_round(guidance))
+        for k, seed in enumerate(seeds):
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                model = LocalModel(in_dim=dim, num_classes=num_classes, cfg=cfg)
+            optimiser = make_optimiser(model, cfg)
+            generator = torch.Generator().manual_seed(seed)
+            for _ in range(2):
+                train_round(model, optimiser, features[train_index[k]], labels[k], method=method,
+                            guidance=guidance, cfg=cfg, generator=generator)  # fmt: skip
+            stacked = engine.stack.state_of(k)
+            for key, value in model.state_dict().items():
+                if key.startswith("classifier") and method == "fedpcl":
+                    continue
+                assert torch.allclose(stacked[key].to(value.dtype), value, atol=1e-5), (
+                    method,
+                    k,
+                    key,
+                )
+
+
+def test_the_stack_round_trips_a_models_state() -> None:
+    cfg = TrainConfig(out_dim=4)
+    stack = HeadStack.initial(seeds=[3, 4], in_dim=5, num_classes=2, cfg=cfg, method="solo")
+    torch.manual_seed(4)
+    model = LocalModel(in_dim=5, num_classes=2, cfg=cfg)
+    for key, value in model.state_dict().items():
+        assert torch.equal(stack.state_of(1)[key], value), key
+    assert not torch.equal(stack.state_of(0)["head.fc.weight"], model.head.fc.weight_t.t())
+    assert Rows(0, 2).take(stack.params["b"]).shape == (2, 4)
+
+
+def test_methods_the_engine_lacks_are_refused_with_a_reason(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    partition = part.digits5(clients=2, split="feature", seed=0, train=8, test=4)
+    spec = RunSpec(method="feddbp", rounds=1, bundle=small_zoo, out=tmp_path / "x",
+                   transport="vector", out_dim=8, progress=False)  # fmt: skip
+    with pytest.raises(UsageError, match="--transport memory or mqtt"):
+        runner.run(spec, partition)
