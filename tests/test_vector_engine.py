@@ -126,3 +126,24 @@ def test_methods_the_engine_lacks_are_refused_with_a_reason(
                    transport="vector", out_dim=8, progress=False)  # fmt: skip
     with pytest.raises(UsageError, match="--transport memory or mqtt"):
         runner.run(spec, partition)
+
+
+@pytest.mark.slow
+def test_edge_fleet_run_on_the_vector_transport_writes_its_report(
+    small_zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from fleet.cli import build_parser
+    from fleet.commands import cmd_run
+
+    out = tmp_path / "out"
+    argv = ["run", "--transport", "vector", "--method", "fedpcl", "--bundle", str(small_zoo),
+            "--rounds", "2", "--clients", "3", "--train", "20", "--test", "10",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert cmd_run(build_parser().parse_args(argv)) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["backbone_contribution"] is None  # no device state to read it from
+    assert 0.0 <= report["methods"]["fedpcl"]["final_mean"] <= 1.0
+    assert not (out / "backbone_contribution.png").exists()
+    assert "report.json" in capsys.readouterr().out
