@@ -169,7 +169,7 @@ def _sweep(
     # The contribution heatmap of the first federated method that ran (FedPCL if present).
     heat_method = next((m for m in ("fedpcl", *methods) if m in results), methods[0])
     run0 = results[heat_method][seeds[0]]
-    extra = {}
+    extra: dict[str, Path] = {}
     if run0.spec.transport == "vector":
         # The heat map reads each device's saved head; the vector engine saves none.
         document["backbone_contribution"] = None
