@@ -113,6 +113,8 @@ def drive(
                         records.set(k, round_ - 1, {"test_accuracy": score})
                 if manager.done:
                     break
+                # One client's view serves every client: the engine's methods announce one
+                # global set to all (FedDBP's personalised sets are why it is not among them).
                 guidance = Guidance.from_announcement(announcement, client=names[0],
                                                       dim=engine.cfg.out_dim)  # fmt: skip
                 pending: list[tuple[int, bytes]] = []
