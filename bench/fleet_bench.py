@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.export_bench import ZOO, ensure_zoo
@@ -22,11 +23,20 @@ def _fleet(root: Path, *, clients: int, rounds: int, transport: str, method: str
     return run_summary(runner.run(spec, partition))
 
 
-def _steady_round_s(summary: dict) -> float:
-    # Round 0 includes nothing extra (agents start before it), but take the median to keep
-    # one slow fsync burst from deciding the figure.
-    times = sorted(t for t in summary["round_seconds"] if not math.isnan(t))
+def median_round_s(seconds: Sequence[float], *, after_first: bool = False) -> float:
+    """The median round (unclosed rounds, NaN, left out), so one slow fsync burst does not
+    decide a figure; ``after_first`` leaves out round 0 too (FedPCL's announces no
+    prototypes yet) when later rounds exist."""
+    times = [t for t in seconds if not math.isnan(t)]
+    if after_first and len(seconds) > 1:
+        times = [t for t in seconds[1:] if not math.isnan(t)] or times
+    times.sort()
     return times[len(times) // 2]
+
+
+def _steady_round_s(summary: dict) -> float:
+    # Round 0 includes nothing extra (agents start before it).
+    return median_round_s(summary["round_seconds"])
 
 
 def run() -> dict[str, float]:

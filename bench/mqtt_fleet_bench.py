@@ -10,13 +10,13 @@ four worker processes beside the coordinator and the broker.
 
 from __future__ import annotations
 
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.export_bench import ZOO, ensure_zoo
+from bench.fleet_bench import median_round_s
 from fleet import runner
 from fleet.ledger import run_ledger
 from fleet.partition import digits5
@@ -26,12 +26,6 @@ from fleet.spec import RunSpec
 CLIENTS = 1000
 ROUNDS = 3
 WORKERS = 4
-
-
-def _median_round_s(seconds: list[float]) -> float:
-    # As fleet_bench's steady round: the median, so one slow fsync burst does not decide.
-    times = sorted(t for t in seconds if not math.isnan(t))
-    return times[len(times) // 2]
 
 
 def run() -> dict[str, float]:
@@ -52,7 +46,7 @@ def run() -> dict[str, float]:
         file=sys.stderr,
     )
     return {
-        "fleet.mqtt_1000_round_s": _median_round_s(summary["round_seconds"]),
+        "fleet.mqtt_1000_round_s": median_round_s(summary["round_seconds"]),
         "fleet.mqtt_1000_peak_mb": summary["peak_mb"],
         "fleet.mqtt_1000_lost": float(ledger.lost),
     }

@@ -7,11 +7,11 @@ it the key is skipped and said to be, never filled from an earlier run."""
 from __future__ import annotations
 
 import hashlib
-import math
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.fleet_bench import median_round_s
 from bench.peer_workload import Workload
 
 #: The workload of ``fleet.speedup_vs_flower``.
@@ -58,8 +58,7 @@ def protofleet_round_seconds(workload: Workload, *, rounds: int, root: Path) -> 
                           evaluate=False)  # fmt: skip
     names = [f"client-{i:05d}" for i in range(data.clients)]
     drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle_id)
-    times = sorted(t for t in round_seconds(spec)[1:] if not math.isnan(t))
-    return times[len(times) // 2]
+    return median_round_s(round_seconds(spec), after_first=True)
 
 
 def side_by_side() -> dict[str, float]:

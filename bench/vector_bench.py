@@ -15,7 +15,6 @@ D = 896, which for 10,000 clients would be 28 GB (docs/scale.md).
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.export_bench import ensure_zoo
+from bench.fleet_bench import median_round_s
 
 ONE_BACKBONE = Path(__file__).resolve().parent / "zoo-fontdigits"
 TEN_K = {"clients": 10_000, "train": 100, "test": 20, "rounds": 3}
@@ -35,12 +35,6 @@ def ensure_one_backbone() -> Path:
     from fleet.bundles import ensure_bundle
 
     return ensure_bundle(ONE_BACKBONE, "full", backbone="zoo-fontdigits")
-
-
-def _steady(seconds: tuple[float, ...]) -> float:
-    """The median round after round 0 (whose announcement carries no prototypes yet)."""
-    later = sorted(t for t in seconds[1:] if not math.isnan(t)) or [seconds[0]]
-    return later[len(later) // 2]
 
 
 def pooled_features(bundle_path: Path, *, clients: int, train: int, test: int,
@@ -91,7 +85,7 @@ def vector_fleet(
     records = drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle.id)
     last = records.scores["test_accuracy"][:, -1]
     return {
-        "round_s": _steady(round_seconds(spec)),
+        "round_s": median_round_s(round_seconds(spec), after_first=True),
         "peak_mb": peak_self_mb(),
         "final_mean": float(np.nanmean(last)) if np.isfinite(last).any() else float("nan"),
         # Per client and round, in the round that moved the most (a steady round).

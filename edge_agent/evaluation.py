@@ -45,11 +45,17 @@ class Evaluator:
         rule its validation split chose, and trains its classifier whatever the method."""
         out = inf.outputs_of(model, self.features)
         refs = inf.References(local=protos, local_present=counts > 0)
-        by_rule = inf.RULES
+        return self.scores(out, refs, rule=rule)
+
+    def scores(
+        self, out: inf.Outputs, refs: inf.References, *, rule: str | None = None
+    ) -> dict[str, Any]:
+        """:meth:`after_training`'s figures from the outputs on the test split, already
+        computed (the simulator's vector engine computes a fleet's at once)."""
         if rule is not None:
-            own = self._accuracy(by_rule[rule], out, refs)
+            own = self._accuracy(inf.RULES[rule], out, refs)
         else:
-            own = None if self.rule.from_server else self._own(out, refs)
+            own = None if self.rule.from_server else self.own(out, refs)
         return {"test_accuracy": own} | self.comparisons(out, refs, rule=rule)
 
     def comparisons(
@@ -63,9 +69,10 @@ class Evaluator:
         """The method's own figure on the model and prototypes the device holds once the
         coordinator's output is adopted: exactly what ``edge-agent predict`` uses."""
         out = inf.outputs_of(model, self.features)
-        return {"test_accuracy": self._own(out, inf.stored_references(state))}
+        return {"test_accuracy": self.own(out, inf.stored_references(state))}
 
-    def _own(self, out: inf.Outputs, refs: inf.References) -> float | None:
+    def own(self, out: inf.Outputs, refs: inf.References) -> float | None:
+        """The method's own figure, by the rule ``edge-agent predict`` uses."""
         # inference.predict: the very function `edge-agent predict` calls.
         return self._accuracy(lambda o, r: inf.predict(self.method, o, r), out, refs)
 

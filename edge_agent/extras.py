@@ -4,6 +4,7 @@ Fisher scores."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,12 +50,16 @@ def model_weights(model: LocalModel) -> dict[str, np.ndarray]:
 def load_weights(model: LocalModel, extras: Any) -> bool:
     """Load the announced arrays that fit ``model``; whether there were any (FPL's
     announcement always has extras, its cluster prototypes, the weights not always)."""
-    state = model.state_dict()
-    fitting = {
+    fitting = fitting_weights(model.state_dict(), extras)
+    if fitting:
+        model.load_state_dict(fitting, strict=False)
+    return bool(fitting)
+
+
+def fitting_weights(state: Mapping[str, torch.Tensor], extras: Any) -> dict[str, torch.Tensor]:
+    """The announced arrays named and shaped as entries of ``state``, as float32 tensors."""
+    return {
         k: torch.from_numpy(np.array(a, dtype=np.float32))
         for k, a in extras.items()
         if k in state and tuple(state[k].shape) == a.shape
     }
-    if fitting:
-        model.load_state_dict(fitting, strict=False)
-    return bool(fitting)

@@ -113,13 +113,11 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
 
 def vector_options(args: argparse.Namespace, *, method: str) -> None:
     """What the vector engine does not implement, refused before anything starts."""
-    from fleet.vector_engine import VECTOR_METHODS
+    from fleet.vector_engine import unsupported
 
-    if method not in VECTOR_METHODS:
-        raise UsageError(
-            f"--transport vector trains {', '.join(VECTOR_METHODS)}; {method} needs "
-            "--transport memory or mqtt"
-        )
+    refusal = unsupported(method)
+    if refusal is not None:
+        raise UsageError(refusal)
     if getattr(args, "resume", False):
         raise UsageError(
             "--resume needs --transport memory or mqtt: the vector engine keeps no "

@@ -33,6 +33,18 @@ def to_toml(tables: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def agent_seed(spec: RunSpec, index: int) -> int:
+    """The run's seed for its ``index``-th device (data order, and its head's start)."""
+    return spec.seed * 100_003 + index
+
+
+def initial_seed(spec: RunSpec, index: int) -> int:
+    """The seed a device's head starts from: averaged models start from one head, as a
+    server-initialised model would; every other method's devices start apart, as
+    independent devices do."""
+    return spec.seed if spec.method in AVERAGED else agent_seed(spec, index)
+
+
 def agent_tables(
     spec: RunSpec, client: ClientData, root: Path, classes: tuple[str, ...], index: int
 ) -> dict[str, Any]:
@@ -44,9 +56,7 @@ def agent_tables(
         "bundle": str(spec.bundle),
         "method": spec.method,
         "classes": list(classes),
-        "seed": spec.seed * 100_003 + index,
-        # Averaged models start from one head, as a server-initialised model would; every
-        # other method's devices start apart, as independent devices do.
+        "seed": agent_seed(spec, index),
         **({"init_seed": spec.seed} if spec.method in AVERAGED else {}),
         # The report reads every round back from state.json: none may be dropped.
         "history": max(200, spec.rounds),
@@ -67,9 +77,7 @@ def agent_tables(
 
 
 def privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
-    seed = (
-        {"reproducible_noise_seed": spec.seed * 100_003 + index} if spec.reproducible_noise else {}
-    )
+    seed = {"reproducible_noise_seed": agent_seed(spec, index)} if spec.reproducible_noise else {}
     return {"privacy": {**spec.privacy, **seed}}
 
 

@@ -66,14 +66,12 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
 
 def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float) -> RunResult:
     """No agent files or keys: the vector engine holds every client in this process."""
-    from fleet.vector_engine import VECTOR_METHODS
+    from fleet.vector_engine import unsupported
     from fleet.vector_run import run_vector
 
-    if spec.method not in VECTOR_METHODS:
-        raise UsageError(
-            f"--transport vector trains {', '.join(VECTOR_METHODS)}; {spec.method} needs "
-            "--transport memory or mqtt"
-        )
+    refusal = unsupported(spec.method)
+    if refusal is not None:
+        raise UsageError(refusal)
     if spec.privacy:
         raise UsageError(
             "the vector transport trains without a privacy mechanism: run privacy "

@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from edge_agent import inference as inf
-from edge_agent.extras import WEIGHT_PREFIXES
+from edge_agent.extras import WEIGHT_PREFIXES, fitting_weights
 from edge_agent.head import local_prototypes
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.train import Guidance
-from edge_agent.train_config import CLASSIFIER_FREE, TrainConfig
+from edge_agent.train_config import TrainConfig
+from fleet.evaluation import FleetEvaluator
 from fleet.vector_heads import HeadStack, Rows
 from fleet.vector_losses import GROUP_LOSSES
 
@@ -37,6 +38,16 @@ SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier"
 #: The methods the engine trains (the others need per-client machinery it lacks: FPL's
 #: averaged model with cluster prototypes, FedDBP's second branch and Fisher scores).
 VECTOR_METHODS = tuple(sorted(GROUP_LOSSES))
+
+
+def unsupported(method: str) -> str | None:
+    """Why the engine cannot train ``method``, or None if it can."""
+    if method in GROUP_LOSSES:
+        return None
+    return (
+        f"--transport vector trains {', '.join(VECTOR_METHODS)}; {method} needs "
+        "--transport memory or mqtt"
+    )
 
 
 @dataclass(frozen=True)
@@ -102,11 +113,9 @@ class VectorEngine:
         """``evaluate``: score every client on its test rows after each round (and on
         what the coordinator returns); off, the scores are None and the round is the
         training and the updates alone."""
-        if method not in GROUP_LOSSES:
-            raise ValueError(
-                f"the vector engine trains {', '.join(VECTOR_METHODS)}, not {method!r}: "
-                "run it with --transport memory or mqtt"
-            )
+        refusal = unsupported(method)
+        if refusal is not None:
+            raise ValueError(refusal)
         if len(seeds) != data.clients or len(init_seeds) != data.clients:
             raise ValueError("one seed and one initial seed per client")
         self.data, self.method, self.cfg, self.evaluate = data, method, cfg, evaluate
@@ -234,38 +243,23 @@ class VectorEngine:
             key: a for key, a in self.stack.arrays_of(k).items() if key.startswith(WEIGHT_PREFIXES)
         }
 
-    # -- scores, as fleet.evaluation.FleetEvaluator gives them -----------------------------
+    # -- scores, by fleet.evaluation.FleetEvaluator ---------------------------------------
+
+    def _evaluator(self, k: int) -> FleetEvaluator:
+        """Client k's evaluator, scoring outputs the engine computed (it runs no model)."""
+        return FleetEvaluator(method=self.method, features=_NO_FEATURES,
+                              labels=self.data.test_labels[k])  # fmt: skip
 
     def _after_training(
         self, k: int, out: inf.Outputs, protos: np.ndarray, counts: np.ndarray
     ) -> dict[str, float | None]:
         refs = inf.References(local=protos, local_present=counts > 0)
-        labels = self.data.test_labels[k]
-        prototype = _accuracy(inf.RULES["local_prototype_cosine"], out, refs, labels)
-        classifier = (
-            None
-            if self.method in CLASSIFIER_FREE
-            else _accuracy(inf.RULES["classifier"], out, refs, labels)
-        )
-        own = None if self.rule.from_server else _accuracy(self._predict, out, refs, labels)
-        return {
-            "test_accuracy": own,
-            "test_accuracy_prototype": prototype,
-            "test_accuracy_classifier": classifier,
-        }
-
-    def _predict(self, out: inf.Outputs, refs: inf.References) -> inf.Prediction:
-        return inf.predict(self.method, out, refs)
+        return self._evaluator(k).scores(out, refs)
 
     def adopt(self, extras: Mapping[str, np.ndarray]) -> None:
         """FedAvg: every client continues from the announced average (the weights that
         fit, as ``edge_agent.extras.load_weights``)."""
-        state = self.stack.state_of(0)
-        fitting = {
-            key: torch.from_numpy(np.array(a, dtype=np.float32))
-            for key, a in extras.items()
-            if key in state and tuple(state[key].shape) == a.shape
-        }
+        fitting = fitting_weights(self.stack.state_of(0), extras)
         if fitting:
             self.stack.load(slice(None), fitting)
 
@@ -273,7 +267,6 @@ class VectorEngine:
         """Each client's own score on what the coordinator returned (the averaged model
         just adopted, or the global prototypes), with its last round's local prototypes."""
         scores: list[float | None] = []
-        data = self.data
         for rows in self.stack.chunks(self.chunk):
             if not self.evaluate:
                 scores += [None] * (rows.stop - rows.start)
@@ -288,19 +281,12 @@ class VectorEngine:
                     global_=None if globals_ is None else globals_[0],
                     global_present=None if globals_ is None else globals_[1],
                 )
-                scores.append(_accuracy(self._predict, out, refs, data.test_labels[k]))
+                scores.append(self._evaluator(k).own(out, refs))
         return scores
 
 
 _NO_NOISE = np.random.default_rng(0)  # the exact release draws nothing
-
-
-def _accuracy(rule: inf.Rule, out: inf.Outputs, refs: inf.References,
-              labels: np.ndarray) -> float | None:  # fmt: skip
-    try:
-        return inf.accuracy(rule(out, refs), labels)
-    except inf.MissingReference:
-        return None
+_NO_FEATURES = np.zeros((0, 0), np.float32)
 
 
 def _ids(rows: Rows) -> list[int]:

@@ -198,10 +198,12 @@ def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatur
 
 def client_seeds(spec: RunSpec, clients: int) -> tuple[list[int], list[int]]:
     """(seeds, initial seeds) as fleet.configs.agent_tables gives the agents."""
-    from protocol.weights import AVERAGED
+    from fleet.configs import agent_seed, initial_seed
 
-    seeds = [spec.seed * 100_003 + i for i in range(clients)]
-    return seeds, [spec.seed] * clients if spec.method in AVERAGED else seeds
+    return (
+        [agent_seed(spec, i) for i in range(clients)],
+        [initial_seed(spec, i) for i in range(clients)],
+    )
 
 
 def run_vector(
