@@ -42,9 +42,17 @@ Mechanism = Callable[[np.ndarray, np.ndarray, int, MechanismParams, np.random.Ge
 
 
 def _sums(z: np.ndarray, labels: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
-    sums = np.zeros((num_classes, z.shape[1]), np.float64)
-    np.add.at(sums, labels, z.astype(np.float64))
-    return sums, np.bincount(labels, minlength=num_classes).astype(np.float64)
+    """Per-class float64 sums of ``z``'s rows and per-class counts. Each sum adds its rows
+    one after another in row order, so a class's sum is the same bits whether its rows come
+    alone or among other classes' (the vector engine releases a whole group of clients in
+    one call, an agent its own): ``index_add_`` runs serially over the index, as
+    ``np.add.at`` does, at a seventh of its time (0.18 s against 0.024 s for 25,600 x 256)."""
+    import torch
+
+    sums = torch.zeros((num_classes, z.shape[1]), dtype=torch.float64).index_add_(
+        0, torch.from_numpy(np.asarray(labels, np.int64)), torch.from_numpy(z.astype(np.float64))
+    )
+    return sums.numpy(), np.bincount(labels, minlength=num_classes).astype(np.float64)
 
 
 def release_none(z: np.ndarray, labels: np.ndarray, num_classes: int,
