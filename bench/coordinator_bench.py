@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from coordinator.store import StoreReader
+from coordinator.store_reader import StoreReader
 from coordinator.strategies import make_strategy
 from fleet.broker import MosquittoBroker
 from protocol import PrototypeUpdate, round_topic, update_topic

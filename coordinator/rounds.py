@@ -115,11 +115,13 @@ class RoundManager:
         self.screening.quarantine_failing(store, self.metrics, latest.round)
         # Digests of the open round's stored updates, by client, for receipts.
         self._digests = {c: payload_digest(p) for c, p in store.updates(latest.round)}
-        # The open round's updates as decoded when they arrived, with their payloads: the
-        # close takes a stored payload's update from here instead of decoding it again
-        # (half the coordinator's work per FedAvg update). Empty after a restart: the
-        # close then decodes what the store holds, as it always did.
-        self._decoded: dict[str, tuple[bytes, PrototypeUpdate]] = {}
+        # The open round's updates as decoded when they arrived: the close takes a stored
+        # update from here instead of reading its payload back and decoding it again (most
+        # of a close's work for a FedAvg round). Only an update this manager stored in this
+        # round is here, and nothing rewrites a stored update (quarantine runs above, before
+        # any arrives), so each is what the store holds. Empty after a restart: the close
+        # then reads and decodes what the store holds.
+        self._decoded: dict[str, PrototypeUpdate] = {}
         self._clients = set(self._digests)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
@@ -201,7 +203,7 @@ class RoundManager:
                 stored = self._digests.get(update.client)
                 return Decision("duplicate", update.round, update.client, stored)
             digest = self._digests[update.client] = payload_digest(payload)
-            self._decoded[update.client] = (bytes(payload), update)
+            self._decoded[update.client] = update
             self._clients.add(update.client)
             self.presence.know(update.client)
             self._arrivals.append(now)
@@ -297,17 +299,18 @@ class RoundManager:
         )
         self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
 
-    def _stored_update(self, client: str, payload: bytes) -> PrototypeUpdate:
-        """The update the store holds for ``client``: the one decoded on arrival when its
-        payload is the stored one, else decoded now."""
+    def _stored_update(self, client: str) -> PrototypeUpdate:
+        """The update the store holds for ``client`` in the open round: the one decoded on
+        arrival, else read and decoded now."""
         held = self._decoded.get(client)
-        if held is not None and held[0] == payload:
-            return held[1]
+        if held is not None:
+            return held
+        payload = self.store.update_payload(self._round, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
     def _close(self, now: float) -> RoundAnnouncement:
         started = time.perf_counter()
-        updates = [self._stored_update(c, p) for c, p in self.store.updates(self._round)]
+        updates = [self._stored_update(c) for c in self.store.update_clients(self._round)]
         model = self.config.model
         result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
         self.metrics.aggregation_seconds.observe(time.perf_counter() - started)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.checkpointer import Checkpointer
 from coordinator.schema import BACKFILL, CLIENT_FIELDS, SCHEMA
 from runtime.cliutil import CommandFailed
 
@@ -54,6 +55,9 @@ class RoundRow:
 #: Bytes per database page, and the write-ahead log's checkpoint size.
 PAGE_SIZE = 16_384
 WAL_CHECKPOINT_BYTES = 4 << 20
+#: Past this the writer checkpoints itself, as a backstop should the checkpointer (below)
+#: fall behind: the log of a 4 MB disk's database must not outgrow the disk unnoticed.
+WAL_BACKSTOP_BYTES = 64 << 20
 
 
 class Store:
@@ -71,9 +75,10 @@ class Store:
             # (tests/test_storage_faults.py). Takes effect on a new database only.
             self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
             self._db.execute("PRAGMA journal_mode=WAL")
-            # The log is folded back past 4 MiB, as with SQLite's default pages: counted in
-            # pages, the default (1,000) would let it reach 16 MiB on a small disk.
-            self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_BYTES // PAGE_SIZE}")
+            # The log is folded back past about 4 MiB, as with SQLite's default pages (its
+            # default, 1,000 pages, would let it reach 16 MiB on a small disk), by the
+            # checkpointer's thread; the writer's own checkpoint is only the backstop.
+            self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // PAGE_SIZE}")
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             self._db.executescript(SCHEMA)
@@ -89,11 +94,18 @@ class Store:
         # Re-entrant: a batch (below) holds it across the writes it groups.
         self._lock = threading.RLock()
         self._batching = False
+        self._pending = 0  # bytes written by the open transaction, about
+        self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)
         self.path = path
 
     def close(self) -> None:
         with self._lock:
+            self.checkpointer.close()
             self._db.close()
+
+    def _wrote(self, nbytes: int) -> None:
+        """Count a payload written in the open transaction, for the checkpointer."""
+        self._pending += nbytes
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -105,9 +117,12 @@ class Store:
             yield  # part of the batch's transaction
             return
         self._db.execute("BEGIN IMMEDIATE")
+        # Any commit appends a few pages to the log (a row's, an index's) besides payloads.
+        self._pending = 2 * PAGE_SIZE
         try:
             yield
             self._db.execute("COMMIT")
+            self.checkpointer.committed(self._pending)
         except BaseException:
             if self._db.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
@@ -174,19 +189,21 @@ class Store:
         )
 
     def open_first_round(self, announcement: bytes, *, opened_at: float, deadline: float) -> None:
-        with self._lock:
+        with self._lock, self._transaction():
             self._db.execute(
                 "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (0, ?, ?, ?)",
                 (opened_at, deadline, announcement),
             )
+            self._wrote(len(announcement))
 
     def extend_deadline(self, round_: int, deadline: float, announcement: bytes) -> None:
-        with self._lock:
+        with self._lock, self._transaction():
             self._db.execute(
                 "UPDATE rounds SET deadline = ?, announcement = ?, extensions = extensions + 1 "
                 "WHERE round = ?",
                 (deadline, announcement, round_),
             )
+            self._wrote(len(announcement))
 
     def add_update(self, round_: int, client: str, payload: bytes, *, received_at: float) -> bool:
         """Store an accepted update; False if (round, client) already has one. The client's
@@ -199,6 +216,7 @@ class Store:
                     (round_, client, received_at, payload),
                 )
                 added = cursor.rowcount == 1
+                self._wrote(len(payload))
                 if added:
                     self._db.execute(
                         "INSERT INTO contributions VALUES (?, ?, ?, 1) ON CONFLICT (client) DO UPDATE "
@@ -235,6 +253,23 @@ class Store:
             ).fetchall()
         return [(client, bytes(payload)) for client, payload in rows]
 
+    def update_clients(self, round_: int) -> list[str]:
+        """The clients with a stored update in ``round_``, in client order (as :meth:`updates`)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT client FROM updates WHERE round = ? ORDER BY client", (round_,)
+            ).fetchall()
+        return [client for (client,) in rows]
+
+    def update_payload(self, round_: int, client: str) -> bytes:
+        with self._lock:
+            payload = self._one(
+                "SELECT payload FROM updates WHERE round = ? AND client = ?", (round_, client)
+            )
+        if payload is None:
+            raise LookupError(f"no stored update of {client} in round {round_}")
+        return bytes(payload)
+
     def arrival_times(self, round_: int) -> list[float]:
         with self._lock:
             rows = self._db.execute(
@@ -262,6 +297,7 @@ class Store:
                 "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
                 (closed + 1, closed_at, deadline, announcement),
             )
+            self._wrote(len(announcement))
             if keep_rounds > 0:
                 oldest_kept = closed - keep_rounds + 1
                 self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
@@ -272,7 +308,7 @@ class Store:
                 )
 
     def close_round(self, round_: int, *, closed_at: float) -> None:
-        with self._lock:
+        with self._lock, self._transaction():
             self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, round_))
 
     def record_status(
@@ -285,7 +321,7 @@ class Store:
         reason: str,
         at: float,
     ) -> None:
-        with self._lock:
+        with self._lock, self._transaction():
             self._db.execute(
                 "INSERT INTO clients VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (client) DO UPDATE SET "
                 "state = excluded.state, version = excluded.version, last_round = excluded.last_round, "
@@ -365,60 +401,3 @@ class Store:
             "rejections": rejections,
             "quarantined": quarantined,
         }
-
-
-class StoreReader:
-    """Read-only access to a database a coordinator wrote (a finished simulated run, a
-    benchmark's): opened with ``mode=ro``, so reading never migrates, checkpoints or
-    otherwise changes it, and works on read-only files."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        except sqlite3.DatabaseError as exc:
-            raise StateError(f"cannot read coordinator database {path}: {exc}") from exc
-        self.path = path
-
-    def __enter__(self) -> StoreReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._db.close()
-
-    def round_times(self, *, before: int) -> list[tuple[int, float, float | None]]:
-        """``(round, opened_at, closed_at)`` of every round below ``before``, in order."""
-        rows = self._db.execute(
-            "SELECT round, opened_at, closed_at FROM rounds WHERE round < ? ORDER BY round",
-            (before,),
-        ).fetchall()
-        return [(int(r), float(o), None if c is None else float(c)) for r, o, c in rows]
-
-    def update_count(self) -> int:
-        """Updates stored, over every round."""
-        return int(self._db.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
-
-    def update_copies(self, *, before: int) -> dict[tuple[int, str], int]:
-        """Rows held in the updates table for each ``(round, client)`` below ``before``.
-        The primary key allows one; the rows are counted, not assumed, so a checker that
-        reads this would see a schema that lost its key."""
-        rows = self._db.execute(
-            "SELECT round, client, COUNT(*) FROM updates WHERE round < ? GROUP BY round, client",
-            (before,),
-        ).fetchall()
-        return {(int(r), str(c)): int(n) for r, c, n in rows}
-
-    def pruned_rounds(self, *, before: int) -> list[int]:
-        """Rounds below ``before`` whose payloads ``keep_rounds`` has dropped (their
-        announcement is emptied in the same transaction as their updates are deleted)."""
-        rows = self._db.execute(
-            "SELECT round FROM rounds WHERE round < ? AND length(announcement) = 0 ORDER BY round",
-            (before,),
-        ).fetchall()
-        return [int(r) for (r,) in rows]
-
-    def accepted_tally(self) -> int:
-        """Updates ever accepted, by the clients' running tallies (which outlive the
-        payloads ``keep_rounds`` drops and count each (round, client) once)."""
-        return int(
-            self._db.execute("SELECT COALESCE(SUM(updates), 0) FROM contributions").fetchone()[0]
-        )

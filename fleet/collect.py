@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from coordinator.config import database_in
-from coordinator.store import StoreReader
+from coordinator.store_reader import StoreReader
 from fleet.configs import coordinator_state_dir
 from fleet.partition import Partition
 from fleet.spec import ClientRecord, RunResult, RunSpec

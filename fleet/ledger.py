@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.config import database_in
-from coordinator.store import StoreReader
+from coordinator.store_reader import StoreReader
 from fleet.configs import coordinator_state_dir
 from fleet.spec import RunSpec
 from runtime.cliutil import CommandFailed
