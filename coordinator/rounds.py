@@ -324,9 +324,8 @@ class RoundManager:
             announcement=nxt.to_wire(),
             deadline=deadline,
             keep_rounds=self.config.rounds.keep_rounds,
+            final=final,
         )
-        if final:
-            self.store.close_round(finished, closed_at=now)
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - self._opened_at)
         if len(updates) < self.config.rounds.min_clients:

@@ -79,6 +79,9 @@ class Store:
             # default, 1,000 pages, would let it reach 16 MiB on a small disk), by the
             # checkpointer's thread; the writer's own checkpoint is only the backstop.
             self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // PAGE_SIZE}")
+            # A log that a burst grew is cut back once it starts afresh: the file must not
+            # keep its largest size on a small disk.
+            self._db.execute(f"PRAGMA journal_size_limit={2 * WAL_CHECKPOINT_BYTES}")
             # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
             self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
             self._db.executescript(SCHEMA)
@@ -89,13 +92,17 @@ class Store:
                 )
             if self._db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
                 self._db.execute(BACKFILL)
-        except sqlite3.DatabaseError as exc:
+            self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)
+        except sqlite3.Error as exc:
+            opened = getattr(self, "_db", None)
+            if opened is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    opened.close()
             raise StateError(f"cannot open coordinator database {path}: {exc}") from exc
         # Re-entrant: a batch (below) holds it across the writes it groups.
         self._lock = threading.RLock()
         self._batching = False
         self._pending = 0  # bytes written by the open transaction, about
-        self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)
         self.path = path
 
     def close(self) -> None:
@@ -122,12 +129,13 @@ class Store:
         try:
             yield
             self._db.execute("COMMIT")
-            self.checkpointer.committed(self._pending)
         except BaseException:
             if self._db.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("ROLLBACK")
             raise
+        else:
+            self.checkpointer.committed(self._pending)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -216,8 +224,8 @@ class Store:
                     (round_, client, received_at, payload),
                 )
                 added = cursor.rowcount == 1
-                self._wrote(len(payload))
                 if added:
+                    self._wrote(len(payload))
                     self._db.execute(
                         "INSERT INTO contributions VALUES (?, ?, ?, 1) ON CONFLICT (client) DO UPDATE "
                         "SET last_round = MAX(last_round, excluded.last_round), "
@@ -285,8 +293,11 @@ class Store:
         announcement: bytes,
         deadline: float,
         keep_rounds: int = 0,
+        final: bool = False,
     ) -> None:
-        """Close round ``closed`` and open ``closed + 1`` atomically. With ``keep_rounds``
+        """Close round ``closed`` and open ``closed + 1`` atomically (``final``: stored
+        closed as well, in the same transaction, so a crash cannot leave the last round
+        open and a restart take updates past it). With ``keep_rounds``
         > 0, the payloads (updates and announcement) of rounds older than the last
         ``keep_rounds`` closed ones are dropped in the same transaction; their timing rows
         stay. A service that runs for months would otherwise keep every update it ever
@@ -294,8 +305,9 @@ class Store:
         with self._lock, self._transaction():
             self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
             self._db.execute(
-                "INSERT INTO rounds (round, opened_at, deadline, announcement) VALUES (?, ?, ?, ?)",
-                (closed + 1, closed_at, deadline, announcement),
+                "INSERT INTO rounds (round, opened_at, deadline, closed_at, announcement) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (closed + 1, closed_at, deadline, closed_at if final else None, announcement),
             )
             self._wrote(len(announcement))
             if keep_rounds > 0:
@@ -306,10 +318,6 @@ class Store:
                     "WHERE round < ? AND length(announcement) > 0",
                     (oldest_kept,),
                 )
-
-    def close_round(self, round_: int, *, closed_at: float) -> None:
-        with self._lock, self._transaction():
-            self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, round_))
 
     def record_status(
         self,

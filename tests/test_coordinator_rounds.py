@@ -342,3 +342,16 @@ def test_statuses_of_unknown_clients_are_counted_not_stored_and_online_expires(t
     m.update_online()
     assert m.metrics.value("protofleet_clients_online") == 0
     assert m.store.summary(online_since=clock.now - 60.0)["clients_online"] == 0
+
+
+def test_the_final_round_is_stored_closed_by_the_transaction_that_opens_it(tmp_path):
+    # One transaction: a crash cannot leave it open for a restart to take updates into.
+    store = Store(tmp_path / "c.db")
+    store.open_first_round(b"a", opened_at=0.0, deadline=5.0)
+    store.advance(0, closed_at=1.0, announcement=b"b", deadline=1.0, final=True)
+    latest = store.latest_round()
+    assert latest is not None and latest.round == 1 and latest.closed_at == 1.0
+    store.advance(1, closed_at=2.0, announcement=b"c", deadline=9.0)
+    opened = store.latest_round()
+    assert opened is not None and opened.round == 2 and opened.closed_at is None
+    store.close()

@@ -44,7 +44,7 @@ def test_small_commits_are_counted_toward_a_checkpoint(tmp_path: Path) -> None:
             store.record_status(f"c{i:04d}", state="online", version="1", last_round=None,
                                 reason="", at=float(i))  # fmt: skip
         assert store.checkpointer.wait_idle(timeout=30)
-        assert store.checkpointer.checkpoints >= 1
+        assert store.checkpointer.passes >= 1
     finally:
         store.close()
 
@@ -61,3 +61,32 @@ def test_a_closed_store_leaves_no_log_and_loses_nothing(tmp_path: Path) -> None:
         assert again.update_payload(0, "a") == b"x" * 100_000
     finally:
         again.close()
+
+
+def test_a_log_a_large_batch_grew_is_cut_back_once_it_starts_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    store = Store(path)
+    payload = os.urandom(200_000)
+    try:
+        with store.batch():
+            for i in range(100):  # 20 MB in one transaction: the log must hold it whole
+                store.add_update(0, f"c{i:03d}", payload, received_at=0.0)
+        assert _wal_bytes(path) > 20_000_000
+        assert store.checkpointer.wait_idle(timeout=30)
+        store.add_update(1, "a", payload, received_at=1.0)  # the log starts afresh here
+        assert _wal_bytes(path) <= 2 * WAL_CHECKPOINT_BYTES
+    finally:
+        store.close()
+
+
+def test_a_store_dropped_without_close_ends_its_checkpointer(tmp_path: Path) -> None:
+    import gc
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name == "wal-checkpoint"}
+    store = Store(tmp_path / "c.db")
+    (mine,) = {t for t in threading.enumerate() if t.name == "wal-checkpoint"} - before
+    del store
+    gc.collect()
+    mine.join(timeout=30)
+    assert not mine.is_alive()
