@@ -12,10 +12,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
+from bench.fleet_bench import median_round_s
 from bench.peer_workload import Workload
 
 log = logging.getLogger(__name__)
@@ -92,5 +92,5 @@ def flower_fedavg_round_seconds(
             f"Flower ran {len(clock.seconds)} of {rounds} rounds with {clock.failures} "
             "failed client updates: no figure"
         )
-    steady = clock.seconds[1:] if rounds > 1 else clock.seconds
-    return statistics.median(steady)
+    # The statistic ProtoFleet's half is reported by: one rule for both sides of the ratio.
+    return median_round_s(clock.seconds, after_first=True)

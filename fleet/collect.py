@@ -4,6 +4,7 @@ the rounds' times from the coordinator's store."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from coordinator.config import database_in
 from coordinator.store_reader import StoreReader
@@ -43,12 +44,17 @@ def client_records(spec: RunSpec, partition: Partition) -> tuple[ClientRecord, .
     return tuple(records)
 
 
-def round_seconds(spec: RunSpec) -> tuple[float, ...]:
-    """Each round's wall time, from the coordinator's database."""
+def run_database(spec: RunSpec) -> Path:
+    """The coordinator database of a finished run."""
     database = database_in(coordinator_state_dir(spec))
     if not database.is_file():
         raise CommandFailed(f"no coordinator database at {database}")
-    with StoreReader(database) as store:
+    return database
+
+
+def round_seconds(spec: RunSpec) -> tuple[float, ...]:
+    """Each round's wall time, from the coordinator's database."""
+    with StoreReader(run_database(spec)) as store:
         rows = store.round_times(before=spec.rounds)
     # A round's wall time runs from its announcement to the next one (closing = opening).
     opened = {r: t for r, t, _ in rows}

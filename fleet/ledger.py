@@ -11,11 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.config import database_in
 from coordinator.store_reader import StoreReader
-from fleet.configs import coordinator_state_dir
+from fleet.collect import run_database
 from fleet.spec import RunSpec
-from runtime.cliutil import CommandFailed
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,4 @@ def update_ledger(database: Path, *, clients: Sequence[str], rounds: int) -> Upd
 
 def run_ledger(spec: RunSpec, clients: Sequence[str]) -> UpdateLedger:
     """The ledger of a finished fleet run (every client answers every round)."""
-    database = database_in(coordinator_state_dir(spec))
-    if not database.is_file():
-        raise CommandFailed(f"no coordinator database at {database}")
-    return update_ledger(database, clients=clients, rounds=spec.rounds)
+    return update_ledger(run_database(spec), clients=clients, rounds=spec.rounds)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from edge_agent import inference as inf
-from edge_agent.extras import WEIGHT_PREFIXES, fitting_weights
+from edge_agent.extras import fitting_weights
 from edge_agent.head import local_prototypes
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.train import Guidance
@@ -31,6 +31,7 @@ from edge_agent.train_config import TrainConfig
 from fleet.evaluation import FleetEvaluator
 from fleet.vector_heads import HeadStack, Rows
 from fleet.vector_losses import GROUP_LOSSES
+from protocol.weights import AVERAGED
 
 #: The scores of a client's round, as fleet.evaluation.FleetEvaluator names them.
 SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier")
@@ -93,12 +94,9 @@ class FleetFeatures:
 
 @dataclass(frozen=True)
 class ClientRound:
-    """What one client's round produced: its prototypes (float32, the agent's local
-    prototypes) and counts, the release that leaves it, the trained weights an averaged
-    method sends, and its scores."""
+    """What one client's round produced: the release that leaves it, the trained weights an
+    averaged method sends, and its scores (its local prototypes stay in ``local``)."""
 
-    protos: np.ndarray  # (C, d)
-    counts: np.ndarray  # (C,)
     release_classes: np.ndarray
     release_protos: np.ndarray
     release_counts: np.ndarray
@@ -199,12 +197,10 @@ class VectorEngine:
             yield (
                 k,
                 ClientRound(
-                    protos=protos[j],
-                    counts=counts[j],
                     release_classes=release.classes[part] - j * num_classes,
                     release_protos=release.prototypes[part],
                     release_counts=release.counts[part],
-                    weights=self._weights(k) if self.method == "fedavg" else {},
+                    weights=self.stack.arrays_of(k) if self.method in AVERAGED else {},
                     scores=scores,
                 ),
             )
@@ -236,12 +232,6 @@ class VectorEngine:
             )
             for j, i in enumerate(index)
         ]
-
-    def _weights(self, k: int) -> dict[str, np.ndarray]:
-        """``edge_agent.extras.model_weights`` of client k."""
-        return {
-            key: a for key, a in self.stack.arrays_of(k).items() if key.startswith(WEIGHT_PREFIXES)
-        }
 
     # -- scores, by fleet.evaluation.FleetEvaluator ---------------------------------------
 

@@ -54,13 +54,6 @@ class Rows:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.start : self.stop] if self.index is None else t[self.index]
 
-    def ids(self) -> torch.Tensor:
-        return torch.arange(self.start, self.stop) if self.index is None else self.index
-
-    def subset(self, mask: torch.Tensor) -> Rows:
-        """The rows where ``mask`` (over these rows) holds, as an index."""
-        return Rows(self.start, self.stop, self.ids()[mask])
-
     def put(self, t: torch.Tensor, value: torch.Tensor) -> None:
         if self.index is None:
             if value.data_ptr() != t[self.start : self.stop].data_ptr():
@@ -98,7 +91,7 @@ class HeadStack:
         if cfg.norm != "batch":
             raise ValueError("the vector engine implements the BatchNorm head (norm = 'batch')")
         k, d, o, c = clients, in_dim, cfg.out_dim, num_classes
-        self.cfg, self.method = cfg, method
+        self.cfg = cfg
         self.classifier = method not in CLASSIFIER_FREE
         self.bounded = cfg.classifier == "bounded"
         self.params: dict[str, torch.Tensor] = {
@@ -117,7 +110,7 @@ class HeadStack:
         self.m = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.v = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.steps = torch.zeros(k, dtype=torch.long)
-        self.clients, self.in_dim, self.num_classes = k, d, c
+        self.clients = k
 
     # -- building and reading back -------------------------------------------------------
 
@@ -160,7 +153,7 @@ class HeadStack:
             if name in ("cw", "cb") and not self.classifier:
                 continue
             value = self._tensor(name)[k].numpy()
-            out[key] = np.ascontiguousarray(value.T if name == "w" else value)
+            out[key] = np.array(value.T if name == "w" else value, order="C")  # a copy, always
         return out
 
     def _tensor(self, name: str) -> torch.Tensor:
@@ -220,34 +213,33 @@ class HeadStack:
 
     @torch.no_grad()
     def step(self, rows: Rows, leaves: dict[str, torch.Tensor]) -> None:
-        """One Adam step of the rows, each with its own step count: the fused kernel
-        ``torch.optim.Adam(fused=True)`` runs for the agent, once per step count (all the
-        rows share one unless their data sets differ in size)."""
+        """One Adam step of the rows: the fused kernel ``torch.optim.Adam(fused=True)`` runs
+        for the agent. Every row of a step shares one step count, as the engine trains a
+        group of clients holding as many samples together (the same batches, so the same
+        number of steps)."""
         steps = rows.take(self.steps) + 1
+        count = int(steps[0])
+        if not bool((steps == count).all()):
+            raise RuntimeError("one training step over clients at different Adam steps")
         rows.put(self.steps, steps)
-        grad_of = {n: leaf.grad for n, leaf in leaves.items() if leaf.grad is not None}
-        names = list(grad_of)
-        for count in torch.unique(steps).tolist():
-            if len(names) == 0:
-                break
-            same = steps == count
-            whole = bool(same.all())
-            sub = rows if whole else rows.subset(same)
-            params = [leaves[n].detach() if whole else leaves[n].detach()[same] for n in names]
-            grads = [grad_of[n] if whole else grad_of[n][same] for n in names]
-            m = [sub.take(self.m[n]) for n in names]
-            v = [sub.take(self.v[n]) for n in names]
-            cfg = self.cfg
-            torch._fused_adam_(
-                params, grads, m, v, [],
-                [torch.tensor(float(count))] * len(names), amsgrad=False, lr=cfg.lr,
-                beta1=BETA1, beta2=BETA2, weight_decay=cfg.weight_decay, eps=EPS,
-                maximize=False, grad_scale=None, found_inf=None,
-            )  # fmt: skip
-            for n, param, m_n, v_n in zip(names, params, m, v, strict=True):
-                sub.put(self.params[n], param)
-                sub.put(self.m[n], m_n)
-                sub.put(self.v[n], v_n)
+        names = list(leaves)
+        params = [leaves[n].detach() for n in names]
+        grads = [leaves[n].grad for n in names]
+        if any(g is None for g in grads):  # every trained tensor enters every method's loss
+            raise RuntimeError("a trained tensor got no gradient")
+        m = [rows.take(self.m[n]) for n in names]
+        v = [rows.take(self.v[n]) for n in names]
+        cfg = self.cfg
+        torch._fused_adam_(
+            params, grads, m, v, [],  # type: ignore[arg-type]  # checked above
+            [torch.tensor(float(count))] * len(names), amsgrad=False, lr=cfg.lr,
+            beta1=BETA1, beta2=BETA2, weight_decay=cfg.weight_decay, eps=EPS,
+            maximize=False, grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        for n, param, m_n, v_n in zip(names, params, m, v, strict=True):
+            rows.put(self.params[n], param)
+            rows.put(self.m[n], m_n)
+            rows.put(self.v[n], v_n)
 
     def chunks(self, size: int) -> Iterator[Rows]:
         for start in range(0, self.clients, size):

@@ -110,12 +110,30 @@ def test_a_group_step_equals_the_agents_step_weight_for_weight() -> None:
 def test_the_stack_round_trips_a_models_state() -> None:
     cfg = TrainConfig(out_dim=4)
     stack = HeadStack.initial(seeds=[3, 4], in_dim=5, num_classes=2, cfg=cfg, method="solo")
-    torch.manual_seed(4)
-    model = LocalModel(in_dim=5, num_classes=2, cfg=cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        model = LocalModel(in_dim=5, num_classes=2, cfg=cfg)
     for key, value in model.state_dict().items():
         assert torch.equal(stack.state_of(1)[key], value), key
     assert not torch.equal(stack.state_of(0)["head.fc.weight"], model.head.fc.weight_t.t())
     assert Rows(0, 2).take(stack.params["b"]).shape == (2, 4)
+    # Every entry, BatchNorm statistics included, goes in and comes back as it was.
+    generator = torch.Generator().manual_seed(7)
+    state = {
+        k: torch.rand(v.shape, generator=generator) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
+    stack.load(1, state)
+    back = stack.state_of(1)
+    for key, value in state.items():
+        if value.is_floating_point():
+            assert torch.equal(back[key], value), key
+    assert torch.equal(
+        stack.state_of(0)["head.fc.weight"],
+        HeadStack.initial(seeds=[3], in_dim=5, num_classes=2, cfg=cfg, method="solo").state_of(0)[
+            "head.fc.weight"
+        ],
+    )
 
 
 def test_methods_the_engine_lacks_are_refused_with_a_reason(
