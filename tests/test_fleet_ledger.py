@@ -72,3 +72,14 @@ def test_rounds_whose_payloads_were_dropped_are_named_not_counted_lost(tmp_path:
     ledger = update_ledger(db, clients=["a"], rounds=3)
     assert ledger.pruned == (0, 1)
     assert (ledger.expected, ledger.lost) == (1, 0)
+
+
+def test_a_tally_above_the_rows_held_is_a_gap_and_not_exact(tmp_path: Path) -> None:
+    # An update counted twice (or quarantined since) leaves the clients' tallies above the
+    # rows held, though every expected (round, client) is there.
+    db = _database(tmp_path / "c.sqlite3", [["a", "b"]])
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE contributions SET updates = updates + 1 WHERE client = 'a'")
+    ledger = update_ledger(db, clients=["a", "b"], rounds=1)
+    assert (ledger.lost, ledger.tally_gap) == (0, 1)
+    assert not ledger.exact
