@@ -268,6 +268,9 @@ class Agent:
             }
         else:
             metrics = train_round(*args, **common, generator=self.generator)
+        # Trained, nothing of the round written or sent yet: where a kill during training
+        # lands, reached on purpose instead of by timing.
+        crash_point(f"after_training:{announcement.round}")
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
         z, _ = embed(self.predictor, self.features)

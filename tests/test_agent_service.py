@@ -128,23 +128,24 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
 
     bundle_id = bundle_mod.load(small_zoo).id
     port = mosquitto.address.port
-    cfg_a, labels_a = write_config(
-        tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=150
-    )  # seconds of training to kill into
+    cfg_a, labels_a = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=150)
     cfg_b, labels_b = write_config(tmp_path / "b", small_zoo, "dev-b", "colour", port, epochs=1)
     expected = {"dev-a": labels_a, "dev-b": labels_b}
     with connected(
         mosquitto.address, "stand-in", subscribe=(update_filter("lab"), status_filter("lab"))
     ) as (pub, inbox):
         coord = StandInCoordinator(pub, inbox, bundle_id)
-        a, b = agent_process(cfg_a), agent_process(cfg_b)
+        # Killed once round 1's training ends, before anything of it is written or sent: a
+        # kill timed after "training" could land after the update left (a loaded machine).
+        a = agent_process(cfg_a, env={"PROTOFLEET_CRASH_AT": "after_training:1"})
+        b = agent_process(cfg_b)
         try:
             coord.announce(0, [])
             r0 = coord.wait_updates(0, {"dev-a", "dev-b"})
             mark = a.wait_for("round 0: update published")
             coord.announce(1, r0)
             a.wait_for("round 1: training", after=mark)
-            a.kill()  # mid-training: nothing of round 1 was committed
+            assert a.proc.wait(timeout=120) == -9  # killed by its crash point
             coord.wait_updates(1, {"dev-b"})
             a = agent_process(cfg_a)
             a.wait_for("round 1: training")  # nothing was committed: it trains round 1 again
