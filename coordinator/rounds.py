@@ -114,7 +114,9 @@ class RoundManager:
         )
         self.screening.quarantine_failing(store, self.metrics, latest.round)
         # Digests of the open round's stored updates, by client, for receipts.
-        self._digests = {c: payload_digest(p) for c, p in store.updates(latest.round)}
+        self._digests: dict[str, str | None] = {
+            c: payload_digest(p) for c, p in store.updates(latest.round)
+        }
         # The open round's updates as decoded when they arrived: the close takes a stored
         # update from here instead of reading its payload back and decoding it again (most
         # of a close's work for a FedAvg round). Only an update this manager stored in this
@@ -160,9 +162,13 @@ class RoundManager:
 
     # -- updates -----------------------------------------------------------------------
 
-    def offer(self, payload: bytes | bytearray, *, topic_client: str | None = None) -> Decision:
-        """Validate and store one update payload, counting the outcome."""
-        decision = self._judge(payload, topic_client)
+    def offer(
+        self, payload: bytes | bytearray, *, topic_client: str | None = None, receipt: bool = True
+    ) -> Decision:
+        """Validate and store one update payload, counting the outcome. ``receipt=False``
+        for a driver with no device awaiting a receipt (the simulator's vector run): the
+        payload's digest is not computed, and the decision (and a duplicate's) names none."""
+        decision = self._judge(payload, topic_client, receipt)
         if decision.accepted:
             self.metrics.updates_accepted.inc()
             assert decision.client is not None and decision.round is not None
@@ -183,7 +189,9 @@ class RoundManager:
         service calls this every few seconds and when it stops."""
         return self.rejections.flush()
 
-    def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
+    def _judge(
+        self, payload: bytes | bytearray, topic_client: str | None, receipt: bool
+    ) -> Decision:
         try:
             update = PrototypeUpdate.from_wire(
                 payload, max_bytes=self.config.mqtt.max_payload_bytes
@@ -202,7 +210,7 @@ class RoundManager:
             ):
                 stored = self._digests.get(update.client)
                 return Decision("duplicate", update.round, update.client, stored)
-            digest = self._digests[update.client] = payload_digest(payload)
+            digest = self._digests[update.client] = payload_digest(payload) if receipt else None
             self._decoded[update.client] = update
             self._clients.add(update.client)
             self.presence.know(update.client)

@@ -5,8 +5,9 @@ deployed payload limits.
 
 What differs from ``--transport memory``: no ``Agent`` objects, state folders or key
 files (the updates are unsigned, as a coordinator without a ``[security]`` table takes
-them), and a run cannot resume; what is the same: every client's math, the coordinator's
-aggregation and the records the report reads.
+them), and a run cannot resume, so its store keeps each update's row but not its payload;
+what is the same: every client's math, the coordinator's aggregation and the records the
+report reads.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def drive(
     cfg = build(CoordinatorConfig, coord)
     records = Records(len(names), spec.rounds)
     method, num_classes = engine.method, engine.num_classes
-    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+    # Receipts without payloads: a vector run cannot resume, and the close aggregates what
+    # the manager decoded on arrival.
+    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
     try:
         manager = RoundManager(config=cfg, store=store, metrics=Metrics())
         with progress_bar(spec, spec.rounds * len(names), f"{method}: client-rounds",
@@ -153,7 +156,8 @@ def _offer(manager: Any, store: Any, pending: list[tuple[int, bytes]], names: li
            records: Records, round_: int) -> None:  # fmt: skip
     with store.batch():
         for k, payload in pending:
-            outcome = manager.offer(payload, topic_client=names[k])
+            # No device here awaits a receipt: the digest it would name is not computed.
+            outcome = manager.offer(payload, topic_client=names[k], receipt=False)
             if not outcome.accepted:
                 raise RuntimeError(f"the coordinator rejected {names[k]}: {outcome.reason}")
             records.bytes_up[k, round_] = len(payload)

@@ -117,6 +117,50 @@ def test_a_group_step_equals_the_agents_step_weight_for_weight() -> None:
                 )
 
 
+@pytest.mark.parametrize("method", ["fedpcl", "fedavg"])
+def test_chunks_trained_side_by_side_equal_chunks_trained_in_turn(method: str) -> None:
+    """Seven clients in chunks of two (one ragged chunk of one), two rounds: trained two
+    chunks at a time on one core each, every client's weights, Adam moments, BatchNorm
+    statistics and released prototypes are those of the chunks trained one after
+    another, to the bit, and come back in client order."""
+    rng = np.random.default_rng(1)
+    cfg = TrainConfig(out_dim=16, batch_size=8)
+    sizes = [12, 12, 12, 12, 9, 9, 12]
+    features = rng.normal(size=(sum(sizes), 24)).astype(np.float32)
+    starts = np.cumsum([0, *sizes])
+    index = tuple(np.arange(a, b) for a, b in itertools.pairwise(starts))
+    labels = tuple(rng.integers(0, 3, size=n) for n in sizes)
+    data = FleetFeatures(features=features, train_index=index, train_labels=labels,
+                         test_index=index, test_labels=labels)  # fmt: skip
+    protos = torch.nn.functional.normalize(torch.randn(3, cfg.out_dim), dim=1)
+    announced = Guidance(global_protos=protos, global_present=torch.ones(3, dtype=torch.bool),
+                         local_sets=protos[None].repeat(2, 1, 1) * 0.5,
+                         local_present=torch.ones(2, 3, dtype=torch.bool))  # fmt: skip
+    guidance = announced if method == "fedpcl" else Guidance.empty(3, cfg.out_dim)
+    runs = []
+    for threads in (1, 2):
+        seeds = list(range(20, 27))
+        engine = VectorEngine(data=data, method=method, num_classes=3, cfg=cfg, seeds=seeds,
+                              init_seeds=seeds, chunk=2, threads=threads)  # fmt: skip
+        rounds = [list(engine.train_round(guidance)) for _ in range(2)]
+        runs.append((engine, rounds))
+    (one, rounds_one), (two, rounds_two) = runs
+    for a, b in zip(rounds_one, rounds_two, strict=True):
+        assert [k for k, _ in a] == [k for k, _ in b] == list(range(7))
+        for (_, ra), (_, rb) in zip(a, b, strict=True):
+            assert np.array_equal(ra.release_protos, rb.release_protos)
+            assert np.array_equal(ra.release_counts, rb.release_counts)
+            assert ra.weights.keys() == rb.weights.keys()
+            assert all(np.array_equal(ra.weights[n], rb.weights[n]) for n in ra.weights)
+    for name in one.stack.params:
+        assert torch.equal(one.stack.params[name], two.stack.params[name]), name
+        assert torch.equal(one.stack.m[name], two.stack.m[name]), name
+        assert torch.equal(one.stack.v[name], two.stack.v[name]), name
+    assert torch.equal(one.stack.running_var, two.stack.running_var)
+    assert torch.equal(one.stack.steps, two.stack.steps)
+    assert not torch.equal(one.stack.params["w"][0], one.stack.params["w"][1])
+
+
 def test_the_stack_round_trips_a_models_state() -> None:
     cfg = TrainConfig(out_dim=4)
     stack = HeadStack.initial(seeds=[3, 4], in_dim=5, num_classes=2, cfg=cfg, method="solo")
