@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from bench.fleet_bench import median_round_s
@@ -38,6 +39,48 @@ CLIENT_CPUS = 0.5
 SERVER_THREADS = 64
 
 
+def missing_modules() -> list[str]:
+    """The modules of Flower's simulation engine that are not installed (none: it runs)."""
+    return [name for name in ("flwr", "ray") if importlib.util.find_spec(name) is None]
+
+
+#: Ray's processes by name (``comm``, cut at 15 characters): its actors and daemons.
+_RAY_NAMES = ("ray::", "raylet", "gcs_server")
+
+
+def ray_processes() -> list[int]:
+    """The Ray processes of this process's group still running, exited ones left out (a
+    run in another terminal is not ours to wait for)."""
+    group = os.getpgrp()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended as we looked
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        fields = rest.split()  # state, ppid, pgrp, ...; an exited one (Z) uses no core
+        if fields[0] != "Z" and int(fields[2]) == group and comm.startswith(_RAY_NAMES):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for_ray_to_exit(*, timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
+    """Return once the Ray processes of this group are gone. Flower returns from a
+    simulation while its actors are still shutting down (four of them at about 40% of a
+    core each, for a few seconds, development machine): whatever is timed next would
+    share the cores with them."""
+    deadline = time.monotonic() + timeout_s
+    while (left := ray_processes()) and time.monotonic() < deadline:
+        time.sleep(poll_s)  # polling another process's exit: there is no event to wait on
+    if left:
+        log.warning("%d Ray process(es) still running after %.0f s: %s", len(left),
+                    timeout_s, left)  # fmt: skip
+
+
 def flower_fedavg_round_seconds(
     workload: Workload,
     *,
@@ -55,7 +98,7 @@ def flower_fedavg_round_seconds(
     """
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
-    missing = [name for name in ("flwr", "ray") if importlib.util.find_spec(name) is None]
+    missing = missing_modules()
     if missing:
         log.warning(
             "Flower's simulation engine is not installed (%s missing; pip install -e "
@@ -87,6 +130,7 @@ def flower_fedavg_round_seconds(
             num_supernodes=workload.clients,
             backend_config={"client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0}},
         )
+    wait_for_ray_to_exit()
     if clock.failures or len(clock.seconds) != rounds:
         raise RuntimeError(
             f"Flower ran {len(clock.seconds)} of {rounds} rounds with {clock.failures} "

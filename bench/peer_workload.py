@@ -8,7 +8,9 @@ feature-shift fleet in miniature, learnable by a linear head yet not identical p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -97,3 +99,37 @@ def make_workload(
         batch_size=batch_size,
         seed=seed,
     )
+
+
+def save_workload(workload: Workload, path: Path) -> None:
+    """``workload`` in one .npz file (the halves of the benchmark each load it in a
+    process of their own)."""
+    lengths = [len(i) for i in workload.train_index]
+    np.savez(
+        path,
+        features=workload.features,
+        index=np.concatenate(workload.train_index).astype(np.int64),
+        labels=np.concatenate(workload.train_labels).astype(np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        scalars=np.array(
+            [workload.num_classes, workload.epochs, workload.batch_size, workload.seed], np.int64
+        ),
+    )
+
+
+def load_workload(path: Path) -> Workload:
+    """The workload :func:`save_workload` wrote."""
+    with np.load(path) as saved:
+        offsets = saved["offsets"]
+        index, labels = saved["index"], saved["labels"]
+        num_classes, epochs, batch_size, seed = (int(v) for v in saved["scalars"])
+        parts = list(itertools.pairwise(offsets.tolist()))
+        return Workload(
+            features=saved["features"],
+            train_index=tuple(index[a:b] for a, b in parts),
+            train_labels=tuple(labels[a:b] for a, b in parts),
+            num_classes=num_classes,
+            epochs=epochs,
+            batch_size=batch_size,
+            seed=seed,
+        )

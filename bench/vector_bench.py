@@ -64,25 +64,18 @@ def vector_fleet(
     from edge_agent.train_config import TrainConfig
     from export import bundle as bundle_mod
     from fleet.collect import round_seconds
-    from fleet.configs import coordinator_tables
     from fleet.procmem import peak_self_mb, reset_peak
     from fleet.spec import RunSpec
-    from fleet.vector_engine import VectorEngine
-    from fleet.vector_run import client_seeds, drive
+    from fleet.vector_run import train_vector
 
     reset_peak()
     bundle = bundle_mod.load(bundle_path)
     spec = RunSpec(method=method, rounds=rounds, bundle=bundle_path,
                    out=root / f"{method}-{clients}", transport="vector")  # fmt: skip
     data = pooled_features(bundle_path, clients=clients, train=train, test=test, pool=pool)
-    coord = coordinator_tables(spec, bundle.id, tuple(str(c) for c in range(10)), clients,
-                               dim=spec.out_dim, feature_dim=bundle.feature_dim)  # fmt: skip
-    coord["security"] = {"insecure": True}
-    seeds, init_seeds = client_seeds(spec, clients)
-    engine = VectorEngine(data=data, method=method, num_classes=10, cfg=TrainConfig(),
-                          seeds=seeds, init_seeds=init_seeds)  # fmt: skip
-    names = [f"client-{i:05d}" for i in range(clients)]
-    records = drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle.id)
+    records = train_vector(spec, data, classes=tuple(str(c) for c in range(10)),
+                           bundle_id=bundle.id, feature_dim=bundle.feature_dim,
+                           cfg=TrainConfig(), names=[f"client-{i:05d}" for i in range(clients)])  # fmt: skip
     last = records.scores["test_accuracy"][:, -1]
     return {
         "round_s": median_round_s(round_seconds(spec), after_first=True),

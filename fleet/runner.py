@@ -77,10 +77,6 @@ def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float
             "the vector transport trains without a privacy mechanism: run privacy "
             "experiments with --transport memory or mqtt"
         )
-    coord = coordinator_tables(spec, bundle.id, partition.classes, len(partition.clients),
-                               dim=spec.out_dim, feature_dim=bundle.feature_dim)  # fmt: skip
-    # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
-    coord["security"] = {"insecure": True}
-    records, peak = run_vector(spec, partition, coord, bundle)
+    records, peak = run_vector(spec, partition, bundle)
     wall = time.perf_counter() - started
     return RunResult(spec, tuple(records), round_seconds(spec), peak, wall)

@@ -210,19 +210,46 @@ def client_seeds(spec: RunSpec, clients: int) -> tuple[list[int], list[int]]:
     )
 
 
+def train_vector(
+    spec: RunSpec,
+    data: FleetFeatures,
+    *,
+    classes: tuple[str, ...],
+    bundle_id: str,
+    feature_dim: int,
+    cfg: TrainConfig,
+    names: list[str],
+    seeds: tuple[list[int], list[int]] | None = None,
+    evaluate: bool = True,
+) -> Records:
+    """``spec.rounds`` rounds of ``data``'s clients (named ``names``) on the vector engine,
+    against a coordinator built from ``spec`` as a run's would be: every vector run, the
+    CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
+    default the agents' (:func:`client_seeds`)."""
+    from fleet.configs import coordinator_tables
+
+    coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
+                               feature_dim=feature_dim)  # fmt: skip
+    # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
+    coord["security"] = {"insecure": True}
+    chosen, initial = seeds if seeds is not None else client_seeds(spec, data.clients)
+    engine = VectorEngine(data=data, method=spec.method, num_classes=len(classes), cfg=cfg,
+                          seeds=chosen, init_seeds=initial, evaluate=evaluate)  # fmt: skip
+    return drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle_id)
+
+
 def run_vector(
-    spec: RunSpec, partition: Partition, coord: dict[str, Any], bundle: Any
+    spec: RunSpec, partition: Partition, bundle: Any
 ) -> tuple[list[ClientRecord], float]:
     """The run's client records and this process's peak resident MiB."""
     from runtime.settings import build
 
     reset_peak()
     data = features_of(spec, partition, bundle)
-    seeds, init_seeds = client_seeds(spec, data.clients)
-    engine = VectorEngine(data=data, method=spec.method, num_classes=len(partition.classes),
-                          cfg=build(TrainConfig, train_table(spec), prefix="train."),
-                          seeds=seeds, init_seeds=init_seeds)  # fmt: skip
     names = [c.name for c in partition.clients]
-    records = drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle.id)
+    records = train_vector(spec, data, classes=partition.classes, bundle_id=bundle.id,
+                           feature_dim=bundle.feature_dim,
+                           cfg=build(TrainConfig, train_table(spec), prefix="train."),
+                           names=names)  # fmt: skip
     out = [records.client(k, name=c.name, domain=c.domain) for k, c in enumerate(partition.clients)]
     return out, peak_self_mb()

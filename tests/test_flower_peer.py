@@ -26,6 +26,20 @@ def test_the_workload_is_the_same_for_a_seed_and_differs_across_seeds() -> None:
     assert sorted(np.concatenate(a.train_index).tolist()) == list(range(60))
 
 
+def test_a_saved_workload_loads_back_the_same(tmp_path) -> None:
+    """The two halves of the benchmark each load the workload in a process of their own."""
+    from bench.peer_workload import load_workload, save_workload
+
+    w = make_workload(clients=4, per_client=7, dim=5, classes=3, seed=2, epochs=2, batch_size=4)
+    save_workload(w, tmp_path / "w.npz")
+    back = load_workload(tmp_path / "w.npz")
+    assert np.array_equal(back.features, w.features) and back.features.dtype == np.float32
+    for a, b in ((back.train_index, w.train_index), (back.train_labels, w.train_labels)):
+        assert len(a) == len(b) == 4
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert (back.num_classes, back.epochs, back.batch_size, back.seed) == (3, 2, 4, 2)
+
+
 def test_the_workload_refuses_a_label_outside_its_classes() -> None:
     w = make_workload(clients=2, per_client=4, dim=3, classes=2, seed=0)
     with pytest.raises(ValueError, match="label"):
@@ -76,6 +90,35 @@ def test_flower_runs_the_workload_and_times_its_rounds() -> None:
     w = make_workload(clients=4, per_client=20, dim=16, classes=3, seed=0)
     seconds = flower_fedavg_round_seconds(w, rounds=2)
     assert seconds is not None and math.isfinite(seconds) and seconds > 0
+    # Flower returned with its actors still exiting; the benchmark waited for them.
+    from bench.flower_peer import ray_processes
+
+    assert ray_processes() == []
+
+
+def test_the_wait_for_ray_sees_a_process_of_this_group_named_as_rays_until_it_ends() -> None:
+    """A child renamed ``ray::probe`` (as Ray names its actors) is found, and the wait
+    returns once it has ended, not before."""
+    import subprocess
+    import sys
+
+    from bench.flower_peer import ray_processes, wait_for_ray_to_exit
+
+    code = (
+        "import sys; open('/proc/self/comm', 'w').write('ray::probe'); "
+        "print('named', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "named\n"
+        assert child.pid in ray_processes()
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()  # the child's read returns and it exits
+    wait_for_ray_to_exit(timeout_s=30)
+    assert child.pid not in ray_processes()
+    assert child.wait(timeout=30) == 0
 
 
 def test_without_flower_the_figure_is_none_not_an_import_error(
