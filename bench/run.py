@@ -76,7 +76,8 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str:
     """The checked-out commit, with ``+changes`` when the work tree differs from it: the
-    figures then come from code no commit holds."""
+    figures then come from code no commit holds. The results files themselves do not
+    count: a run rewrites them, and the one before left them changed."""
 
     def git(*argv: str) -> str:
         return subprocess.run(
@@ -85,7 +86,8 @@ def commit() -> str:
 
     try:
         head = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        outputs = [f":(exclude){p.relative_to(ROOT)}" for p in RESULTS.values()]
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")

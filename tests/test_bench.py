@@ -61,6 +61,33 @@ def test_figures_come_from_the_results_and_say_what_was_not_measured(tmp_path: P
         figures.render("<!-- figures:nope -->\n<!-- /figures:nope -->", results)
 
 
+def test_the_commit_stamp_says_changes_for_code_not_for_the_results_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run rewrites the results files, so a tree changed only there is still the commit;
+    a changed source file is not."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *argv], check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    (tmp_path / "bench").mkdir()
+    results = tmp_path / "bench" / "results.json"
+    results.write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "--short=12", "HEAD")
+    monkeypatch.setattr(bench_run, "ROOT", tmp_path)
+    monkeypatch.setattr(bench_run, "RESULTS", {"perf": results})
+    results.write_text('{"format": 2}')
+    assert bench_run.commit() == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert bench_run.commit() == head + "+changes"
+
+
 def test_the_committed_docs_match_the_committed_results() -> None:
     """Every generated block of README.md and docs/ is what `make figures` makes of
     bench/results.json and bench/accuracy.json as committed: a figure edited by hand, or
