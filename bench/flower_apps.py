@@ -60,11 +60,8 @@ class Spill:
 
 def spill(workload: Workload, folder: Path) -> Spill:
     """Write ``workload`` as .npy files an actor can memory-map."""
-    lengths = [len(i) for i in workload.train_index]
-    np.save(folder / "features.npy", workload.features)
-    np.save(folder / "index.npy", np.concatenate(workload.train_index).astype(np.int64))
-    np.save(folder / "labels.npy", np.concatenate(workload.train_labels).astype(np.int64))
-    np.save(folder / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    for name, array in workload.flat().items():
+        np.save(folder / f"{name}.npy", array)
     return Spill(
         folder=str(folder),
         dim=workload.dim,

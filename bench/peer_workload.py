@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,17 @@ class Workload:
     @property
     def dim(self) -> int:
         return int(self.features.shape[1])
+
+    def flat(self) -> dict[str, np.ndarray]:
+        """The workload as four arrays: ``features``; every client's rows and labels one
+        after another (``index``, ``labels``), client k's at ``offsets[k]:offsets[k+1]``."""
+        lengths = [len(i) for i in self.train_index]
+        return {
+            "features": self.features,
+            "index": np.concatenate(self.train_index).astype(np.int64),
+            "labels": np.concatenate(self.train_labels).astype(np.int64),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        }
 
     def client_data(self, client: int) -> tuple[np.ndarray, np.ndarray]:
         """(n_k, D) features and (n_k,) labels of one client."""
@@ -104,17 +116,10 @@ def make_workload(
 def save_workload(workload: Workload, path: Path) -> None:
     """``workload`` in one .npz file (the halves of the benchmark each load it in a
     process of their own)."""
-    lengths = [len(i) for i in workload.train_index]
-    np.savez(
-        path,
-        features=workload.features,
-        index=np.concatenate(workload.train_index).astype(np.int64),
-        labels=np.concatenate(workload.train_labels).astype(np.int64),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        scalars=np.array(
-            [workload.num_classes, workload.epochs, workload.batch_size, workload.seed], np.int64
-        ),
-    )
+    scalars = [workload.num_classes, workload.epochs, workload.batch_size, workload.seed]
+    # Any: numpy's stub would take a ** mapping of arrays for its own keyword flags.
+    arrays: dict[str, Any] = workload.flat() | {"scalars": np.array(scalars, np.int64)}
+    np.savez(path, **arrays)
 
 
 def load_workload(path: Path) -> Workload:

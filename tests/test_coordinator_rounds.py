@@ -405,4 +405,5 @@ def test_an_offer_without_a_receipt_computes_no_digest(tmp_path):
     assert without.accepted and without.digest is None
     # A duplicate names the stored update's digest, when one was computed.
     assert m.offer(u0.to_wire()).digest == with_receipt.digest
-    assert m.offer(u1.to_wire()).reason == "duplicate"
+    again = m.offer(u1.to_wire())
+    assert again.reason == "duplicate" and again.digest is None
