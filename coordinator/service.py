@@ -152,10 +152,13 @@ class CoordinatorService:
             return
         if topic.kind is TopicKind.UPDATE:
             decision = self.manager.offer(message.payload, topic_client=topic.client)
-            if decision.accepted:
-                self._wake.set()
+            # The receipt is queued before the main loop is woken: woken first, it could
+            # close the round and publish the next announcement ahead of the receipt, and
+            # the device would hear its round closed before hearing its update stored.
             if decision.digest is not None:
                 self._send_receipt(client, decision)
+            if decision.accepted:
+                self._wake.set()
         elif topic.kind is TopicKind.STATUS:
             self.manager.record_status(message.payload, topic_client=topic.client)
         elif topic.kind is TopicKind.ROUND:

@@ -239,3 +239,36 @@ def test_the_coordinator_retries_a_lost_broker_every_few_seconds_at_most(tmp_pat
     manager = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
     service = CoordinatorService(manager=manager)
     assert service.client._reconnect_max_delay == RECONNECT_MAX_S == 5.0
+
+
+def test_an_updates_receipt_is_queued_before_the_round_loop_is_woken(tmp_path):
+    """Woken first, the loop could close the round and announce the next one before the
+    receipt left, and the device would hear its round closed before its update stored
+    (seen in tests/test_deploy.py on a loaded machine). The order is pinned here by
+    recording, for each publish, whether the loop had been woken yet."""
+    import paho.mqtt.client as mqtt
+
+    from coordinator.metrics import Metrics
+    from coordinator.rounds import RoundManager
+    from coordinator.service import CoordinatorService
+    from coordinator.store import Store
+    from protocol.topics import receipt_topic, update_topic
+    from tests.coordinator_helpers import config, stand_in_update
+
+    cfg = config(tmp_path, min_clients=1, wait_after_quorum_s=0.0)
+    service = CoordinatorService(
+        manager=RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    )
+    published: list[tuple[str, bool]] = []
+
+    class Recorder:  # paho's publish, as the handler calls it, noting the loop's state
+        def publish(self, topic: str, payload: bytes, qos: int = 0) -> None:
+            published.append((topic, service._wake.is_set()))
+
+    update = stand_in_update(0, 0)
+    message = mqtt.MQTTMessage(topic=update_topic("lab", update.client).encode())
+    message.payload = update.to_wire()
+    service._handle(Recorder(), message)  # type: ignore[arg-type]
+    assert published == [(receipt_topic("lab", update.client), False)]
+    assert service._wake.is_set()
+    service.manager.store.close()
