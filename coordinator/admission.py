@@ -19,9 +19,12 @@ from types import MappingProxyType
 import numpy as np
 
 from protocol import PrototypeUpdate
-from protocol.weights import AVERAGED, averaged_weight_shapes
+from protocol.methods import wire_method
+from protocol.weights import averaged_weight_shapes
 
 FISHER = "fisher"
+#: A closed-form update's second moment (edge_agent/closed_form.py).
+GRAM = "gram"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class Admission:
     extras: Mapping[str, tuple[int, ...]] | None = field(
         default_factory=lambda: MappingProxyType({})
     )
+    #: Closed-form methods (protocol/methods.py): their prototype rows are class sums
+    #: (and their second moment, sums over all samples), bounded by the counts rather than
+    #: by ``max_value``; an update with no rows (statistics sent before) carries no extras.
+    statistics: bool = False
 
     @classmethod
     def for_fleet(
@@ -56,7 +63,8 @@ class Admission:
         allow_list: tuple[str, ...] = (),
     ) -> Admission:
         extras: Mapping[str, tuple[int, ...]] | None = MappingProxyType({})
-        if method in AVERAGED:
+        kind = wire_method(method).extras
+        if kind == "weights":
             extras = MappingProxyType(
                 averaged_weight_shapes(
                     feature_dim=feature_dim,
@@ -65,8 +73,10 @@ class Admission:
                     norm=norm,  # type: ignore[arg-type]
                 )
             )
-        elif method == "feddbp":
+        elif kind == "fisher":
             extras = None
+        elif kind == "statistics" and wire_method(method).gram:
+            extras = MappingProxyType({GRAM: (dim * (dim + 1) // 2,)})
         return cls(
             fleet=fleet,
             bundle=bundle,
@@ -77,6 +87,7 @@ class Admission:
             max_value=max_value,
             allow_list=frozenset(allow_list),
             extras=extras,
+            statistics=kind == "statistics",
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -100,12 +111,16 @@ class Admission:
         if self._extras_mismatch(update):
             return "wrong_extras"
         arrays = (update.prototypes, *update.extras.values())
-        if any(a.size and float(np.abs(a).max()) > self.max_value for a in arrays):
+        # A sum of rows of norm <= 1 over at most max_count samples of each class.
+        bound = self.max_value + (self.max_count * self.num_classes if self.statistics else 0)
+        if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
             return "value_above_max"
         return None
 
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:
         got = {name: a.shape for name, a in update.extras.items()}
+        if self.statistics and not update.classes:
+            return bool(got)
         if self.extras is None:
             return got != {FISHER: update.prototypes.shape}
         return got != dict(self.extras)

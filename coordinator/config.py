@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from coordinator.admission import AVERAGED, Admission
+from coordinator.admission import Admission
 from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
+from protocol.methods import wire_method
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -58,7 +59,7 @@ class ModelSettings:
             raise ValueError("classes must be unique")
         if self.dim < 1:
             raise ValueError("dim must be positive")
-        if self.method in AVERAGED and self.feature_dim < 1:
+        if wire_method(self.method).averaged and self.feature_dim < 1:
             raise ValueError(
                 f"feature_dim is required for {self.method}: the bundle's feature size "
                 "(feature_dim in its bundle.json), which fixes the shapes of the weights "

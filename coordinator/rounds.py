@@ -27,6 +27,7 @@ from coordinator.screening import Screening
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
+from protocol.methods import wire_method
 from protocol.receipts import payload_digest
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,14 @@ class RoundManager:
         # then reads and decodes what the store holds.
         self._decoded: dict[str, PrototypeUpdate] = {}
         self._clients = set(self._digests)
+        # Closed-form methods: every client's latest statistics (a device sends them once
+        # per data version), and the head they solved, announced again until new ones come.
+        self._closed_form = wire_method(config.model.method).closed_form
+        self._statistics: dict[str, PrototypeUpdate] = {}
+        self._solved: Aggregate | None = None
+        if self._closed_form:
+            for client, payload in store.latest_statistics():
+                self._statistics[client] = PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
@@ -316,11 +325,35 @@ class RoundManager:
         payload = self.store.update_payload(self._round, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
+    def _solve(self, updates: list[PrototypeUpdate]) -> tuple[Aggregate, dict[str, bytes]]:
+        """A closed-form round: the round's new statistics replace their clients' earlier
+        ones, and the head is solved from every client's latest (the same head again when
+        none came). Returns it and the new statistics' payloads, stored with the close."""
+        fresh = [u for u in updates if u.classes]
+        for update in fresh:
+            self._statistics[update.client] = update
+        if fresh or self._solved is None:
+            model = self.config.model
+            self._solved = self.strategy.aggregate(
+                list(self._statistics.values()), num_classes=len(model.classes), dim=model.dim
+            )
+        payloads = {
+            u.client: self.store.update_payload(self._round, u.client)
+            if self.store.keep_payloads
+            else b""
+            for u in fresh
+        }
+        return self._solved, payloads
+
     def _close(self, now: float) -> RoundAnnouncement:
         started = time.perf_counter()
         updates = [self._stored_update(c) for c in self.store.update_clients(self._round)]
         model = self.config.model
-        result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
+        fresh: dict[str, bytes] = {}
+        if self._closed_form:
+            result, fresh = self._solve(updates)
+        else:
+            result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
         self.metrics.aggregation_seconds.observe(time.perf_counter() - started)
         finished = self._round + 1
         final = self.config.rounds.max_rounds > 0 and finished >= self.config.rounds.max_rounds
@@ -333,6 +366,7 @@ class RoundManager:
             deadline=deadline,
             keep_rounds=self.config.rounds.keep_rounds,
             final=final,
+            statistics=fresh,
         )
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - self._opened_at)

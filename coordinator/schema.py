@@ -34,6 +34,11 @@ CREATE TABLE IF NOT EXISTS quarantine (
     reason TEXT NOT NULL,
     PRIMARY KEY (round, client)
 );
+CREATE TABLE IF NOT EXISTS statistics (
+    client TEXT PRIMARY KEY,
+    round INTEGER NOT NULL,
+    payload BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS contributions (
     client TEXT PRIMARY KEY,
     last_round INTEGER NOT NULL,

@@ -303,6 +303,7 @@ class Store:
         deadline: float,
         keep_rounds: int = 0,
         final: bool = False,
+        statistics: Mapping[str, bytes] | None = None,
     ) -> None:
         """Close round ``closed`` and open ``closed + 1`` atomically (``final``: stored
         closed as well, in the same transaction, so a crash cannot leave the last round
@@ -310,8 +311,20 @@ class Store:
         > 0, the payloads (updates and announcement) of rounds older than the last
         ``keep_rounds`` closed ones are dropped in the same transaction; their timing rows
         stay. A service that runs for months would otherwise keep every update it ever
-        received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB."""
+        received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB.
+
+        ``statistics``: the closed-form updates of the round that carried class
+        statistics, by client: each replaces that client's previous ones, in the same
+        transaction, and outlives ``keep_rounds`` (the fleet's head is solved from every
+        client's latest statistics, :meth:`latest_statistics`)."""
         with self._lock, self._transaction():
+            for client, payload in (statistics or {}).items():
+                kept = payload if self.keep_payloads else b""
+                self._db.execute(
+                    "INSERT OR REPLACE INTO statistics (client, round, payload) VALUES (?, ?, ?)",
+                    (client, closed, kept),
+                )
+                self._wrote(len(kept))
             self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
             self._db.execute(
                 "INSERT INTO rounds (round, opened_at, deadline, closed_at, announcement) "
@@ -327,6 +340,15 @@ class Store:
                     "WHERE round < ? AND length(announcement) > 0",
                     (oldest_kept,),
                 )
+
+    def latest_statistics(self) -> list[tuple[str, bytes]]:
+        """Every client's latest statistics-bearing update (closed-form methods), in
+        client order; StateError for one stored without its payload (a vector run)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT client, round, payload FROM statistics ORDER BY client"
+            ).fetchall()
+        return [(client, _kept(payload, round_, client)) for client, round_, payload in rows]
 
     def record_status(
         self,

@@ -17,6 +17,7 @@ import torch
 from edge_agent import data as data_mod
 from edge_agent import screening
 from edge_agent.anchored import AnchoredLearner, FitSplit
+from edge_agent.closed_form import GRAM, ClosedFormDevice
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
 from edge_agent.extras import load_weights, update_extras
@@ -24,6 +25,7 @@ from edge_agent.features import FeatureCache, cache_features, fingerprint, with_
 from edge_agent.head import local_prototypes
 from edge_agent.inference import dense_globals, rule_of
 from edge_agent.keys import AgentKeys
+from edge_agent.methods import device_method
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import MECHANISMS, Release
@@ -34,7 +36,7 @@ from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-from protocol.weights import AVERAGED
+from runtime import closed_form as cf
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,10 @@ class Agent:
         with torch.random.fork_rng():
             torch.manual_seed(cfg.seed if cfg.init_seed is None else cfg.init_seed)
             self.model = LocalModel(
-                in_dim=dim, num_classes=self.num_classes, cfg=cfg.train, dual=cfg.method == "feddbp"
+                in_dim=dim,
+                num_classes=self.num_classes,
+                cfg=cfg.train,
+                dual=device_method(cfg.method).dual,
             )
         self.resumed = self.state.load_model(self.model)
         self.ledger = Ledger(
@@ -140,7 +145,16 @@ class Agent:
             cfg.seed + (self.state.snapshot.last_round or 0)
         )
         self.learner: AnchoredLearner | None = None
-        if MECHANISMS[privacy.mechanism].space == "features":
+        self.record = device_method(cfg.method)
+        # A closed-form method trains nothing: its statistics leave, a linear head returns.
+        self.closed: ClosedFormDevice | None = None
+        if not self.record.trains_head:
+            self.closed = ClosedFormDevice(
+                method=self.record, fleet=cfg.fleet, features=self.features,
+                labels=self.train_labels, num_classes=self.num_classes,
+                settings=cfg.closed_form, seed=cfg.seed, state_dir=cfg.state_dir,
+            )  # fmt: skip
+        elif MECHANISMS[privacy.mechanism].space == "features":
             split = FitSplit.stratified(self.train_labels, share=privacy.validation_share,
                                         seed=cfg.seed)  # fmt: skip
             self.learner = AnchoredLearner(
@@ -214,6 +228,8 @@ class Agent:
     def prototype_dim(self) -> int:
         """What the fleet's prototypes are: head embeddings, or under dp-features the
         backbone features the releases are made of."""
+        if self.closed is not None:
+            return self.closed.dim
         return self.runtime.feature_dim if self.learner is not None else self.cfg.train.out_dim
 
     @property
@@ -227,6 +243,8 @@ class Agent:
         if self.ignored != Counter(self.state.snapshot.extra.get("ignored_announcements", {})):
             self.state.record(ignored_announcements=dict(self.ignored))  # unsaved counts
         self._adopt_global(announcement)
+        if self.closed is not None:
+            return self._answer_with_statistics(announcement, received_bytes)
         privacy = cfg.privacy
         dp = privacy.mechanism == "dp"
         if dp and not self.ledger.allows(self.spending.dp_events()):
@@ -353,6 +371,116 @@ class Agent:
         )
         return Decision("answered", update=update, payload=payload)
 
+    def _answer_with_statistics(
+        self, announcement: RoundAnnouncement, received_bytes: int | None
+    ) -> Decision:
+        """A closed-form device's answer: its statistics until the coordinator has stored
+        them for this data version (a receipt says so, :meth:`confirmed`), an update with
+        no rows after that, so a run costs the statistics once and a few hundred bytes a
+        round."""
+        closed, cfg, privacy = self.closed, self.cfg, self.cfg.privacy
+        assert closed is not None
+        round_ = announcement.round
+        sent = self.state.snapshot.extra.get("statistics_stored") == self.data_version
+        exact = closed.statistics()
+        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
+        classes, counts, rows = np.zeros(0, np.int64), np.zeros(0), np.zeros((0, closed.dim))
+        extras: dict[str, np.ndarray] = {}
+        spent = None
+        formal = MECHANISMS[privacy.mechanism].formal
+        if not sent and not formal:
+            classes = np.flatnonzero(exact.counts > 0)
+            counts = exact.counts[classes]
+            rows = (exact.sums if self.record.wire.gram else means)[classes]
+            if exact.gram is not None:
+                extras[GRAM] = cf.upper_triangle(exact.gram)
+        elif not sent and self.record.wire.gram:
+            made = self.spending.statistics_release(
+                round_, state=self.state, data_version=self.data_version, stats=exact
+            )
+            if made is None:
+                return self._exhausted(round_)
+            noisy, spent = made
+            assert noisy.gram is not None
+            # Every class, present or not: the set of classes sent reveals nothing.
+            classes = np.arange(self.num_classes)
+            counts, rows = np.maximum(noisy.counts, 0.0), noisy.sums
+            extras[GRAM] = cf.upper_triangle(noisy.gram)
+        elif not sent:
+            # Means and counts alone (fedcof): the dp-features release of the clipped rows.
+            release = self.spending.feature_release(
+                round_, state=self.state, data_version=self.data_version, features=closed.x,
+                labels=self.train_labels, num_classes=self.num_classes,
+            )  # fmt: skip
+            if release is None:
+                return self._exhausted(round_)
+            classes, counts = release[0].classes, release[0].counts
+            rows, spent = release[0].prototypes, release[1]
+        elif formal:
+            spent = self.ledger.spent()
+        update = PrototypeUpdate(
+            fleet=cfg.fleet,
+            round=round_,
+            client=cfg.agent_id,
+            bundle=self.bundle_id,
+            method=cfg.method,
+            classes=tuple(int(c) for c in classes),
+            counts=tuple(float(c) for c in counts),
+            # float64: the coordinator's sum must be the pooled one, not a rounded one.
+            prototypes=np.asarray(rows, dtype=np.float64).reshape(len(classes), closed.dim),
+            extras=extras,
+            privacy=PrivacyMeta(
+                mechanism=privacy.mechanism,
+                epsilon=spent,
+                delta=privacy.delta if formal else None,
+                guarantee=self.ledger.guarantee if formal else NONE,
+            ),
+        )
+        run = announcement.auth.run if announcement.auth is not None else None
+        update = self.keys.sign(update, run=run)
+        payload = update.to_wire()
+        if not sent:
+            self.state.record(statistics_sent={"round": round_, "version": self.data_version})
+        record: dict[str, Any] = {
+            "loss": 0.0,
+            "train_seconds": 0.0,
+            "time": time.time(),
+            "bytes_up": len(payload),
+            "bytes_down": received_bytes,
+            "statistics_sent": not sent,
+        }
+        self.state.save_round(round_, model=self.model, prototypes=means.astype(np.float32),
+                              counts=exact.counts, update=payload, metrics=record)  # fmt: skip
+        log.info("round %d answered: %s", round_, "statistics" if not sent else "no new data")
+        return Decision("answered", update=update, payload=payload)
+
+    def confirmed(self, round_: int) -> None:
+        """The coordinator stored this device's update of ``round_`` (its receipt came):
+        statistics it carried are in the fleet's sum and need not travel again."""
+        sent = self.state.snapshot.extra.get("statistics_sent")
+        if isinstance(sent, dict) and sent.get("round") == round_:
+            self.state.record(statistics_stored=sent.get("version"))
+
+    def _adopt_closed_form(self, announcement: RoundAnnouncement) -> None:
+        """Choose the head to predict with from the fleet's (edge_agent/closed_form.py) and
+        score it under the round whose statistics built it."""
+        closed = self.closed
+        assert closed is not None
+        if not closed.adopt(announcement):
+            return
+        if self.evaluator is not None and announcement.round >= 1:
+            test_x = self.evaluator.features
+            predicted = closed.scores(test_x).argmax(axis=1)
+            accuracy = float((predicted == self.evaluator.labels).mean())
+            self.state.amend_round(
+                announcement.round - 1,
+                test_accuracy=accuracy,
+                # The head is the device's classifier: the reports' classifier column.
+                test_accuracy_classifier=accuracy,
+                predict_rule=closed.choice,
+                val_accuracies=closed.val_accuracies,
+            )
+
     def _exhausted(self, round_: int) -> Decision:
         self.state.record(privacy_exhausted=True)
         log.warning(
@@ -374,7 +502,10 @@ class Agent:
         figure arrives with the final announcement. Both are kept in the state folder, so
         ``edge-agent predict`` predicts with what was scored."""
         method = self.cfg.method
-        if method in AVERAGED:
+        if self.closed is not None:
+            self._adopt_closed_form(announcement)
+            return
+        if self.record.wire.averaged:
             if not load_weights(self.model, announcement.extras):
                 return
             self.state.save_model(self.model)

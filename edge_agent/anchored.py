@@ -40,6 +40,7 @@ from torch import nn
 from edge_agent import inference as inf
 from edge_agent import losses
 from edge_agent.head import local_prototypes
+from edge_agent.methods import device_method
 from edge_agent.train import (
     Guidance,
     LocalModel,
@@ -115,6 +116,9 @@ def anchors(
 
 def anchored_loss(method: str, weight: float) -> LossFn:
     """Cross-entropy through the classifier plus ``weight`` times the method's term."""
+    anchor = device_method(method).anchor
+    if anchor is None:
+        raise ValueError(f"{method} takes no feature-space anchors")
 
     def loss(
         model: LocalModel, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
@@ -123,10 +127,10 @@ def anchored_loss(method: str, weight: float) -> LossFn:
         out = nn.functional.cross_entropy(logits, y)
         if weight == 0 or not g.has_globals:
             return out
-        if method == "fedpcl":
+        if anchor == "contrast":
             targets = g.fedpcl_targets(tau=cfg.tau, include_positive=cfg.include_positive)
             term = losses.fedpcl_loss(z, y, targets)
-        else:  # fedproto: ProtoDist
+        else:  # "distance": FedProto's ProtoDist
             term = losses.prototype_distance(z, y, protos=g.global_protos, present=g.global_present)
         return out + weight * term
 

@@ -6,16 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge_agent.train_config import METHODS, TrainConfig
+from edge_agent.methods import DEVICE_METHODS, device_method
+from edge_agent.train_config import TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
 from runtime.security import AgentSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
-
-#: The methods whose global knowledge a feature-space release can carry: class means
-#: that the device projects through its own head (docs/privacy.md).
-FEATURE_RELEASE_METHODS = ("fedpcl", "fedproto")
 
 
 @dataclass(frozen=True)
@@ -114,6 +111,34 @@ class PrivacySettings:
 
 
 @dataclass(frozen=True)
+class ClosedFormSettings:
+    """``dim``: the public projection size k (0: the bundle's feature size, no
+    projection); a fleet setting, the coordinator's ``model.dim``. ``personal_lambda``:
+    how strongly the personalised head stays near the fleet's. ``validation_share``: the
+    part of the device's data that chooses between the heads."""
+
+    dim: int = 0
+    personal_lambda: float = 1.0
+    validation_share: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"closed_form.dim must be >= 0 (0: no projection), got {self.dim}")
+        if self.personal_lambda <= 0:
+            raise ValueError(
+                f"closed_form.personal_lambda must be positive, got {self.personal_lambda}"
+            )
+        if not 0 < self.validation_share < 1:
+            raise ValueError(
+                f"closed_form.validation_share must be in (0, 1), got {self.validation_share}"
+            )
+
+    def size(self, feature_dim: int) -> int:
+        """k for a bundle of ``feature_dim`` features."""
+        return feature_dim if self.dim == 0 else self.dim
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     agent_id: str
     fleet: str
@@ -134,6 +159,8 @@ class AgentConfig:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
+    # lda, ridge, fedcof (edge_agent/closed_form.py).
+    closed_form: ClosedFormSettings = field(default_factory=ClosedFormSettings)
     security: AgentSecurity = field(default_factory=AgentSecurity)
 
     @property
@@ -144,22 +171,19 @@ class AgentConfig:
     def __post_init__(self) -> None:
         validate_id(self.agent_id, field="agent_id")
         validate_id(self.fleet, field="fleet")
-        if self.method not in METHODS:
-            raise ValueError(
-                f"method {self.method!r} is not supported on the agent; use one of {', '.join(sorted(METHODS))}"
-            )
+        method = device_method(self.method)  # a ValueError names the known methods
         if self.privacy.mechanism == "dp" and self.train.norm != "group":
             raise ValueError(
                 "privacy.mechanism = 'dp' needs train.norm = 'group': BatchNorm mixes the "
                 "samples of a batch, which per-sample clipping cannot allow"
             )
-        if self.privacy.mechanism == "dp" and self.method == "feddbp":
-            raise ValueError("privacy.mechanism = 'dp' is not available for feddbp")
-        if self.privacy.mechanism == "dp-features" and self.method not in FEATURE_RELEASE_METHODS:
+        mechanism = self.privacy.mechanism
+        if mechanism not in method.modes:
+            takers = [m.name for m in DEVICE_METHODS.values() if mechanism in m.modes]
             raise ValueError(
-                "privacy.mechanism = 'dp-features' is available for "
-                f"{' and '.join(FEATURE_RELEASE_METHODS)} (their global knowledge is class "
-                f"means, which a feature-space release provides), not {self.method}"
+                f"privacy.mechanism = {mechanism!r} is not available for {self.method} (it "
+                f"takes {', '.join(sorted(method.modes))}); {mechanism} is for "
+                f"{', '.join(takers)}"
             )
         if len(set(self.classes)) != len(self.classes) or not self.classes:
             raise ValueError("classes must be a non-empty list of unique names")

@@ -12,7 +12,7 @@ import torch
 
 from edge_agent import losses
 from edge_agent.train import LocalModel
-from protocol.weights import AVERAGED
+from protocol.methods import wire_method
 
 #: Their weights travel as extras named after the model's parameters.
 WEIGHT_PREFIXES = ("head.", "classifier.")
@@ -28,9 +28,10 @@ def update_extras(
     num_classes: int,
 ) -> dict[str, np.ndarray]:
     """What ``method``'s update carries beside the prototypes of the ``held`` classes."""
-    if method in AVERAGED:
+    kind = wire_method(method).extras
+    if kind == "weights":
         return model_weights(model)
-    if method == "feddbp":
+    if kind == "fisher":
         scores = losses.fisher_scores(
             model.logits, torch.from_numpy(z), torch.from_numpy(labels), num_classes
         )

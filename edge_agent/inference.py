@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from edge_agent.methods import MethodRule, device_method
 
 if TYPE_CHECKING:
     from edge_agent.state import StateDir
@@ -150,7 +152,7 @@ def classifier(out: Outputs, refs: References) -> Prediction:
     # extractor and a "unified classifier" (Sec. 3.1) meant as "a generalizable global
     # model", and it reports Top-1 accuracy (Sec. 4.1). We take that global model's
     # classifier; FPL's prototypes shape its training only. FedAvg's and FPL's classifier
-    # is the global model's (see METHOD_RULES).
+    # is the global model's (see edge_agent/methods.py).
     return argmax_logits(out.logits)
 
 
@@ -163,46 +165,9 @@ RULES: dict[str, Rule] = {
 }
 
 
-@dataclass(frozen=True)
-class MethodRule:
-    """How a method predicts: ``rule`` (a key of :data:`RULES`); the prototypes it
-    compares against, if any; and whether it predicts with what the coordinator returns
-    for a round (the averaged model, the global prototypes). Such a score belongs to the
-    round whose updates built it, and is known when the next announcement (or the final
-    one) arrives."""
-
-    rule: str
-    prototypes: Literal["local", "global"] | None
-    from_server: bool
-    summary: str  # for reports
-
-
-METHOD_RULES: dict[str, MethodRule] = {
-    "fedpcl": MethodRule(
-        "local_prototype_cosine", "local", False, "cosine similarity to its local prototypes"
-    ),
-    "fedproto": MethodRule(
-        "global_prototype_distance", "global", True, "Euclidean distance to the global prototypes"
-    ),
-    "feddbp": MethodRule(
-        "decision_global_distance",
-        "global",
-        True,
-        "its decision branch's distance to its personalised global prototypes",
-    ),
-    "fedavg": MethodRule("classifier", None, True, "the round's global model"),
-    "fpl": MethodRule("classifier", None, True, "the round's global model"),
-    "solo": MethodRule("classifier", None, False, "its classifier"),
-}
-
-
 def rule_of(method: str) -> MethodRule:
-    try:
-        return METHOD_RULES[method]
-    except KeyError:
-        raise ValueError(
-            f"no inference rule for method {method!r}; known: {', '.join(sorted(METHOD_RULES))}"
-        ) from None
+    """How ``method`` predicts (its record's rule, ``edge_agent/methods.py``)."""
+    return device_method(method).rule
 
 
 # -- running a model ---------------------------------------------------------------------------

@@ -243,6 +243,7 @@ class AgentService:
                 pending.digest[:12],
             )
         else:
+            self.agent.confirmed(pending.round)
             log.info("round %d: update stored by the coordinator", pending.round)
 
     def _expect_receipt(self, round_: int, payload: bytes) -> None:

@@ -234,6 +234,28 @@ class StateDir:
                 return None
             return Release(data["classes"], data["prototypes"], data["counts"])
 
+    def save_statistics_release(self, version: str, stats: Any) -> None:
+        """Keep a noisy statistics release (lda, ridge) for the data version it was made from."""
+        atomic_write(
+            self.root / "statistics_release.npz",
+            _npz_bytes({"version": np.array(version), "counts": stats.counts,
+                        "sums": stats.sums, "gram": stats.gram, "holders": stats.holders}),
+        )  # fmt: skip
+
+    def load_statistics_release(self, version: str) -> Any:
+        """The stored statistics release of data version ``version``; None if there is
+        none (or only one of another version)."""
+        from runtime.closed_form import Statistics
+
+        path = self.root / "statistics_release.npz"
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            if str(data["version"]) != version:
+                return None
+            return Statistics(counts=data["counts"], sums=data["sums"], gram=data["gram"],
+                              holders=data["holders"], scatter=None, devices=1)  # fmt: skip
+
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
         return self._load_pair("prototypes.npz", "prototypes", "counts")
 

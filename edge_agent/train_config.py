@@ -1,4 +1,4 @@
-"""The local-training settings and the method names, without torch.
+"""The local-training settings, without torch.
 
 Kept apart from ``edge_agent.train`` so that reading a configuration (``edge-agent
 --help``, ``status``, a usage error, ``edge-fleet``'s option checks) does not pay for
@@ -9,14 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
-
-#: The methods an agent trains for; ``edge_agent.train.LOSSES`` holds one objective each.
-METHODS = ("solo", "fedavg", "fedproto", "fedpcl", "fpl", "feddbp")
-
-#: Methods whose objective never trains the classifier (FedPCL Table 4: the projection
-#: head alone): a classifier figure for them would score an untrained layer, and a
-#: setting of the classifier does not apply to them.
-CLASSIFIER_FREE = frozenset({"fedpcl"})
 
 Norm = Literal["batch", "group"]
 Classifier = Literal["linear", "bounded"]

@@ -59,6 +59,7 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     import torch
 
     from edge_agent import inference
+    from edge_agent.methods import FLOOR
     from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
     from edge_agent.train_config import TrainConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
@@ -82,7 +83,7 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     seconds = []
     for _ in range(spec.rounds):
         tick = time.perf_counter()
-        train_round(model, optimiser, train_x, train_y, method="solo", guidance=no_guidance,
+        train_round(model, optimiser, train_x, train_y, method=FLOOR, guidance=no_guidance,
                     cfg=cfg, generator=generator)  # fmt: skip
         for i, (_, _, test_x, test_y) in enumerate(clients):
             outputs = inference.outputs_of(model, test_x)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_agent.train_config import METHODS
+from edge_agent.methods import CORE, METHODS
 from fleet import report as report_mod
 from fleet.bundles import ensure_bundle, resolve_bundle
 from fleet.central import CENTRAL, CENTRAL_TRAIN
@@ -65,6 +65,7 @@ def spec_for(
         out_dim=args.out_dim,
         epochs=args.epochs,
         downlink_budget=args.downlink_budget,
+        stats_dim=args.stats_dim,
         progress=not args.no_progress,
         feature_cache=args.out / "feature-cache",
         **extra,
@@ -164,8 +165,8 @@ def _sweep(
               if k not in ("command", "log_format", "log_level")}  # fmt: skip
     config.update(methods=methods, seeds=seeds, bundle=str(bundle))
     document = report_mod.build_report(results, config=config, partition=description)
-    # The contribution heatmap of the first federated method that ran (FedPCL if present).
-    heat_method = next((m for m in ("fedpcl", *methods) if m in results), methods[0])
+    # The contribution heatmap of the first federated method that ran (the core one if present).
+    heat_method = next((m for m in (CORE, *methods) if m in results), methods[0])
     run0 = results[heat_method][seeds[0]]
     extra: dict[str, Path] = {}
     if run0.spec.transport == "vector":

@@ -10,7 +10,7 @@ from typing import Any
 
 from fleet.partition import ClientData
 from fleet.spec import FLEET, RunSpec, train_table
-from protocol.weights import AVERAGED
+from protocol.methods import wire_method
 
 
 def toml_value(value: Any) -> str:
@@ -42,7 +42,7 @@ def initial_seed(spec: RunSpec, index: int) -> int:
     """The seed a device's head starts from: averaged models start from one head, as a
     server-initialised model would; every other method's devices start apart, as
     independent devices do."""
-    return spec.seed if spec.method in AVERAGED else agent_seed(spec, index)
+    return spec.seed if wire_method(spec.method).averaged else agent_seed(spec, index)
 
 
 def agent_tables(
@@ -57,7 +57,7 @@ def agent_tables(
         "method": spec.method,
         "classes": list(classes),
         "seed": agent_seed(spec, index),
-        **({"init_seed": spec.seed} if spec.method in AVERAGED else {}),
+        **({"init_seed": spec.seed} if wire_method(spec.method).averaged else {}),
         # The report reads every round back from state.json: none may be dropped.
         "history": max(200, spec.rounds),
         "data": {
@@ -73,6 +73,9 @@ def agent_tables(
         # One intra-op thread per session: many agents share a few cores.
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
         **(privacy_tables(spec, index) if spec.privacy else {}),
+        **(
+            {"closed_form": {"dim": spec.stats_dim}} if wire_method(spec.method).closed_form else {}
+        ),
     }
 
 
@@ -82,7 +85,10 @@ def privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
 
 
 def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
-    """What the agents' updates carry: head embeddings, or (dp-features) backbone features."""
+    """What the agents' updates carry: head embeddings, (dp-features) backbone features, or
+    (closed-form methods) the features' statistics, projected to ``stats_dim`` if set."""
+    if wire_method(spec.method).closed_form:
+        return spec.stats_dim or feature_dim
     return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_agent.methods import device_method
 from fleet.spec import RunResult
 
 
@@ -41,7 +42,7 @@ def backbone_contribution(
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
         n_cls = len(cfg.classes)
         model = LocalModel(in_dim=runtime.feature_dim, num_classes=n_cls, cfg=cfg.train,
-                           dual=cfg.method == "feddbp")  # fmt: skip
+                           dual=device_method(cfg.method).dual)  # fmt: skip
         if not state.load_model(model):
             raise CommandFailed(f"{client.name}: no trained head in {cfg.state_dir}")
         train = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)

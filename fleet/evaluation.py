@@ -8,7 +8,7 @@ from typing import Any
 
 from edge_agent import inference as inf
 from edge_agent.evaluation import Evaluator
-from edge_agent.train_config import CLASSIFIER_FREE
+from edge_agent.methods import device_method
 
 
 class FleetEvaluator(Evaluator):
@@ -22,7 +22,7 @@ class FleetEvaluator(Evaluator):
             # (``rule`` given) trained one to choose between rules.
             "test_accuracy_classifier": (
                 None
-                if self.method in CLASSIFIER_FREE and rule is None
+                if device_method(self.method).classifier_free and rule is None
                 else self._accuracy(by_rule["classifier"], out, refs)
             ),
         }

@@ -58,6 +58,7 @@ def run_memory(
                                 f"the coordinator rejected {agent.cfg.agent_id}: {outcome.reason}"
                             )
                         agent.state.mark_published(announcement.round)
+                        agent.confirmed(announcement.round)
                 if manager.done:
                     break
                 if manager.poll() is None:

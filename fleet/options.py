@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.downlink import DEFAULT_BUDGET
-from edge_agent.train_config import METHODS
+from edge_agent.methods import CORE, METHODS
 from fleet.bundles import BACKBONES
 from fleet.partition import SPLITS
 from fleet.protocols import PROTOCOLS
-from fleet.spec import TRANSPORTS
+from fleet.spec import DEFAULT_STATS_DIM, TRANSPORTS
 from runtime.cliutil import UsageError
 from runtime.settings import parse_value
 
@@ -110,6 +110,11 @@ def add_common_options(
                          "announcement; past it FedPCL sends a seeded uniform sample of the "
                          "clients' local sets, as many as fit (docs/fleet.md). 0 or 'exact': "
                          f"every set, however large (default {DEFAULT_BUDGET})")  # fmt: skip
+    fl.add_argument("--stats-dim", type=int, default=DEFAULT_STATS_DIM, metavar="K",
+                    help="lda, ridge, fedcof: the public random projection of the backbone "
+                         "features their statistics are taken in (the agents' [closed_form] "
+                         "dim); 0 keeps every feature, whose second moment grows as the "
+                         f"square (docs/fleet.md) (default {DEFAULT_STATS_DIM})")  # fmt: skip
     fl.add_argument("--bundle", type=Path,
                     help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
     fl.add_argument("--backbone", choices=list(BACKBONES),
@@ -146,7 +151,7 @@ def add_parsers(sub: Any) -> None:
     p_run = sub.add_parser("run", help="run one method over a simulated fleet and report",
                            description="Run R rounds of one method over N agents.",
                            epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
-    p_run.add_argument("--method", choices=METHODS, default="fedpcl", help="default fedpcl")
+    p_run.add_argument("--method", choices=METHODS, default=CORE, help=f"default {CORE}")
     p_run.add_argument("--seed", type=int, default=0)
     add_common_options(p_run, rounds=30, clients=5, out="runs/fleet")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_agent.methods import FLOOR
 from fleet.report import _seeds, method_train, train_note
 
 
@@ -53,7 +54,7 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
         if len(runs) > 1:
             std = np.nanstd(curves, axis=0)
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.15)
-        if name == "solo":
+        if name == FLOOR:
             ax.axhline(100 * m["final_mean"], color=line.get_color(), linestyle=":",
                        linewidth=1.2, label="solo final (floor)")  # fmt: skip
     ax.set_xlabel("round")

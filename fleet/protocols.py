@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edge_agent.train_config import CLASSIFIER_FREE
+from edge_agent.methods import DEVICE_METHODS
 
 
 @dataclass(frozen=True)
@@ -54,4 +54,6 @@ def protocol_train(protocol: str, method: str) -> dict[str, Any]:
         raise ValueError(
             f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}"
         ) from None
-    return {} if method in CLASSIFIER_FREE else dict(chosen.classifier_train)
+    # ``method`` may be the pooled-data head (fleet/central.py), which trains as the floor.
+    free = method in DEVICE_METHODS and DEVICE_METHODS[method].classifier_free
+    return {} if free else dict(chosen.classifier_train)

@@ -148,6 +148,7 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
         "rounds": spec.rounds,
         "transport": spec.transport,
         "downlink_budget": spec.downlink_budget,
+        "stats_dim": spec.stats_dim,
         "privacy": dict(spec.privacy) or {"mechanism": "none"},
     }
 
@@ -330,11 +331,11 @@ def write(
 def _rules(methods: Sequence[str]) -> str:
     """'fedpcl by cosine similarity to its local prototypes; ...' for the methods shown,
     those that share a rule named together."""
-    from edge_agent.inference import METHOD_RULES
+    from edge_agent.methods import DEVICE_METHODS
 
     by_text: dict[str, list[str]] = {}
     for m in methods:
-        rule = METHOD_RULES.get(m)
+        rule = DEVICE_METHODS[m].rule if m in DEVICE_METHODS else None
         by_text.setdefault(rule.summary if rule else "its classifier", []).append(m)
     parts = []
     for text, users in by_text.items():
@@ -345,9 +346,9 @@ def _rules(methods: Sequence[str]) -> str:
 
 def _no_classifier(methods: Sequence[str]) -> list[str]:
     """The note for the methods that train no classifier, if any is shown."""
-    from edge_agent.train_config import CLASSIFIER_FREE
+    from edge_agent.methods import DEVICE_METHODS
 
-    free = [m for m in methods if m in CLASSIFIER_FREE]
+    free = [m for m in methods if m in DEVICE_METHODS and DEVICE_METHODS[m].classifier_free]
     return (
         [f'{" and ".join(free)}: no classifier is trained (the head alone): "-".'] if free else []
     )

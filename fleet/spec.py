@@ -14,6 +14,9 @@ from runtime.settings import ConfigError, build
 
 FLEET = "sim"
 TRANSPORTS = ("mqtt", "memory", "vector")
+#: The simulator's projection of the closed-form methods' statistics (``--stats-dim``):
+#: docs/fleet.md has the accuracy and bytes it was chosen from.
+DEFAULT_STATS_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class RunSpec:
     # and coordinator otherwise run the deployed defaults, payload limits included: a run
     # whose announcement the agents would drop fails, as a deployment's would.
     downlink_budget: int = DEFAULT_BUDGET
+    # Closed-form methods: the public projection size k of their statistics (the agents'
+    # [closed_form] dim and the coordinator's model dim; 0 keeps the bundle's features).
+    stats_dim: int = DEFAULT_STATS_DIM
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -49,6 +55,8 @@ class RunSpec:
             raise UsageError("--rounds, --workers and --epochs must be at least 1")
         if self.out_dim < 1:
             raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
+        if self.stats_dim < 0:
+            raise UsageError(f"--stats-dim must be >= 0 (0: no projection), got {self.stats_dim}")
         if self.downlink_budget < 0:
             raise UsageError(f"--downlink-budget must be >= 0, got {self.downlink_budget}")
         # The agents build the same table from their TOML file: a bad value fails here,

@@ -25,6 +25,7 @@ import torch
 from edge_agent import inference as inf
 from edge_agent.extras import fitting_weights
 from edge_agent.head import local_prototypes
+from edge_agent.methods import device_method
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
@@ -32,7 +33,6 @@ from fleet.evaluation import FleetEvaluator
 from fleet.side_by_side import in_order
 from fleet.vector_heads import HeadStack, Rows
 from fleet.vector_losses import GROUP_LOSSES
-from protocol.weights import AVERAGED
 
 #: The scores of a client's round, as fleet.evaluation.FleetEvaluator names them.
 SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier")
@@ -136,7 +136,8 @@ class VectorEngine:
         # The data order is public randomness from each client's seed, as an agent's.
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.loss = GROUP_LOSSES[method]
-        self.rule = inf.rule_of(method)
+        self.record = device_method(method)
+        self.rule = self.record.rule
         self.release = MECHANISMS["none"].release
         # The prototypes each client holds (its last round's), for rules that need them.
         self.local: list[tuple[np.ndarray, np.ndarray] | None] = [None] * data.clients
@@ -147,7 +148,7 @@ class VectorEngine:
         """Train every client one round; yield (client, its round) as each chunk ends,
         in client order. Chunks train side by side (:func:`fleet.side_by_side.in_order`):
         each writes only its own rows of the stack and its clients' generators."""
-        if self.method == "fedpcl":  # its targets, cached on the guidance: built once, here
+        if self.record.wire.local_sets:  # its targets, cached on the guidance: built once, here
             guidance.fedpcl_targets(tau=self.cfg.tau, include_positive=self.cfg.include_positive)
 
         def chunk(rows: Rows) -> list[tuple[int, ClientRound]]:
@@ -206,7 +207,7 @@ class VectorEngine:
         counts = counts_t.view(groups, num_classes).numpy()
         release = self.release(z.numpy(), slots, groups * num_classes, MechanismParams(), _NO_NOISE)
         bounds = np.searchsorted(release.classes // num_classes, np.arange(groups + 1))
-        weights = self.stack.arrays_of_rows(rows) if self.method in AVERAGED else [{}] * len(ids)
+        weights = self.stack.arrays_of_rows(rows) if self.record.wire.averaged else [{}] * len(ids)
         for j, k in enumerate(ids):
             self.local[k] = (protos[j], counts[j])
             scores = (

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from edge_agent.methods import device_method
 from edge_agent.train import LocalModel
-from edge_agent.train_config import CLASSIFIER_FREE, TrainConfig
+from edge_agent.train_config import TrainConfig
 
 #: torch.optim.Adam's defaults, which the agent's optimiser uses.
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
@@ -111,7 +112,7 @@ class HeadStack:
             raise ValueError("the vector engine implements the BatchNorm head (norm = 'batch')")
         k, d, o, c = clients, in_dim, cfg.out_dim, num_classes
         self.cfg = cfg
-        self.classifier = method not in CLASSIFIER_FREE
+        self.classifier = not device_method(method).classifier_free
         self.bounded = cfg.classifier == "bounded"
         self.params: dict[str, torch.Tensor] = {
             "w": torch.zeros(k, d, o),

@@ -79,7 +79,6 @@ def drive(
     from edge_agent.inference import dense_globals
     from edge_agent.train import Guidance
     from protocol import DEFAULT_MAX_PAYLOAD_BYTES, PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-    from protocol.weights import AVERAGED
     from runtime.settings import build
 
     cfg = build(CoordinatorConfig, coord)
@@ -99,7 +98,7 @@ def drive(
                     wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
                 )
                 round_ = announcement.round
-                if method in AVERAGED:
+                if engine.record.wire.averaged:
                     engine.adopt(announcement.extras)
                 if engine.rule.from_server and round_ >= 1:
                     globals_ = (

@@ -1,7 +1,8 @@
-"""Arrays on the wire: ``{"dtype": "f2"|"f4", "shape": [...], "data": <raw LE bytes>}``.
+"""Arrays on the wire: ``{"dtype": "f2"|"f4"|"f8", "shape": [...], "data": <raw LE bytes>}``.
 
 Raw little-endian bytes keep a 10 x 256 float16 prototype set at 5 KiB and make encoding a
-memory copy instead of a per-float loop.
+memory copy instead of a per-float loop. ``f8`` carries what must add up exactly over a
+fleet: the class statistics of the closed-form methods (protocol/methods.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from numpy.typing import NDArray
 from protocol.errors import ArrayError
 from protocol.limits import MAX_ARRAY_NDIM
 
-WIRE_DTYPES: dict[str, np.dtype[Any]] = {"f2": np.dtype("<f2"), "f4": np.dtype("<f4")}
-_NAMES = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4"}
+WIRE_DTYPES: dict[str, np.dtype[Any]] = {
+    "f2": np.dtype("<f2"),
+    "f4": np.dtype("<f4"),
+    "f8": np.dtype("<f8"),
+}
+_NAMES = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4", np.dtype(np.float64): "f8"}
+_BY_SIZE = {2: "f2", 4: "f4", 8: "f8"}
 
 FloatArray = NDArray[np.floating[Any]]
 
@@ -27,7 +33,9 @@ def check_array(value: object, *, field: str, ndim: int | None = None) -> FloatA
         raise ArrayError(f"expected a numpy array, got {type(value).__name__}", field=field)
     name = _NAMES.get(value.dtype.newbyteorder("=")) if value.dtype.kind == "f" else None
     if name is None:
-        raise ArrayError(f"dtype must be float16 or float32, got {value.dtype}", field=field)
+        raise ArrayError(
+            f"dtype must be float16, float32 or float64, got {value.dtype}", field=field
+        )
     if value.ndim > MAX_ARRAY_NDIM or (ndim is not None and value.ndim != ndim):
         want = ndim if ndim is not None else f"at most {MAX_ARRAY_NDIM}"
         raise ArrayError(f"expected {want} dimensions, got shape {value.shape}", field=field)
@@ -44,7 +52,7 @@ def encode_array(value: FloatArray) -> dict[str, Any]:
     # check_array guarantees a C-contiguous little-endian f2/f4 array, so the buffer
     # itself is the wire form and no copy is needed.
     return {
-        "dtype": "f2" if value.itemsize == 2 else "f4",
+        "dtype": _BY_SIZE[value.itemsize],
         "shape": list(value.shape),
         "data": value.data,
     }

@@ -1,4 +1,5 @@
-"""The names and shapes of the model weights a FedAvg or FPL device sends as extras.
+"""The names and shapes of the model weights an averaged method's device sends as extras
+(``protocol/methods.py``: FedAvg, FPL).
 
 They follow from public settings alone (the bundle's feature size, the head's output size,
 the class list, the head's norm layer), so the coordinator can fix them in its
@@ -11,10 +12,6 @@ from __future__ import annotations
 from typing import Literal
 
 Norm = Literal["batch", "group"]
-
-#: Methods whose server averages the clients' models (head and classifier) each round:
-#: their updates and announcements carry these weights as extras.
-AVERAGED = frozenset({"fedavg", "fpl"})
 
 
 def averaged_weight_shapes(

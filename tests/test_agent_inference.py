@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from edge_agent import inference as inf
+from edge_agent.methods import METHODS
 
 # One unit embedding and two prototypes of unequal norms:
 #   class 0: (0.6, 0)   dot 0.6, cosine 1.0, distance 0.4
@@ -45,12 +46,14 @@ def test_each_method_predicts_by_its_papers_rule():
     logits = np.array([[0.1, 0.9]])
     refs = inf.References(local=PROTOS, local_present=BOTH, global_=PROTOS, global_present=BOTH)
     out = inf.Outputs(z=Z, logits=logits, z_decision=np.array([[2.0, 0.0]]))
-    chosen = {m: int(inf.predict(m, out, refs).classes[0]) for m in inf.METHOD_RULES}
+    chosen = {m: int(inf.predict(m, out, refs).classes[0]) for m in METHODS}
     # FedPCL (cosine, local), FedProto (distance, global) and FedDBP (distance between
     # normalised decision features and normalised prototypes: (1, 0) vs (1, 0) and
     # (0.8, 0.6), distances 0 and 0.632) take class 0, where a dot product takes 1; the
     # classifier methods follow the logits.
-    assert chosen == {"fedpcl": 0, "fedproto": 0, "feddbp": 0, "solo": 1, "fedavg": 1, "fpl": 1}
+    expected = {"fedpcl": 0, "fedproto": 0, "feddbp": 0, "solo": 1, "fedavg": 1, "fpl": 1}
+    # A closed-form head's scores are its logits: lda, ridge and fedcof follow them too.
+    assert chosen == expected | {"lda": 1, "ridge": 1, "fedcof": 1}
     assert inf.predict("feddbp", out, refs).scores == pytest.approx([0.0])
 
 
@@ -62,7 +65,6 @@ def test_a_rule_without_its_prototypes_says_which_are_missing():
     with pytest.raises(inf.MissingReference, match="no local prototypes"):
         inf.check_references("fedpcl", inf.References())
     inf.check_references("solo", inf.References())  # the classifier needs none
-    with pytest.raises(ValueError, match="no inference rule for method 'nope'"):
+    with pytest.raises(ValueError, match="method 'nope' is not supported on the agent"):
         inf.rule_of("nope")
-    assert set(inf.METHOD_RULES) == {"fedpcl", "fedproto", "fpl", "feddbp", "solo", "fedavg"}
-    assert {r.rule for r in inf.METHOD_RULES.values()} == set(inf.RULES)
+    assert {inf.rule_of(m).rule for m in METHODS} == set(inf.RULES)

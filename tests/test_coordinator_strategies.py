@@ -24,7 +24,9 @@ B = update("b", [1, 2], [3, 4], [[1, 0], [0.6, 0.8]])
 
 
 def test_registry_lists_every_method_and_fails_loudly():
-    assert available() == ("fedavg", "feddbp", "fedpcl", "fedproto", "fpl", "solo")
+    assert available() == (
+        "fedavg", "fedcof", "feddbp", "fedpcl", "fedproto", "fpl", "lda", "ridge", "solo"
+    )  # fmt: skip
     with pytest.raises(ValueError, match="unknown strategy 'fedsgd'"):
         make_strategy("fedsgd")
     with pytest.raises(ValueError, match="'fedpcl' has no parameter 'colour'; its parameters: "):

@@ -805,7 +805,7 @@ def test_a_device_predicts_exactly_as_the_fleet_scored_it_for_every_method(
     figure: the same rule through the same function, on what the device keeps."""
     from edge_agent.cli import build_parser as agent_parser
     from edge_agent.commands.predict import cmd_predict
-    from edge_agent.train_config import METHODS
+    from edge_agent.methods import METHODS
 
     partition = part.digits5(clients=2, split="feature", seed=1, train=40, test=30)
     for method in METHODS:

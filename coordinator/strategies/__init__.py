@@ -1,6 +1,14 @@
 """Server-side strategies, one per method, behind a name-keyed registry."""
 
-from coordinator.strategies import fedavg, feddbp, fedpcl, fedproto, fpl, solo  # noqa: F401  (registration)
+from coordinator.strategies import (  # noqa: F401  (registration)
+    closed_form,
+    fedavg,
+    feddbp,
+    fedpcl,
+    fedproto,
+    fpl,
+    solo,
+)
 from coordinator.strategies.base import (
     Aggregate,
     Dense,

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from edge_agent.config import load as load_config
+from edge_agent.methods import device_method
 from runtime.cliutil import UsageError
 
 
@@ -67,6 +68,7 @@ def _batches(images, size: int):  # type: ignore[no-untyped-def]
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from edge_agent import inference
+    from edge_agent.closed_form import ClosedFormDevice, StoredHead
     from edge_agent.state import StateDir
     from edge_agent.train import LocalModel
     from export.errors import BundleError
@@ -83,6 +85,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     rule = inference.rule_of(cfg.method)
     refs = inference.stored_references(state)
+    closed = not device_method(cfg.method).trains_head
+    if closed and not (cfg.state_dir / ClosedFormDevice.FILE).exists():
+        raise UsageError(
+            f"no closed-form head in {cfg.state_dir} yet: the coordinator has announced none"
+        )
     if state.load_prototypes() is None:
         raise UsageError(
             f"no prototypes in {cfg.state_dir} yet: the agent has not answered a round"
@@ -104,14 +111,26 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     model = LocalModel(
         in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train,
-        dual=cfg.method == "feddbp",
+        dual=device_method(cfg.method).dual,
     )  # fmt: skip
-    if not state.load_model(model):
+    stored = None
+    if closed:
+        stored = StoredHead.load(cfg.state_dir / ClosedFormDevice.FILE, fleet=cfg.fleet,
+                                 feature_dim=runtime.feature_dim, settings=cfg.closed_form,
+                                 num_classes=len(cfg.classes))  # fmt: skip
+        if stored is None:
+            raise UsageError(f"the closed-form head in {cfg.state_dir} does not fit this bundle")
+        rule_name = rule.rule
+    elif not state.load_model(model):
         raise UsageError(f"no head checkpoint in {cfg.state_dir} that fits this bundle")
     answered = 0
     for names, images in _batches(_images(args.input, cfg.data.image_size), args.batch):
         start = time.perf_counter()
-        outputs = inference.outputs_of(model, runtime.extract(images))
+        features = runtime.extract(images)
+        if stored is not None:  # a closed-form head: its scores are the logits
+            outputs = inference.Outputs(z=features, logits=stored.scores(features))
+        else:
+            outputs = inference.outputs_of(model, features)
         # The function the simulated fleet scores this device with.
         chosen = inference.RULES[rule_name](outputs, refs)
         latency = (time.perf_counter() - start) * 1e3 / len(names)

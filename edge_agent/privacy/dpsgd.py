@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from edge_agent.head import InputMajorLinear
+from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import Schedule
 from edge_agent.train import (
     Guidance,
@@ -57,13 +58,15 @@ def _register_grad_samplers() -> None:
 def _per_sample_loss(
     model: Any, method: str, r: torch.Tensor, y: torch.Tensor, g: Guidance, cfg: TrainConfig
 ) -> torch.Tensor:
-    if method not in ("fedpcl", "fpl") or (method == "fpl" and g.has_globals):
+    record = device_method(method)
+    if not (record.classifier_free or (record.dp_warmup and not g.has_globals)):
         return loss_for(method)(model, r, y, g, cfg)
     z, logits = model(r)  # one forward: Opacus pairs each activation with its backward
     if not g.has_globals:
         return nn.functional.cross_entropy(logits, y)
-    # FedPCL's loss never touches the classifier, but Opacus needs a per-sample gradient
-    # for every trainable parameter it was given: a zero-weighted term supplies zeros.
+    # A classifier-free loss (FedPCL's, the only one) never touches the classifier, but
+    # Opacus needs a per-sample gradient for every trainable parameter it was given: a
+    # zero-weighted term supplies zeros.
     return fedpcl_objective(z, y, g, cfg) + 0.0 * logits.sum()
 
 
@@ -96,8 +99,8 @@ def train_round_dp(
 
     if cfg.norm != "group":
         raise ValueError("DP-SGD needs train.norm = 'group' (BatchNorm is not per-sample)")
-    if method == "feddbp":
-        raise ValueError("DP-SGD is not supported for feddbp (its dual branch shares a classifier)")
+    if "dp" not in device_method(method).modes:
+        raise ValueError(f"DP-SGD is not supported for {method}")
     start = time.perf_counter()
     n = len(labels)
     y_all = torch.from_numpy(np.asarray(labels, dtype=np.int64))

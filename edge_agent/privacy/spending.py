@@ -16,6 +16,7 @@ from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
 from edge_agent.privacy.randomness import NoiseSource
 from edge_agent.state import StateDir
 from edge_agent.train_config import TrainConfig
+from runtime import closed_form as cf
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,35 @@ class Spending:
         log.info("data version %s released in feature space (epsilon spent %.3g)",
                  data_version[:12], spent)  # fmt: skip
         return release, spent
+
+    def statistics_release(
+        self, round_: int, *, state: StateDir, data_version: str, stats: cf.Statistics
+    ) -> tuple[cf.Statistics, float] | None:
+        """This data version's noisy class statistics (lda, ridge) and the epsilon spent:
+        one Gaussian mechanism on (G, s, n) jointly, whose L2 sensitivity under adding or
+        removing one example of norm <= 1 is sqrt(3) (``runtime/closed_form.py``), so
+        every coordinate gets ``release_noise_multiplier * sqrt(3)``. Made and paid for
+        once per data version, stored, and sent again as post-processing after that. None
+        if a new release would exceed the budget."""
+        stored = state.load_statistics_release(data_version)
+        if stored is not None:
+            return stored, self.ledger.spent()
+        events = [self.statistics_event()]
+        if not self.ledger.allows(events):
+            return None
+        sigma = self.settings.release_noise_multiplier * cf.SENSITIVITY
+        noisy = cf.noised(stats, sigma=sigma, rng=self.noise.numpy)
+        spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
+        crash_point("after_ledger_write")
+        state.save_statistics_release(data_version, noisy)
+        log.info("data version %s: class statistics released (epsilon spent %.3g)",
+                 data_version[:12], spent)  # fmt: skip
+        return noisy, spent
+
+    def statistics_event(self) -> Event:
+        """The statistics release as the accountant sees it: one Gaussian mechanism of
+        multiplier ``release_noise_multiplier`` (noise std over sensitivity)."""
+        return Event(self.settings.release_noise_multiplier, 1.0, 1, kind="release")
 
     def mechanism_params(self) -> MechanismParams:
         p = self.settings

@@ -1,0 +1,167 @@
+"""Closed-form heads from the fleet's class statistics: LDA, ridge (Fed3R) and FedCOF.
+
+A device of these methods sends its statistics once per data version (the sums a linear
+classifier is solved from: ``runtime/closed_form.py``); the coordinator adds every
+client's latest statistics exactly, in float64, and solves once. What it announces is the
+linear classifier: its weight rows as the global prototype rows (one per class present in
+the fleet) and its biases as the ``"bias"`` extra. A round in which no client sent new
+statistics changes nothing: the round manager announces the same head again
+(``coordinator/rounds.py``).
+
+The update's prototype rows are the per-class sums (LDA, ridge; the second moment rides
+in ``extras["gram"]``) or the per-class means (FedCOF, which sends prototype-sized
+messages and nothing else).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from coordinator.strategies.base import Aggregate, RobustOptions, Strategy, register
+from protocol import PrototypeUpdate
+from runtime import closed_form as cf
+
+log = logging.getLogger(__name__)
+
+#: The extra an update's second moment travels in, and the announcement's biases.
+GRAM = "gram"
+BIAS = "bias"
+#: The largest value an announced head may hold: float16's, so it travels in any
+#: announce dtype. A larger head is scaled down whole, which changes no prediction (the
+#: argmax of ``x W^T + b`` is the same for ``s W`` and ``s b``, s > 0).
+LARGEST = 65504.0
+
+
+def statistics_of(update: PrototypeUpdate, *, num_classes: int, dim: int) -> cf.Statistics:
+    """One client's statistics as its update carries them (an update with no rows: none)."""
+    counts = np.zeros(num_classes)
+    rows = np.zeros((num_classes, dim))
+    idx = np.asarray(update.classes, dtype=np.int64)
+    counts[idx] = update.counts
+    rows[idx] = np.asarray(update.prototypes, dtype=np.float64)
+    if GRAM in update.extras:
+        return cf.Statistics(
+            counts=counts,
+            sums=rows,
+            gram=cf.from_upper_triangle(np.asarray(update.extras[GRAM], dtype=np.float64)),
+            holders=(counts > 0).astype(np.int64),
+            scatter=None,
+            devices=1,
+        )
+    return cf.means_statistics(counts, rows)
+
+
+def fleet_statistics(
+    updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
+) -> cf.Statistics | None:
+    """The sum of the clients' statistics (each client once), None when there are none.
+    Summed in client order: the result does not depend on the order updates arrived in."""
+    parts = [
+        statistics_of(u, num_classes=num_classes, dim=dim)
+        for u in sorted(updates, key=lambda u: u.client)
+        if u.classes
+    ]
+    return cf.merge(parts) if parts else None
+
+
+def announced(head: cf.LinearHead) -> Aggregate:
+    """The head as an announcement carries it: weight rows and biases of present classes."""
+    present = np.flatnonzero(head.present)
+    return Aggregate(
+        global_classes=tuple(int(c) for c in present),
+        global_prototypes=head.weight[present],
+        extras={BIAS: head.bias[present]},
+    )
+
+
+class ClosedForm(Strategy):
+    """Sum the statistics of ``updates`` (every client's latest), post-process them (a
+    no-op on exact statistics: noisy ones are symmetrised, made positive semi-definite,
+    counts below one dropped) and solve."""
+
+    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+        raise NotImplementedError
+
+    def aggregate(
+        self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
+    ) -> Aggregate:
+        stats = fleet_statistics(updates, num_classes=num_classes, dim=dim)
+        if stats is None:
+            return Aggregate()
+        if stats.gram is not None:
+            stats = cf.denoise(stats)
+        try:
+            head = self.solve(stats)
+        except (ValueError, np.linalg.LinAlgError) as exc:
+            # Statistics no honest fleet sends (a device's bounds are the admission's,
+            # not its honesty): the round closes without a head, devices keep theirs.
+            log.warning("%s: no head solved from this round's statistics: %s", self.name, exc)
+            return Aggregate()
+        return announced(within_range(head))
+
+
+def within_range(head: cf.LinearHead) -> cf.LinearHead:
+    """``head``, scaled down whole if any announced value exceeds :data:`LARGEST`; its
+    predictions are unchanged. A non-finite head (only adversarial statistics make one)
+    keeps nothing: all zeros."""
+    present = head.present
+    values = np.concatenate([head.weight[present].ravel(), head.bias[present]])
+    if not np.isfinite(values).all():
+        log.warning("the solved head is not finite; announcing none of it")
+        values = np.zeros(1)
+        return cf.LinearHead(weight=np.zeros_like(head.weight), bias=np.zeros_like(head.bias),
+                             present=np.zeros_like(present))  # fmt: skip
+    largest = float(np.abs(values).max(initial=0.0))
+    if largest <= LARGEST:
+        return head
+    scale = LARGEST / largest
+    return cf.LinearHead(weight=head.weight * scale, bias=head.bias * scale, present=present)
+
+
+@register("lda")
+class LDA(ClosedForm):
+    """Shared within-class covariance, shrunk toward a scaled identity by the OAS weight
+    computed from the statistics themselves (``shrinkage`` fixes it instead)."""
+
+    def __init__(
+        self, *, robust: RobustOptions | None = None, shrinkage: float | None = None
+    ) -> None:
+        super().__init__(robust=robust)
+        if shrinkage is not None and not 0.0 <= shrinkage <= 1.0:
+            raise ValueError(f"shrinkage must be in [0, 1], got {shrinkage}")
+        self.shrinkage = shrinkage
+
+    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+        return cf.lda_head(stats, shrinkage=self.shrinkage)
+
+
+@register("ridge")
+class Ridge(ClosedForm):
+    """Fed3R: ``W = (G + lam I)^-1 [s_1 ... s_C]``, the pooled ridge solution exactly."""
+
+    def __init__(self, *, robust: RobustOptions | None = None, lam: float = 0.1) -> None:
+        super().__init__(robust=robust)
+        if lam <= 0:
+            raise ValueError(f"lam must be positive, got {lam}")
+        self.lam = lam
+
+    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+        return cf.ridge_head(stats, lam=self.lam)
+
+
+@register("fedcof")
+class FedCOF(ClosedForm):
+    """From class means and counts alone: the class covariances implied by the spread of
+    the devices' class means (unbiased only with many devices), then the ridge form."""
+
+    def __init__(self, *, robust: RobustOptions | None = None, lam: float = 0.1) -> None:
+        super().__init__(robust=robust)
+        if lam <= 0:
+            raise ValueError(f"lam must be positive, got {lam}")
+        self.lam = lam
+
+    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+        return cf.fedcof_head(stats, lam=self.lam)

@@ -1,0 +1,206 @@
+"""A device of a closed-form method (lda, ridge, fedcof): its statistics release, and the
+linear head it predicts with.
+
+The device trains nothing by gradient. Its frozen backbone features are made unit-norm,
+passed through a public random projection to ``k`` dimensions when the fleet sets one
+(seeded from the fleet id: every device and the coordinator agree on it without a
+message) and clipped to norm <= 1. Their class statistics (``runtime/closed_form.py``)
+leave the device once per data version; the coordinator sums every device's and
+announces the solved linear head.
+
+The device then chooses what it predicts with, on a validation split of its own data
+(neither leaves it): the fleet's head as announced, a personalised head (a closed-form
+ridge toward the fleet's on its own data) or its own head (an LDA on its own statistics,
+what it would have without the fleet). The chosen head is refitted on all its data and
+kept in its state folder, so ``edge-agent predict`` predicts with what was scored. A fleet
+head worse than the device's own on held-out data (a small fleet under heavy noise) is
+never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.anchored import FitSplit
+from edge_agent.config import ClosedFormSettings
+from edge_agent.methods import DeviceMethod
+from protocol import RoundAnnouncement
+from runtime import closed_form as cf
+from runtime.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+#: What the device can predict with, in the order a tie is settled.
+CHOICES = ("global", "personalised", "own")
+
+#: The announcement's extra holding the head's biases (coordinator/strategies/closed_form.py).
+BIAS = "bias"
+#: The update's extra holding the upper triangle of the summed second moment.
+GRAM = "gram"
+
+
+def projection(fleet: str, feature_dim: int, k: int) -> np.ndarray | None:
+    """The public (feature_dim, k) projection with orthonormal columns, seeded from the
+    fleet id alone; None when k is the feature size (no projection). Orthonormal columns
+    never lengthen a vector, so a clipped row stays within norm 1."""
+    if k == feature_dim:
+        return None
+    if not 0 < k < feature_dim:
+        raise ValueError(f"closed_form.dim = {k} must be below the bundle's {feature_dim} features")
+    seed = int.from_bytes(hashlib.sha256(f"protofleet-projection:{fleet}".encode()).digest()[:8])
+    gauss = np.random.default_rng(seed).standard_normal((feature_dim, k))
+    q, r = np.linalg.qr(gauss)
+    return q * np.sign(np.diag(r))  # a unique Q: the signs QR leaves open, fixed
+
+
+def prepare(features: np.ndarray, q: np.ndarray | None) -> np.ndarray:
+    """Backbone features (N, D) -> rows of norm <= 1 in the statistics' space (N, k)."""
+    x = np.asarray(features, dtype=np.float64)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    x = x / np.maximum(norms, np.finfo(np.float64).tiny)
+    if q is not None:
+        x = x @ q
+    return cf.clip_rows(x)
+
+
+def own_head(x: np.ndarray, labels: np.ndarray, num_classes: int) -> cf.LinearHead:
+    """The head a device has without the fleet: an LDA on its own statistics."""
+    return cf.lda_head(cf.device_statistics(x, labels, num_classes))
+
+
+def global_head(
+    announcement: RoundAnnouncement, *, num_classes: int, dim: int
+) -> cf.LinearHead | None:
+    """The fleet's head as ``announcement`` carries it; None when it carries none of this
+    size (round 0, or a coordinator of another ``dim``)."""
+    rows = announcement.global_prototypes
+    bias = announcement.extras.get(BIAS)
+    classes = np.asarray(announcement.global_classes, dtype=np.int64)
+    if len(classes) == 0 or rows.shape[1] != dim or bias is None or bias.shape != (len(classes),):
+        return None
+    weight = np.zeros((num_classes, dim))
+    offsets = np.zeros(num_classes)
+    present = np.zeros(num_classes, dtype=bool)
+    weight[classes] = rows
+    offsets[classes] = bias
+    present[classes] = True
+    return cf.LinearHead(weight=weight, bias=offsets, present=present)
+
+
+@dataclass(frozen=True)
+class StoredHead:
+    """The head a device chose, as its state folder keeps it, with the projection its
+    features pass through first: what ``edge-agent predict`` predicts with."""
+
+    head: cf.LinearHead
+    q: np.ndarray | None
+    choice: str
+
+    @classmethod
+    def load(
+        cls, path: Path, *, fleet: str, feature_dim: int, settings: ClosedFormSettings,
+        num_classes: int,
+    ) -> StoredHead | None:  # fmt: skip
+        """None when there is none yet, or one of another size."""
+        if not path.exists():
+            return None
+        k = settings.size(feature_dim)
+        with np.load(path, allow_pickle=False) as data:
+            if data["weight"].shape != (num_classes, k):
+                log.warning("%s does not fit this fleet's head size; choosing anew", path)
+                return None
+            head = cf.LinearHead(weight=data["weight"], bias=data["bias"], present=data["present"])
+            choice = str(data["choice"])
+        return cls(head, projection(fleet, feature_dim, k), choice)
+
+    def scores(self, features: np.ndarray) -> np.ndarray:
+        """(N, C) scores on backbone features (absent classes -inf)."""
+        return self.head.scores(prepare(features, self.q))
+
+
+class ClosedFormDevice:
+    """One device's prepared features, its statistics and the head it predicts with."""
+
+    FILE = "closed_form.npz"
+
+    def __init__(
+        self,
+        *,
+        method: DeviceMethod,
+        fleet: str,
+        features: np.ndarray,
+        labels: np.ndarray,
+        num_classes: int,
+        settings: ClosedFormSettings,
+        seed: int,
+        state_dir: Path,
+    ) -> None:
+        self.method = method
+        self.settings = settings
+        self.num_classes = num_classes
+        self.dim = settings.size(features.shape[1])
+        self.q = projection(fleet, features.shape[1], self.dim)
+        self.x = prepare(features, self.q)  # (N, k)
+        self.labels = np.asarray(labels)
+        self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)
+        self.path = state_dir / self.FILE
+        self.val_accuracies: dict[str, float] = {}
+        stored = StoredHead.load(self.path, fleet=fleet, feature_dim=features.shape[1],
+                                 settings=settings, num_classes=num_classes)  # fmt: skip
+        self.head: cf.LinearHead | None = None if stored is None else stored.head
+        self.choice = "" if stored is None else stored.choice
+
+    def statistics(self) -> cf.Statistics:
+        """This device's exact statistics over all its data (the second moment where its
+        method uses one)."""
+        return cf.device_statistics(
+            self.x, self.labels, self.num_classes, gram=self.method.wire.gram
+        )
+
+    def adopt(self, announcement: RoundAnnouncement) -> bool:
+        """Choose and keep the head to predict with, given the announcement's fleet head;
+        False when it carries none (the device keeps what it had)."""
+        fleet = global_head(announcement, num_classes=self.num_classes, dim=self.dim)
+        if fleet is None:
+            return False
+        fit, val = self.split.fit, self.split.val
+        x, y = self.x, self.labels
+        lam = self.settings.personal_lambda
+        probes = {
+            "global": fleet,
+            "personalised": cf.personalised_head(x[fit], y[fit], fleet, lam=lam),
+            "own": own_head(x[fit], y[fit], self.num_classes),
+        }
+        scores = {
+            name: float((head.predict(x[val]) == y[val]).mean()) if len(val) else 0.0
+            for name, head in probes.items()
+        }
+        best = max(CHOICES, key=lambda name: (scores[name], -CHOICES.index(name)))
+        if best == "global":
+            chosen = fleet
+        elif best == "personalised":
+            chosen = cf.personalised_head(x, y, fleet, lam=lam)
+        else:
+            chosen = own_head(x, y, self.num_classes)
+        self.head, self.choice, self.val_accuracies = chosen, best, scores
+        self._save()
+        return True
+
+    def scores(self, features: np.ndarray) -> np.ndarray:
+        """(N, C) scores of the chosen head on backbone features (absent classes -inf)."""
+        if self.head is None:
+            raise LookupError("no closed-form head yet: the coordinator has announced none")
+        return self.head.scores(prepare(features, self.q))
+
+    def _save(self) -> None:
+        assert self.head is not None
+        buf = io.BytesIO()
+        np.savez(buf, weight=self.head.weight, bias=self.head.bias, present=self.head.present,
+                 choice=np.array(self.choice))  # fmt: skip
+        atomic_write(self.path, buf.getvalue())

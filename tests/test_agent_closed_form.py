@@ -1,0 +1,151 @@
+"""A closed-form device (edge_agent/closed_form.py and the agent's path for it): the
+public projection, the statistics sent once per data version, the head it chooses on its
+validation split, and `edge-agent predict` predicting with that head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from coordinator.strategies import make_strategy
+from coordinator.strategies.closed_form import announced
+from edge_agent.agent import Agent
+from edge_agent.closed_form import BIAS, GRAM, ClosedFormDevice, StoredHead, prepare, projection
+from edge_agent.config import ClosedFormSettings
+from edge_agent.methods import device_method
+from protocol import PrototypeUpdate, RoundAnnouncement
+from runtime import closed_form as cf
+from tests.agent_helpers import agent_config
+
+
+def test_the_projection_is_public_orthonormal_and_the_fleets_own():
+    q = projection("lab", 40, 12)
+    assert q is not None and q.shape == (40, 12)
+    np.testing.assert_allclose(q.T @ q, np.eye(12), atol=1e-12)
+    assert np.array_equal(q, projection("lab", 40, 12))  # every device draws the same
+    assert not np.allclose(q, projection("other", 40, 12))  # seeded from the fleet id
+    assert projection("lab", 40, 40) is None
+    with pytest.raises(ValueError, match="must be below the bundle's 40 features"):
+        projection("lab", 40, 41)
+
+
+def test_prepared_rows_have_norm_at_most_one():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 30)) * rng.uniform(0, 10, size=(50, 1))
+    x[3] = 0.0
+    for q in (None, projection("lab", 30, 8)):
+        rows = prepare(x, q)
+        assert np.linalg.norm(rows, axis=1).max() <= 1.0 + 1e-12
+        assert np.array_equal(rows[3], np.zeros(rows.shape[1]))
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"closed_form\.dim must be >= 0"):
+        ClosedFormSettings(dim=-1)
+    with pytest.raises(ValueError, match="personal_lambda must be positive"):
+        ClosedFormSettings(personal_lambda=0.0)
+    assert ClosedFormSettings(dim=0).size(896) == 896
+    assert ClosedFormSettings(dim=64).size(896) == 64
+
+
+def _blobs(seed: int, n: int, *, dim: int = 16, classes: int = 4, flip: bool = False):
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(99).normal(size=(classes, dim)) * 2
+    y = rng.integers(0, classes, size=n)
+    x = centres[y] + rng.normal(size=(n, dim))
+    return x, (classes - 1 - y if flip else y)
+
+
+def _announcement(head: cf.LinearHead, round_: int = 1) -> RoundAnnouncement:
+    agg = announced(head)
+    return RoundAnnouncement(
+        fleet="lab", round=round_, bundle="b" * 64, method="lda",
+        classes=tuple("abcd"), deadline=0.0, params={"final": False},
+        global_classes=agg.global_classes,
+        global_prototypes=np.asarray(agg.global_prototypes, np.float32),
+        extras={BIAS: np.asarray(agg.extras[BIAS], np.float32)},
+    )  # fmt: skip
+
+
+def _device(tmp_path, x, y, **settings) -> ClosedFormDevice:
+    return ClosedFormDevice(
+        method=device_method("lda"), fleet="lab", features=x, labels=y, num_classes=4,
+        settings=ClosedFormSettings(**settings), seed=0, state_dir=tmp_path,
+    )  # fmt: skip
+
+
+def test_a_device_takes_a_good_fleet_head_and_refuses_a_useless_one(tmp_path):
+    x, y = _blobs(1, 40)  # a small device
+    device = _device(tmp_path, x, y)
+    pooled_x, pooled_y = _blobs(2, 4000)
+    good = cf.lda_head(cf.device_statistics(prepare(pooled_x, None), pooled_y, 4))
+    assert device.adopt(_announcement(good))
+    assert device.choice in ("global", "personalised")
+    # A fleet head that labels every class as another (its classes reversed): the
+    # device's validation split says so, and it predicts with a head fitted to its own
+    # data (its own, or the fleet's turned around by the personalising ridge).
+    bad = cf.LinearHead(weight=good.weight[::-1].copy(), bias=good.bias[::-1].copy(),
+                        present=good.present)  # fmt: skip
+    assert device.adopt(_announcement(bad))
+    assert device.choice in ("personalised", "own")
+    assert device.val_accuracies["global"] < 0.5 < device.val_accuracies[device.choice]
+    test_x, test_y = _blobs(3, 400)
+    own = (device.scores(test_x).argmax(axis=1) == test_y).mean()
+    assert own > 0.8
+    # What it chose is what its state folder keeps, for `edge-agent predict`.
+    stored = StoredHead.load(device.path, fleet="lab", feature_dim=16,
+                             settings=ClosedFormSettings(), num_classes=4)  # fmt: skip
+    assert stored is not None and stored.choice == device.choice
+    np.testing.assert_array_equal(stored.scores(test_x), device.scores(test_x))
+
+
+def test_an_announcement_without_a_head_changes_nothing(tmp_path):
+    x, y = _blobs(1, 40)
+    device = _device(tmp_path, x, y)
+    empty = dataclasses.replace(_announcement(cf.lda_head(cf.device_statistics(
+        prepare(x, None), y, 4))), global_classes=(), global_prototypes=np.zeros((0, 0),
+        np.float32), extras={})  # fmt: skip
+    assert not device.adopt(empty)
+    assert device.head is None
+    with pytest.raises(LookupError, match="no closed-form head yet"):
+        device.scores(x)
+
+
+@pytest.mark.slow
+def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_path):
+    cfg = agent_config(tmp_path / "a", small_zoo, agent_id="dev-a", domain="clean",
+                       method="lda")  # fmt: skip
+    cfg = dataclasses.replace(cfg, closed_form=ClosedFormSettings(dim=24))
+    agent = Agent(cfg)
+    start = RoundAnnouncement(fleet="lab", round=0, bundle=agent.bundle_id, method="lda",
+                              classes=cfg.classes, deadline=0.0, params={"final": False})  # fmt: skip
+    first = agent.handle(start)
+    assert first.reason == "answered" and first.payload is not None
+    update = PrototypeUpdate.from_wire(first.payload)
+    stats = cf.device_statistics(agent.closed.x, agent.train_labels, 10)  # type: ignore[union-attr]
+    assert update.prototypes.dtype == np.float64 and update.prototypes.shape[1] == 24
+    np.testing.assert_array_equal(update.prototypes, stats.sums[list(update.classes)])
+    np.testing.assert_array_equal(update.extras[GRAM], cf.upper_triangle(stats.gram))
+    assert sum(update.counts) == len(agent.train_labels)
+    # The coordinator's head arrives, but no receipt came for round 0: the statistics
+    # travel again, since nothing says the coordinator holds them.
+    head = make_strategy("lda").aggregate([update], num_classes=10, dim=24)
+    nxt = dataclasses.replace(
+        start, round=1, global_classes=head.global_classes,
+        global_prototypes=np.asarray(head.global_prototypes, np.float32),
+        extras={BIAS: np.asarray(head.extras[BIAS], np.float32)},
+    )  # fmt: skip
+    again = agent.handle(nxt)
+    assert PrototypeUpdate.from_wire(again.payload).classes == update.classes  # type: ignore[arg-type]
+    assert agent.state.snapshot.history[0]["test_accuracy"] is not None  # scored on the head
+    # Round 1's update is stored (its receipt came): round 2 carries no rows at all.
+    agent.confirmed(1)
+    later = agent.handle(dataclasses.replace(nxt, round=2))
+    small = PrototypeUpdate.from_wire(later.payload)  # type: ignore[arg-type]
+    assert small.classes == () and not small.extras and len(later.payload) < 2000  # type: ignore[arg-type]
+    # A restart keeps that: the device does not send its statistics a second time.
+    restarted = Agent(cfg)
+    last = restarted.handle(dataclasses.replace(nxt, round=3))
+    assert PrototypeUpdate.from_wire(last.payload).classes == ()  # type: ignore[arg-type]
