@@ -26,9 +26,11 @@ from coordinator.rejections import Rejections
 from coordinator.screening import Screening
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
+from coordinator.strategies.closed_form import ClosedForm, statistics_of
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
 from protocol.methods import wire_method
 from protocol.receipts import payload_digest
+from runtime import closed_form as cf
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +128,17 @@ class RoundManager:
         # then reads and decodes what the store holds.
         self._decoded: dict[str, PrototypeUpdate] = {}
         self._clients = set(self._digests)
-        # Closed-form methods: every client's latest statistics (a device sends them once
-        # per data version), and the head they solved, announced again until new ones come.
+        # Closed-form methods: the sum of every client's latest statistics (a device sends
+        # them once per data version; the store keeps each client's latest), and the head
+        # it solved, announced again until new statistics come. One running sum, not every
+        # client's: 10,000 clients' second moments would not fit in memory.
         self._closed_form = wire_method(config.model.method).closed_form
-        self._statistics: dict[str, PrototypeUpdate] = {}
+        self._total: cf.Statistics | None = None
+        self._held: set[str] = set()
         self._solved: Aggregate | None = None
         if self._closed_form:
-            for client, payload in store.latest_statistics():
-                self._statistics[client] = PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
+            for _client, payload in store.latest_statistics():
+                self._add_statistics(PrototypeUpdate.from_wire(payload, max_bytes=1 << 62))
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
@@ -325,17 +330,33 @@ class RoundManager:
         payload = self.store.update_payload(self._round, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
+    def _add_statistics(self, update: PrototypeUpdate) -> None:
+        model = self.config.model
+        part = statistics_of(update, num_classes=len(model.classes), dim=model.dim)
+        self._total = part if self._total is None else cf.merge([self._total, part])
+        self._held.add(update.client)
+
     def _solve(self, updates: list[PrototypeUpdate]) -> tuple[Aggregate, dict[str, bytes]]:
         """A closed-form round: the round's new statistics replace their clients' earlier
         ones, and the head is solved from every client's latest (the same head again when
         none came). Returns it and the new statistics' payloads, stored with the close."""
         fresh = [u for u in updates if u.classes]
+        model = self.config.model
         for update in fresh:
-            self._statistics[update.client] = update
+            if update.client in self._held and self._total is not None:
+                old = PrototypeUpdate.from_wire(
+                    self.store.statistics_of(update.client), max_bytes=1 << 62
+                )
+                self._total = cf.without(
+                    self._total,
+                    statistics_of(old, num_classes=len(model.classes), dim=model.dim),
+                )
+            self._add_statistics(update)
         if fresh or self._solved is None:
-            model = self.config.model
-            self._solved = self.strategy.aggregate(
-                list(self._statistics.values()), num_classes=len(model.classes), dim=model.dim
+            strategy = self.strategy
+            assert isinstance(strategy, ClosedForm)  # the method's record says it is
+            self._solved = (
+                Aggregate() if self._total is None else strategy.solve_statistics(self._total)
             )
         payloads = {
             u.client: self.store.update_payload(self._round, u.client)

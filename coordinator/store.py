@@ -350,6 +350,16 @@ class Store:
             ).fetchall()
         return [(client, _kept(payload, round_, client)) for client, round_, payload in rows]
 
+    def statistics_of(self, client: str) -> bytes:
+        """``client``'s latest statistics-bearing update (LookupError if none)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT round, payload FROM statistics WHERE client = ?", (client,)
+            ).fetchone()
+        if row is None:
+            raise LookupError(f"no statistics of {client}")
+        return _kept(row[1], row[0], client)
+
     def record_status(
         self,
         client: str,

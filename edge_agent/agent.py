@@ -17,7 +17,7 @@ import torch
 from edge_agent import data as data_mod
 from edge_agent import screening
 from edge_agent.anchored import AnchoredLearner, FitSplit
-from edge_agent.closed_form import GRAM, ClosedFormDevice
+from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
 from edge_agent.extras import load_weights, update_extras
@@ -36,7 +36,6 @@ from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_
 from export import bundle as bundle_mod
 from export.runtime import BackboneRuntime
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-from runtime import closed_form as cf
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -383,59 +382,40 @@ class Agent:
         round_ = announcement.round
         sent = self.state.snapshot.extra.get("statistics_stored") == self.data_version
         exact = closed.statistics()
-        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
-        classes, counts, rows = np.zeros(0, np.int64), np.zeros(0), np.zeros((0, closed.dim))
-        extras: dict[str, np.ndarray] = {}
-        spent = None
+        gram = self.record.wire.gram
         formal = MECHANISMS[privacy.mechanism].formal
-        if not sent and not formal:
-            classes = np.flatnonzero(exact.counts > 0)
-            counts = exact.counts[classes]
-            rows = (exact.sums if self.record.wire.gram else means)[classes]
-            if exact.gram is not None:
-                extras[GRAM] = cf.upper_triangle(exact.gram)
-        elif not sent and self.record.wire.gram:
+        spent = self.ledger.spent() if formal else None
+        if sent:
+            release = StatisticsRelease.nothing(closed.dim)
+        elif not formal:
+            release = StatisticsRelease.of(exact, sums=gram)
+        elif gram:
             made = self.spending.statistics_release(
                 round_, state=self.state, data_version=self.data_version, stats=exact
             )
             if made is None:
                 return self._exhausted(round_)
-            noisy, spent = made
-            assert noisy.gram is not None
-            # Every class, present or not: the set of classes sent reveals nothing.
-            classes = np.arange(self.num_classes)
-            counts, rows = np.maximum(noisy.counts, 0.0), noisy.sums
-            extras[GRAM] = cf.upper_triangle(noisy.gram)
-        elif not sent:
+            release = StatisticsRelease.of(made[0], sums=True, every_class=True)
+            spent = made[1]
+        else:
             # Means and counts alone (fedcof): the dp-features release of the clipped rows.
-            release = self.spending.feature_release(
+            features = self.spending.feature_release(
                 round_, state=self.state, data_version=self.data_version, features=closed.x,
                 labels=self.train_labels, num_classes=self.num_classes,
             )  # fmt: skip
-            if release is None:
+            if features is None:
                 return self._exhausted(round_)
-            classes, counts = release[0].classes, release[0].counts
-            rows, spent = release[0].prototypes, release[1]
-        elif formal:
-            spent = self.ledger.spent()
-        update = PrototypeUpdate(
-            fleet=cfg.fleet,
-            round=round_,
-            client=cfg.agent_id,
-            bundle=self.bundle_id,
+            noisy, spent = features
+            release = StatisticsRelease(noisy.classes, noisy.counts, noisy.prototypes, None)
+        update = release.update(
+            fleet=cfg.fleet, round_=round_, client=cfg.agent_id, bundle=self.bundle_id,
             method=cfg.method,
-            classes=tuple(int(c) for c in classes),
-            counts=tuple(float(c) for c in counts),
-            # float64: the coordinator's sum must be the pooled one, not a rounded one.
-            prototypes=np.asarray(rows, dtype=np.float64).reshape(len(classes), closed.dim),
-            extras=extras,
             privacy=PrivacyMeta(
-                mechanism=privacy.mechanism,
-                epsilon=spent,
+                mechanism=privacy.mechanism, epsilon=spent,
                 delta=privacy.delta if formal else None,
                 guarantee=self.ledger.guarantee if formal else NONE,
             ),
-        )
+        )  # fmt: skip
         run = announcement.auth.run if announcement.auth is not None else None
         update = self.keys.sign(update, run=run)
         payload = update.to_wire()
@@ -449,6 +429,7 @@ class Agent:
             "bytes_down": received_bytes,
             "statistics_sent": not sent,
         }
+        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
         self.state.save_round(round_, model=self.model, prototypes=means.astype(np.float32),
                               counts=exact.counts, update=payload, metrics=record)  # fmt: skip
         log.info("round %d answered: %s", round_, "statistics" if not sent else "no new data")

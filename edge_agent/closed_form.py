@@ -19,6 +19,7 @@ never used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -30,7 +31,7 @@ import numpy as np
 from edge_agent.anchored import FitSplit
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import DeviceMethod
-from protocol import RoundAnnouncement
+from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 from runtime import closed_form as cf
 from runtime.files import atomic_write
 
@@ -45,6 +46,7 @@ BIAS = "bias"
 GRAM = "gram"
 
 
+@functools.lru_cache(maxsize=4)
 def projection(fleet: str, feature_dim: int, k: int) -> np.ndarray | None:
     """The public (feature_dim, k) projection with orthonormal columns, seeded from the
     fleet id alone; None when k is the feature size (no projection). Orthonormal columns
@@ -56,7 +58,9 @@ def projection(fleet: str, feature_dim: int, k: int) -> np.ndarray | None:
     seed = int.from_bytes(hashlib.sha256(f"protofleet-projection:{fleet}".encode()).digest()[:8])
     gauss = np.random.default_rng(seed).standard_normal((feature_dim, k))
     q, r = np.linalg.qr(gauss)
-    return q * np.sign(np.diag(r))  # a unique Q: the signs QR leaves open, fixed
+    q = q * np.sign(np.diag(r))  # a unique Q: the signs QR leaves open, fixed
+    q.setflags(write=False)  # cached: one (D, k) matrix serves every device of a process
+    return q
 
 
 def prepare(features: np.ndarray, q: np.ndarray | None) -> np.ndarray:
@@ -91,6 +95,46 @@ def global_head(
     offsets[classes] = bias
     present[classes] = True
     return cf.LinearHead(weight=weight, bias=offsets, present=present)
+
+
+@dataclass(frozen=True)
+class StatisticsRelease:
+    """What a closed-form update carries: per-class rows (sums, or means for a method
+    without a second moment) with their counts, and the second moment if any. Float64:
+    the coordinator's sum must be the pooled one, not a rounded one."""
+
+    classes: np.ndarray  # (m,) class indices
+    counts: np.ndarray  # (m,)
+    rows: np.ndarray  # (m, k)
+    gram: np.ndarray | None  # (k, k)
+
+    @classmethod
+    def of(
+        cls, stats: cf.Statistics, *, sums: bool, every_class: bool = False
+    ) -> StatisticsRelease:
+        """``stats`` as sent: the classes held (``every_class``: all of them, as a noisy
+        release sends them, so the set sent reveals nothing; a noisy count below zero
+        is sent as zero, post-processing)."""
+        counts = np.maximum(stats.counts, 0.0)
+        classes = np.arange(len(counts)) if every_class else np.flatnonzero(counts > 0)
+        rows = stats.sums if sums else stats.sums / np.maximum(counts, 1.0)[:, None]
+        return cls(classes, counts[classes], rows[classes], stats.gram)
+
+    @classmethod
+    def nothing(cls, dim: int) -> StatisticsRelease:
+        """The update of a device whose statistics the coordinator holds already."""
+        return cls(np.zeros(0, np.int64), np.zeros(0), np.zeros((0, dim)), None)
+
+    def update(self, *, fleet: str, round_: int, client: str, bundle: str, method: str,
+               privacy: PrivacyMeta | None = None) -> PrototypeUpdate:  # fmt: skip
+        return PrototypeUpdate(
+            fleet=fleet, round=round_, client=client, bundle=bundle, method=method,
+            classes=tuple(int(c) for c in self.classes),
+            counts=tuple(float(c) for c in self.counts),
+            prototypes=np.asarray(self.rows, dtype=np.float64),
+            extras={} if self.gram is None else {GRAM: cf.upper_triangle(self.gram)},
+            privacy=privacy or PrivacyMeta(),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,8 +183,10 @@ class ClosedFormDevice:
         num_classes: int,
         settings: ClosedFormSettings,
         seed: int,
-        state_dir: Path,
+        state_dir: Path | None,
     ) -> None:
+        """``state_dir``: where the chosen head is kept (None: nowhere, for a simulated
+        fleet of thousands that scores it and moves on)."""
         self.method = method
         self.settings = settings
         self.num_classes = num_classes
@@ -149,10 +195,12 @@ class ClosedFormDevice:
         self.x = prepare(features, self.q)  # (N, k)
         self.labels = np.asarray(labels)
         self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)
-        self.path = state_dir / self.FILE
+        self.path = None if state_dir is None else state_dir / self.FILE
         self.val_accuracies: dict[str, float] = {}
-        stored = StoredHead.load(self.path, fleet=fleet, feature_dim=features.shape[1],
-                                 settings=settings, num_classes=num_classes)  # fmt: skip
+        stored = None
+        if self.path is not None:
+            stored = StoredHead.load(self.path, fleet=fleet, feature_dim=features.shape[1],
+                                     settings=settings, num_classes=num_classes)  # fmt: skip
         self.head: cf.LinearHead | None = None if stored is None else stored.head
         self.choice = "" if stored is None else stored.choice
 
@@ -200,6 +248,8 @@ class ClosedFormDevice:
 
     def _save(self) -> None:
         assert self.head is not None
+        if self.path is None:
+            return
         buf = io.BytesIO()
         np.savez(buf, weight=self.head.weight, bias=self.head.bias, present=self.head.present,
                  choice=np.array(self.choice))  # fmt: skip

@@ -134,8 +134,9 @@ class ClosedFormSettings:
             )
 
     def size(self, feature_dim: int) -> int:
-        """k for a bundle of ``feature_dim`` features."""
-        return feature_dim if self.dim == 0 else self.dim
+        """k for a bundle of ``feature_dim`` features: ``dim``, or the features themselves
+        when they are no more (a projection could only lose information)."""
+        return feature_dim if self.dim == 0 else min(self.dim, feature_dim)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
     """What the agents' updates carry: head embeddings, (dp-features) backbone features, or
     (closed-form methods) the features' statistics, projected to ``stats_dim`` if set."""
     if wire_method(spec.method).closed_form:
-        return spec.stats_dim or feature_dim
+        return min(spec.stats_dim, feature_dim) if spec.stats_dim else feature_dim
     return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 

@@ -16,7 +16,7 @@ FLEET = "sim"
 TRANSPORTS = ("mqtt", "memory", "vector")
 #: The simulator's projection of the closed-form methods' statistics (``--stats-dim``):
 #: docs/fleet.md has the accuracy and bytes it was chosen from.
-DEFAULT_STATS_DIM = 256
+DEFAULT_STATS_DIM = 512
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from edge_agent import inference as inf
 from edge_agent.extras import fitting_weights
 from edge_agent.head import local_prototypes
-from edge_agent.methods import device_method
+from edge_agent.methods import DEVICE_METHODS, device_method
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
@@ -37,14 +37,18 @@ from fleet.vector_losses import GROUP_LOSSES
 #: The scores of a client's round, as fleet.evaluation.FleetEvaluator names them.
 SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier")
 
-#: The methods the engine trains (the others need per-client machinery it lacks: FPL's
-#: averaged model with cluster prototypes, FedDBP's second branch and Fisher scores).
-VECTOR_METHODS = tuple(sorted(GROUP_LOSSES))
+#: The methods a vector run takes: those the engine trains (the others need per-client
+#: machinery it lacks: FPL's averaged model with cluster prototypes, FedDBP's second branch
+#: and Fisher scores) and the closed-form ones, which train nothing
+#: (fleet/vector_closed_form.py).
+VECTOR_METHODS = tuple(
+    sorted([*GROUP_LOSSES, *(m for m, r in DEVICE_METHODS.items() if not r.trains_head)])
+)
 
 
 def unsupported(method: str) -> str | None:
     """Why the engine cannot train ``method``, or None if it can."""
-    if method in GROUP_LOSSES:
+    if method in VECTOR_METHODS:
         return None
     return (
         f"--transport vector trains {', '.join(VECTOR_METHODS)}; {method} needs "

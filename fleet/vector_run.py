@@ -12,54 +12,20 @@ report reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from edge_agent.methods import device_method
 from edge_agent.train_config import TrainConfig
 from fleet.partition import Partition
 from fleet.procmem import peak_self_mb, reset_peak
 from fleet.progress import log_round, progress_bar
 from fleet.spec import FLEET, ClientRecord, RunSpec, train_table
-from fleet.vector_engine import SCORES, FleetFeatures, VectorEngine
+from fleet.vector_closed_form import drive_closed_form
+from fleet.vector_engine import FleetFeatures, VectorEngine
+from fleet.vector_records import OFFER_BATCH, Records, offer
 from runtime.faults import crash_point
-
-
-@dataclass
-class Records:
-    """Per client and round: the three scores and the bytes each way (NaN: none)."""
-
-    clients: int
-    rounds: int
-    scores: dict[str, np.ndarray] = field(init=False)
-    bytes_up: np.ndarray = field(init=False)
-    bytes_down: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        shape = (self.clients, self.rounds)
-        self.scores = {n: np.full(shape, np.nan) for n in SCORES}
-        self.bytes_up = np.zeros(shape, np.int64)
-        self.bytes_down = np.zeros(shape, np.int64)
-
-    def set(self, k: int, r: int, scores: dict[str, float | None]) -> None:
-        if r < self.rounds:
-            for name, value in scores.items():
-                self.scores[name][k, r] = np.nan if value is None else value
-
-    def client(self, k: int, *, name: str, domain: str) -> ClientRecord:
-        def col(a: np.ndarray) -> tuple[float | None, ...]:
-            return tuple(None if np.isnan(v) else float(v) for v in a[k])
-
-        return ClientRecord(
-            name=name,
-            domain=domain,
-            accuracy=col(self.scores["test_accuracy"]),
-            accuracy_prototype=col(self.scores["test_accuracy_prototype"]),
-            accuracy_classifier=col(self.scores["test_accuracy_classifier"]),
-            bytes_up=tuple(int(b) for b in self.bytes_up[k]),
-            bytes_down=tuple(int(b) for b in self.bytes_down[k]),
-        )
 
 
 def drive(
@@ -133,10 +99,10 @@ def drive(
                     records.set(k, round_, result.scores)
                     records.bytes_down[k, round_] = len(wire)
                     if len(pending) == OFFER_BATCH:
-                        _offer(manager, store, pending, names, records, round_)
+                        offer(manager, store, pending, names, records, round_)
                         bar.update(len(pending))
                         pending = []
-                _offer(manager, store, pending, names, records, round_)
+                offer(manager, store, pending, names, records, round_)
                 bar.update(len(pending))
                 if manager.poll() is None:
                     raise RuntimeError(f"round {round_} did not close")
@@ -145,21 +111,6 @@ def drive(
     finally:
         store.close()
     return records
-
-
-#: Updates stored per transaction: one commit per update would be most of a round's time.
-OFFER_BATCH = 256
-
-
-def _offer(manager: Any, store: Any, pending: list[tuple[int, bytes]], names: list[str],
-           records: Records, round_: int) -> None:  # fmt: skip
-    with store.batch():
-        for k, payload in pending:
-            # No device here awaits a receipt: the digest it would name is not computed.
-            outcome = manager.offer(payload, topic_client=names[k], receipt=False)
-            if not outcome.accepted:
-                raise RuntimeError(f"the coordinator rejected {names[k]}: {outcome.reason}")
-            records.bytes_up[k, round_] = len(payload)
 
 
 def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatures:
@@ -225,12 +176,17 @@ def train_vector(
     against a coordinator built from ``spec`` as a run's would be: every vector run, the
     CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
     default the agents' (:func:`client_seeds`)."""
-    from fleet.configs import coordinator_tables
+    from fleet.configs import coordinator_tables, prototype_dim
 
     coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
                                feature_dim=feature_dim)  # fmt: skip
     # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
     coord["security"] = {"insecure": True}
+    if not device_method(spec.method).trains_head:
+        coord["model"]["dim"] = prototype_dim(spec, feature_dim)
+        return drive_closed_form(spec=spec, data=data, names=names, coord=coord,
+                                 bundle_id=bundle_id, num_classes=len(classes),
+                                 evaluate=evaluate)  # fmt: skip
     chosen, initial = seeds if seeds is not None else client_seeds(spec, data.clients)
     engine = VectorEngine(data=data, method=spec.method, num_classes=len(classes), cfg=cfg,
                           seeds=chosen, init_seeds=initial, evaluate=evaluate)  # fmt: skip

@@ -24,8 +24,10 @@ def test_the_projection_is_public_orthonormal_and_the_fleets_own():
     q = projection("lab", 40, 12)
     assert q is not None and q.shape == (40, 12)
     np.testing.assert_allclose(q.T @ q, np.eye(12), atol=1e-12)
-    assert np.array_equal(q, projection("lab", 40, 12))  # every device draws the same
-    assert not np.allclose(q, projection("other", 40, 12))  # seeded from the fleet id
+    again, other = projection("lab", 40, 12), projection("other", 40, 12)
+    assert again is not None and other is not None
+    assert np.array_equal(q, again)  # every device draws the same
+    assert not np.allclose(q, other)  # seeded from the fleet id
     assert projection("lab", 40, 40) is None
     with pytest.raises(ValueError, match="must be below the bundle's 40 features"):
         projection("lab", 40, 41)
@@ -95,6 +97,7 @@ def test_a_device_takes_a_good_fleet_head_and_refuses_a_useless_one(tmp_path):
     own = (device.scores(test_x).argmax(axis=1) == test_y).mean()
     assert own > 0.8
     # What it chose is what its state folder keeps, for `edge-agent predict`.
+    assert device.path is not None
     stored = StoredHead.load(device.path, fleet="lab", feature_dim=16,
                              settings=ClosedFormSettings(), num_classes=4)  # fmt: skip
     assert stored is not None and stored.choice == device.choice
@@ -127,6 +130,7 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
     stats = cf.device_statistics(agent.closed.x, agent.train_labels, 10)  # type: ignore[union-attr]
     assert update.prototypes.dtype == np.float64 and update.prototypes.shape[1] == 24
     np.testing.assert_array_equal(update.prototypes, stats.sums[list(update.classes)])
+    assert stats.gram is not None
     np.testing.assert_array_equal(update.extras[GRAM], cf.upper_triangle(stats.gram))
     assert sum(update.counts) == len(agent.train_labels)
     # The coordinator's head arrives, but no receipt came for round 0: the statistics
@@ -138,14 +142,15 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
         extras={BIAS: np.asarray(head.extras[BIAS], np.float32)},
     )  # fmt: skip
     again = agent.handle(nxt)
-    assert PrototypeUpdate.from_wire(again.payload).classes == update.classes  # type: ignore[arg-type]
+    assert PrototypeUpdate.from_wire(again.payload).classes == update.classes
     assert agent.state.snapshot.history[0]["test_accuracy"] is not None  # scored on the head
     # Round 1's update is stored (its receipt came): round 2 carries no rows at all.
     agent.confirmed(1)
     later = agent.handle(dataclasses.replace(nxt, round=2))
-    small = PrototypeUpdate.from_wire(later.payload)  # type: ignore[arg-type]
-    assert small.classes == () and not small.extras and len(later.payload) < 2000  # type: ignore[arg-type]
+    assert later.payload is not None
+    small = PrototypeUpdate.from_wire(later.payload)
+    assert small.classes == () and not small.extras and len(later.payload) < 2000
     # A restart keeps that: the device does not send its statistics a second time.
     restarted = Agent(cfg)
     last = restarted.handle(dataclasses.replace(nxt, round=3))
-    assert PrototypeUpdate.from_wire(last.payload).classes == ()  # type: ignore[arg-type]
+    assert PrototypeUpdate.from_wire(last.payload).classes == ()

@@ -89,8 +89,10 @@ class ClosedForm(Strategy):
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     ) -> Aggregate:
         stats = fleet_statistics(updates, num_classes=num_classes, dim=dim)
-        if stats is None:
-            return Aggregate()
+        return Aggregate() if stats is None else self.solve_statistics(stats)
+
+    def solve_statistics(self, stats: cf.Statistics) -> Aggregate:
+        """The announced head of the fleet's summed statistics."""
         if stats.gram is not None:
             stats = cf.denoise(stats)
         try:
