@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= agent,coordinator,export,imagenet,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
-.PHONY: demo test test-fast lint fmt bench bench-accuracy figures venv clean
+.PHONY: demo test test-fast lint fmt bench bench-accuracy bench-closed-form figures venv clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,9 @@ bench: $(STAMP)
 
 bench-accuracy: $(STAMP)
 	$(PY) bench/run.py --suite accuracy
+
+bench-closed-form: $(STAMP)
+	$(PY) bench/run.py --suite closed-form
 
 figures: $(STAMP)
 	$(PY) -m bench.figures

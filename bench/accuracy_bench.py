@@ -4,14 +4,16 @@ Every sweep is the real ``edge-fleet`` command with the full zoo (bench/zoo), 5 
 30 rounds, seeds 0-2, in memory (the MQTT transport gives the same figures; the demo runs
 over MQTT as ``make demo`` does):
 
-- both protocols (fair, paper) x the three digits-5 settings x the six methods, with the
-  ceiling (central) of each;
+- both protocols (fair, paper) x the three digits-5 settings x the nine methods, with the
+  ceiling (central) of each (the closed-form methods train no classifier, so the two
+  protocols run them alike);
 - both protocols on glyphs-5 (``edge-fleet glyphs``, data made differently from
   digits-5) through ``--data``;
 - ``edge-fleet demo`` (seed 0, feature shift, over MQTT): the table it prints.
 
 Keys: ``accuracy.<protocol>.<setting>.<method>.{final_mean, final_std, best_mean,
 best_std, best_round_min, best_round_max}`` (accuracies as fractions), and
+``...first_final_round`` (the round from which a method's mean stays at its final value),
 ``accuracy.demo.<method>.<domain | mean>`` with ``accuracy.demo_best.<method>.{mean,
 round}``. Hours on a 2-core machine: the sweeps keep
 their runs under runs/bench-accuracy/<commit>/, so a bench stopped part-way (Ctrl-C, a
@@ -32,7 +34,7 @@ from bench.export_bench import ZOO, ensure_zoo
 from bench.run import ROOT, commit
 
 BIN = Path(sys.executable).parent
-METHODS = "solo,fedavg,fedproto,fedpcl,fpl,feddbp"
+METHODS = "solo,fedavg,fedproto,fedpcl,fpl,feddbp,lda,ridge,fedcof"
 SEEDS = "0,1,2"
 ROUNDS = 30
 SETTINGS = ("feature", "label", "feature-label", "glyphs")
@@ -62,7 +64,24 @@ def summary_keys(prefix: str, report: dict[str, Any]) -> dict[str, float]:
                    "best_round_min": min(rounds, default=None),
                    "best_round_max": max(rounds, default=None)}  # fmt: skip
         out |= {f"{prefix}.{method}.{k}": float(v) for k, v in figures.items() if v is not None}
+        first = first_final_round(m["mean_by_round"])
+        if first is not None:
+            out[f"{prefix}.{method}.first_final_round"] = float(first)
     return out
+
+
+def first_final_round(curve: list[float | None]) -> int | None:
+    """The first round (1-based) from which the mean over seeds stays at its final value."""
+    final = curve[-1] if curve else None
+    if final is None:
+        return None
+    first = len(curve)
+    while first > 1:
+        before = curve[first - 2]
+        if before is None or abs(before - final) >= 1e-9:
+            break
+        first -= 1
+    return first
 
 
 def run() -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The measured results a figure is made from, and how a figure writes a number.
 
-bench/results.json (``make bench``) and bench/accuracy.json (``make bench-accuracy``) hold
+bench/results.json (``make bench``), bench/accuracy.json (``make bench-accuracy``) and
+bench/closed_form.json (``make bench-closed-form``) hold
 sections, each with the run (date, commit, machine) that measured it; a key is read with
 the section it came from, so every figure can say where its numbers were measured.
 """
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "results.json", HERE / "accuracy.json")
+SOURCES = (HERE / "results.json", HERE / "accuracy.json", HERE / "closed_form.json")
 #: The section of bench/accuracy.json; every other section is a performance benchmark.
 ACCURACY = "bench.accuracy_bench"
+#: The section of bench/closed_form.json.
+CLOSED_FORM = "bench.closed_form_bench"
 
 
 @dataclass(frozen=True)

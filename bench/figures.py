@@ -50,6 +50,8 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "paper-table": accuracy.protocol_table("paper"),
     "glyphs-table": accuracy.glyphs_table,
     "targets": accuracy.targets,
+    "closed-form-targets": accuracy.closed_form_targets,
+    "closed-form": accuracy.closed_form,
     "demo": accuracy.demo,
     "comparison": accuracy.comparison,
     "bench-table": performance.bench_table,

@@ -6,7 +6,9 @@ sections with its own results file:
 
 - ``perf`` (default, ``make bench``): bench/results.json;
 - ``accuracy`` (``make bench-accuracy``, hours): bench/accuracy.json, the comparison
-  tables of docs/fleet.md.
+  tables of docs/fleet.md;
+- ``closed-form`` (``make bench-closed-form``, about an hour): bench/closed_form.json, the
+  closed-form methods against k, epsilon and fleet size (docs/fleet.md, docs/privacy.md).
 
 The results file holds only the sections measured in this run, each with its date,
 commit and machine (cores, CPU model): a section that was skipped or failed is absent,
@@ -49,8 +51,13 @@ SUITES: dict[str, list[str]] = {
         "bench.reliability_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
+    "closed-form": ["bench.closed_form_bench"],
 }
-RESULTS = {"perf": HERE / "results.json", "accuracy": HERE / "accuracy.json"}
+RESULTS = {
+    "perf": HERE / "results.json",
+    "accuracy": HERE / "accuracy.json",
+    "closed-form": HERE / "closed_form.json",
+}
 FORMAT = 2
 
 

@@ -381,32 +381,20 @@ class Agent:
         assert closed is not None
         round_ = announcement.round
         sent = self.state.snapshot.extra.get("statistics_stored") == self.data_version
-        exact = closed.statistics()
-        gram = self.record.wire.gram
         formal = MECHANISMS[privacy.mechanism].formal
         spent = self.ledger.spent() if formal else None
         if sent:
             release = StatisticsRelease.nothing(closed.dim)
         elif not formal:
-            release = StatisticsRelease.of(exact, sums=gram)
-        elif gram:
+            release = closed.release()
+        else:
             made = self.spending.statistics_release(
-                round_, state=self.state, data_version=self.data_version, stats=exact
-            )
+                round_, state=self.state, data_version=self.data_version,
+                make=lambda z, rng: closed.noisy_release(z, rng).arrays(),
+            )  # fmt: skip
             if made is None:
                 return self._exhausted(round_)
-            release = StatisticsRelease.of(made[0], sums=True, every_class=True)
-            spent = made[1]
-        else:
-            # Means and counts alone (fedcof): the dp-features release of the clipped rows.
-            features = self.spending.feature_release(
-                round_, state=self.state, data_version=self.data_version, features=closed.x,
-                labels=self.train_labels, num_classes=self.num_classes,
-            )  # fmt: skip
-            if features is None:
-                return self._exhausted(round_)
-            noisy, spent = features
-            release = StatisticsRelease(noisy.classes, noisy.counts, noisy.prototypes, None)
+            release, spent = StatisticsRelease.from_arrays(made[0]), made[1]
         update = release.update(
             fleet=cfg.fleet, round_=round_, client=cfg.agent_id, bundle=self.bundle_id,
             method=cfg.method,
@@ -429,6 +417,7 @@ class Agent:
             "bytes_down": received_bytes,
             "statistics_sent": not sent,
         }
+        exact = closed.statistics()
         means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
         self.state.save_round(round_, model=self.model, prototypes=means.astype(np.float32),
                               counts=exact.counts, update=payload, metrics=record)  # fmt: skip

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import io
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,15 @@ class StatisticsRelease:
         rows = stats.sums if sums else stats.sums / np.maximum(counts, 1.0)[:, None]
         return cls(classes, counts[classes], rows[classes], stats.gram)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The release as named arrays (a device keeps a noisy one, to send it again)."""
+        out = {"classes": self.classes, "counts": self.counts, "rows": self.rows}
+        return out if self.gram is None else out | {"gram": self.gram}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StatisticsRelease:
+        return cls(arrays["classes"], arrays["counts"], arrays["rows"], arrays.get("gram"))
+
     @classmethod
     def nothing(cls, dim: int) -> StatisticsRelease:
         """The update of a device whose statistics the coordinator holds already."""
@@ -210,6 +220,28 @@ class ClosedFormDevice:
         return cf.device_statistics(
             self.x, self.labels, self.num_classes, gram=self.method.wire.gram
         )
+
+    def release(self) -> StatisticsRelease:
+        """The exact statistics as sent: sums and the second moment, or (without one)
+        class means."""
+        return StatisticsRelease.of(self.statistics(), sums=self.method.wire.gram)
+
+    def noisy_release(self, noise_multiplier: float, rng: np.random.Generator) -> StatisticsRelease:
+        """The statistics through one Gaussian mechanism of multiplier ``noise_multiplier``
+        (noise std over the release's joint L2 sensitivity under adding or removing one
+        example of norm <= 1). With a second moment: (G, s, n), sensitivity sqrt(3)
+        (``runtime/closed_form.py``). Without (fedcof): the sums and counts, sqrt(2),
+        sent as means ``noisy sum / max(1, noisy count)`` (post-processing). Every class is
+        sent, present or not, so the set sent reveals nothing."""
+        exact = self.statistics()
+        if self.method.wire.gram:
+            noisy = cf.noised(exact, sigma=noise_multiplier * cf.SENSITIVITY, rng=rng)
+            return StatisticsRelease.of(noisy, sums=True, every_class=True)
+        sigma = noise_multiplier * math.sqrt(2.0)
+        sums = exact.sums + rng.normal(0.0, sigma, size=exact.sums.shape)
+        counts = np.maximum(exact.counts + rng.normal(0.0, sigma, size=exact.counts.shape), 0.0)
+        means = sums / np.maximum(counts, 1.0)[:, None]
+        return StatisticsRelease(np.arange(self.num_classes), counts, means, None)
 
     def adopt(self, announcement: RoundAnnouncement) -> bool:
         """Choose and keep the head to predict with, given the announcement's fleet head;

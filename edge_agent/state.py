@@ -234,27 +234,24 @@ class StateDir:
                 return None
             return Release(data["classes"], data["prototypes"], data["counts"])
 
-    def save_statistics_release(self, version: str, stats: Any) -> None:
-        """Keep a noisy statistics release (lda, ridge) for the data version it was made from."""
+    def save_statistics_release(self, version: str, arrays: dict[str, np.ndarray]) -> None:
+        """Keep a closed-form method's noisy statistics release (its arrays by name) for
+        the data version it was made from."""
         atomic_write(
             self.root / "statistics_release.npz",
-            _npz_bytes({"version": np.array(version), "counts": stats.counts,
-                        "sums": stats.sums, "gram": stats.gram, "holders": stats.holders}),
-        )  # fmt: skip
+            _npz_bytes({"version": np.array(version), **arrays}),
+        )
 
-    def load_statistics_release(self, version: str) -> Any:
+    def load_statistics_release(self, version: str) -> dict[str, np.ndarray] | None:
         """The stored statistics release of data version ``version``; None if there is
-        none (or only one of another version)."""
-        from runtime.closed_form import Statistics
-
+        none (or only one of another version: new data is a new release)."""
         path = self.root / "statistics_release.npz"
         if not path.exists():
             return None
         with np.load(path, allow_pickle=False) as data:
             if str(data["version"]) != version:
                 return None
-            return Statistics(counts=data["counts"], sums=data["sums"], gram=data["gram"],
-                              holders=data["holders"], scatter=None, devices=1)  # fmt: skip
+            return {k: data[k] for k in data.files if k != "version"}
 
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
         return self._load_pair("prototypes.npz", "prototypes", "counts")

@@ -163,12 +163,12 @@ def add_parsers(sub: Any) -> None:
     p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
     add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare")
 
-    p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto and "
-                            "fedpcl on 5 feature-shifted devices over MQTT",
-                            description="The feature-shift comparison of solo, fedavg, fedproto "
-                            "and fedpcl with 5 devices over a private Mosquitto.")  # fmt: skip
+    p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto, "
+                            "fedpcl and lda on 5 feature-shifted devices over MQTT",
+                            description="The feature-shift comparison of solo, fedavg, fedproto, "
+                            "fedpcl and lda with 5 devices over a private Mosquitto.")  # fmt: skip
     p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
-    p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl")
+    p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl,lda")
     add_common_options(p_demo, rounds=30, clients=5, out="runs/demo")
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from edge_agent.methods import device_method
 from fleet.collect import collect, round_seconds
 from fleet.configs import agent_tables, coordinator_tables, fleet_keys, prototype_dim, to_toml
 from fleet.hosting import run_mqtt
@@ -72,10 +73,10 @@ def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float
     refusal = unsupported(spec.method)
     if refusal is not None:
         raise UsageError(refusal)
-    if spec.privacy:
+    if spec.privacy and device_method(spec.method).trains_head:
         raise UsageError(
             "the vector transport trains without a privacy mechanism: run privacy "
-            "experiments with --transport memory or mqtt"
+            "experiments with --transport memory or mqtt (or a closed-form method)"
         )
     records, peak = run_vector(spec, partition, bundle)
     wall = time.perf_counter() - started

@@ -21,27 +21,46 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
-from edge_agent.config import ClosedFormSettings
+from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method
+from edge_agent.privacy.accounting import Event, epsilon
+from edge_agent.privacy.randomness import NoiseSource, guarantee
+from fleet.configs import agent_seed
 from fleet.progress import log_round, progress_bar
 from fleet.spec import FLEET, RunSpec
 from fleet.vector_engine import FleetFeatures
 from fleet.vector_records import OFFER_BATCH, Records, offer
-from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES, PrivacyMeta, RoundAnnouncement
+from runtime.cliutil import UsageError
 from runtime.faults import crash_point
 from runtime.settings import build
 
 
 def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> ClosedFormDevice:
     """Client ``k`` as an agent of the run would be (its seed, the run's [closed_form])."""
-    from fleet.configs import agent_seed
-
     return ClosedFormDevice(
         method=device_method(spec.method), fleet=FLEET,
         features=data.features[data.train_index[k]], labels=data.train_labels[k],
         num_classes=num_classes, settings=ClosedFormSettings(dim=spec.stats_dim),
         seed=agent_seed(spec, k), state_dir=None,
     )  # fmt: skip
+
+
+def _privacy(spec: RunSpec) -> PrivacyMeta:
+    """What every client's updates say of their privacy: none, or a dp-features release
+    of ``release_noise_multiplier``, with the epsilon one such release spends."""
+    settings = dict(spec.privacy)
+    mechanism = settings.get("mechanism", "none")
+    if mechanism == "none":
+        return PrivacyMeta()
+    if mechanism not in device_method(spec.method).modes or mechanism != "dp-features":
+        raise UsageError(f"the vector transport runs {spec.method} with no privacy "
+                         f"mechanism or dp-features, not {mechanism}")  # fmt: skip
+    z = float(settings["release_noise_multiplier"])
+    delta = float(settings.get("delta", PrivacySettings.delta))
+    spent = epsilon([Event(z, 1.0, 1, kind="release")], delta=delta)
+    return PrivacyMeta(mechanism=mechanism, epsilon=spent, delta=delta,
+                       guarantee=guarantee(formal=True, reproducible=spec.reproducible_noise))  # fmt: skip
 
 
 def drive_closed_form(
@@ -57,6 +76,8 @@ def drive_closed_form(
     """``spec.rounds`` rounds of ``data``'s clients; their scores and traffic per round."""
     cfg = build(CoordinatorConfig, coord)
     records = Records(len(names), spec.rounds)
+    privacy = _privacy(spec)
+    noise_multiplier = float(spec.privacy.get("release_noise_multiplier", 0.0))
     method = spec.method
     dim = int(coord["model"]["dim"])
     store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
@@ -98,12 +119,20 @@ def drive_closed_form(
                     # What an agent without a privacy mechanism sends (edge_agent/agent.py).
                     if round_ == 0:
                         device = _device(spec, data, k, num_classes)
-                        release = StatisticsRelease.of(device.statistics(),
-                                                       sums=device.method.wire.gram)  # fmt: skip
+                        # Each device's own secret randomness, as an agent's NoiseSource.
+                        noise = None if privacy.epsilon is None else NoiseSource.create(
+                            agent_seed(spec, k) if spec.reproducible_noise else None
+                        )  # fmt: skip
+                        release = (
+                            device.release()
+                            if noise is None
+                            else device.noisy_release(noise_multiplier, noise.numpy)
+                        )
                     else:
                         release = StatisticsRelease.nothing(dim)
                     update = release.update(fleet=FLEET, round_=round_, client=client,
-                                            bundle=bundle_id, method=method)  # fmt: skip
+                                            bundle=bundle_id, method=method,
+                                            privacy=privacy)  # fmt: skip
                     pending.append((k, update.to_wire()))
                     records.bytes_down[k, round_] = len(wire)
                     if len(pending) == OFFER_BATCH:

@@ -154,3 +154,42 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
     restarted = Agent(cfg)
     last = restarted.handle(dataclasses.replace(nxt, round=3))
     assert PrototypeUpdate.from_wire(last.payload).classes == ()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lda", "fedcof"])
+def test_a_noisy_release_is_paid_for_once_and_sent_again_unchanged(small_zoo, tmp_path, method):
+    from edge_agent.config import PrivacySettings
+    from edge_agent.privacy.accounting import plan_features
+
+    z = plan_features(epsilon_target=4.0, delta=1e-5).release_noise_multiplier
+    cfg = agent_config(tmp_path / "a", small_zoo, agent_id="dev-a", domain="clean",
+                       method=method)  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, closed_form=ClosedFormSettings(dim=16),
+        privacy=PrivacySettings(mechanism="dp-features", epsilon=4.0,
+                                release_noise_multiplier=z),
+    )  # fmt: skip
+    agent = Agent(cfg)
+    start = RoundAnnouncement(fleet="lab", round=0, bundle=agent.bundle_id, method=method,
+                              classes=cfg.classes, deadline=0.0, params={"final": False})  # fmt: skip
+    first = agent.handle(start)
+    assert first.payload is not None
+    sent = PrototypeUpdate.from_wire(first.payload)
+    # Every class, present or not; noisy counts as floats; the epsilon of one release.
+    assert sent.classes == tuple(range(10))
+    assert sent.privacy.mechanism == "dp-features" and sent.privacy.epsilon is not None
+    assert 0 < sent.privacy.epsilon <= 4.0
+    exact = agent.closed.release()  # type: ignore[union-attr]
+    assert not np.allclose(sent.prototypes[exact.classes], exact.rows)  # noised
+    assert (GRAM in sent.extras) == (method == "lda")
+    # No receipt came: round 1 sends the very same release again, at no new cost.
+    again = PrototypeUpdate.from_wire(agent.handle(dataclasses.replace(start, round=1)).payload)
+    assert np.array_equal(again.prototypes, sent.prototypes)
+    assert again.counts == sent.counts and again.privacy.epsilon == sent.privacy.epsilon
+    assert len(agent.ledger.history) == 1
+    # A restart (the ledger and the stored release survive it) changes nothing either.
+    restarted = Agent(cfg)
+    third = PrototypeUpdate.from_wire(restarted.handle(dataclasses.replace(start, round=2)).payload)
+    assert np.array_equal(third.prototypes, sent.prototypes)
+    assert restarted.epsilon_spent == pytest.approx(sent.privacy.epsilon)

@@ -5,6 +5,7 @@ dp-features release made and paid for once per data version."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,6 @@ from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
 from edge_agent.privacy.randomness import NoiseSource
 from edge_agent.state import StateDir
 from edge_agent.train_config import TrainConfig
-from runtime import closed_form as cf
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -66,22 +66,28 @@ class Spending:
         return release, spent
 
     def statistics_release(
-        self, round_: int, *, state: StateDir, data_version: str, stats: cf.Statistics
-    ) -> tuple[cf.Statistics, float] | None:
-        """This data version's noisy class statistics (lda, ridge) and the epsilon spent:
-        one Gaussian mechanism on (G, s, n) jointly, whose L2 sensitivity under adding or
-        removing one example of norm <= 1 is sqrt(3) (``runtime/closed_form.py``), so
-        every coordinate gets ``release_noise_multiplier * sqrt(3)``. Made and paid for
-        once per data version, stored, and sent again as post-processing after that. None
-        if a new release would exceed the budget."""
+        self,
+        round_: int,
+        *,
+        state: StateDir,
+        data_version: str,
+        make: Callable[[float, np.random.Generator], dict[str, np.ndarray]],
+    ) -> tuple[dict[str, np.ndarray], float] | None:
+        """This data version's noisy class statistics (a closed-form method's) and the
+        epsilon spent. ``make(noise_multiplier, rng)`` draws the release: one Gaussian
+        mechanism of that multiplier over everything it sends
+        (``edge_agent/closed_form.py::noisy_release``). Made and paid for once per data
+        version, stored, and sent again as post-processing after that. None if a new
+        release would exceed the budget."""
         stored = state.load_statistics_release(data_version)
         if stored is not None:
             return stored, self.ledger.spent()
         events = [self.statistics_event()]
         if not self.ledger.allows(events):
             return None
-        sigma = self.settings.release_noise_multiplier * cf.SENSITIVITY
-        noisy = cf.noised(stats, sigma=sigma, rng=self.noise.numpy)
+        noisy = make(self.settings.release_noise_multiplier, self.noise.numpy)
+        # Durable before the release exists anywhere: a crash from here on can only make
+        # the device pay again for a release that never left it.
         spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
         crash_point("after_ledger_write")
         state.save_statistics_release(data_version, noisy)
@@ -91,7 +97,8 @@ class Spending:
 
     def statistics_event(self) -> Event:
         """The statistics release as the accountant sees it: one Gaussian mechanism of
-        multiplier ``release_noise_multiplier`` (noise std over sensitivity)."""
+        multiplier ``release_noise_multiplier`` (noise std over L2 sensitivity), the
+        same event as a dp-features release of that multiplier."""
         return Event(self.settings.release_noise_multiplier, 1.0, 1, kind="release")
 
     def mechanism_params(self) -> MechanismParams:
