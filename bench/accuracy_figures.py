@@ -190,29 +190,17 @@ def comparison(r: Results) -> str:
     )
 
 
-def closed_form(r: Results) -> str:
-    """docs/fleet.md's closed-form block: LDA against k, against epsilon and fleet size,
-    and at 1,000 and 10,000 clients (bench/closed_form.json)."""
-    if r.get(f"closed_form.k{KS[0]}.lda_acc") is None:
+def closed_form_privacy(r: Results) -> str:
+    """LDA under dp-features against epsilon and fleet size, beside Solo (bench/closed_form.json)."""
+    if r.get(f"closed_form.dp{FLEETS[0][0]}.solo_acc") is None:
         return "Not measured: run `make bench-closed-form`."
-    lines = [
-        "LDA on digits-5 feature shift, 5 devices of 100 samples, seeds 0-2, against the "
-        "projection size k (0: the zoo's 896 features), and the bytes of its one "
-        "statistics update:",
-        "",
-        "| k | lda final (%) | statistics update (bytes) |",
-        "|---:|---:|---:|",
-    ]
-    for k in KS:
-        lines.append(f"| {k or 'none (896)'} | {pct(r.get(f'closed_form.k{k}.lda_acc'))} | "
-                     f"{num(r.get(f'closed_form.k{k}.bytes_up'))} |")  # fmt: skip
     head = [f"k {k}, eps {'none' if e == float('inf') else f'{e:g}'}" for k in DP_KS
             for e in EPSILONS]  # fmt: skip
-    lines += [
-        "",
-        "Under `dp-features` (delta 1e-5; each device noises its own statistics once), mean "
-        "over seeds 0-2, against Solo on the same clients (its own head and classifier, "
-        "20 rounds):",
+    lines = [
+        "Test accuracy (%), digits-5 feature shift, mean over seeds 0-2, delta 1e-5; each "
+        "device noises its own statistics once; Solo on the same clients (its own head and "
+        "classifier, 20 rounds). Measured by `make bench-closed-form`: "
+        f"{r.provenance(CLOSED_FORM)}.",
         "",
         "| devices x samples | solo | " + " | ".join(head) + " |",
         "|---" + "|---:" * (len(head) + 1) + "|",
@@ -222,6 +210,26 @@ def closed_form(r: Results) -> str:
         cells += [pct(r.get(f"closed_form.dp{devices}.k{k}.eps{e:g}.lda_acc"))
                   for k in DP_KS for e in EPSILONS]  # fmt: skip
         lines.append(f"| {devices:,} x {train} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def closed_form(r: Results) -> str:
+    """docs/fleet.md's closed-form block: LDA against k, against epsilon and fleet size,
+    and at 1,000 and 10,000 clients (bench/closed_form.json)."""
+    if r.get(f"closed_form.k{KS[0]}.lda_acc") is None:
+        return "Not measured: run `make bench-closed-form`."
+    lines = [
+        "LDA on digits-5 feature shift, 5 devices of 100 samples, seeds 0-2, against the "
+        "projection size k (none: the zoo's 896 features), and the bytes of its one "
+        "statistics update. Measured by `make bench-closed-form`: "
+        f"{r.provenance(CLOSED_FORM)}.",
+        "",
+        "| k | lda final (%) | statistics update (bytes) |",
+        "|---:|---:|---:|",
+    ]
+    for k in KS:
+        lines.append(f"| {k or 'none (896)'} | {pct(r.get(f'closed_form.k{k}.lda_acc'))} | "
+                     f"{num(r.get(f'closed_form.k{k}.bytes_up'))} |")  # fmt: skip
     scale = []
     for clients in (1000, 10_000):
         s, peak = (
@@ -234,9 +242,11 @@ def closed_form(r: Results) -> str:
                      f"{num(s)} s, peak {num(peak)} MB, final accuracy {pct(acc)}%")  # fmt: skip
     lines += [
         "",
+        "Under `dp-features`:",
+        "",
+        closed_form_privacy(r),
+        "",
         "On the vector transport with the one-backbone zoo (192 features, no projection), "
         "100 training and 20 test samples a client: " + "; ".join(scale) + ".",
-        "",
-        f"Measured by `make bench-closed-form`: {r.provenance(CLOSED_FORM)}.",
     ]
     return "\n".join(lines)

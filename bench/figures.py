@@ -52,6 +52,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "targets": accuracy.targets,
     "closed-form-targets": accuracy.closed_form_targets,
     "closed-form": accuracy.closed_form,
+    "closed-form-privacy": accuracy.closed_form_privacy,
     "demo": accuracy.demo,
     "comparison": accuracy.comparison,
     "bench-table": performance.bench_table,
