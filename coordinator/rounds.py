@@ -137,8 +137,13 @@ class RoundManager:
         self._held: set[str] = set()
         self._solved: Aggregate | None = None
         if self._closed_form:
-            for _client, payload in store.latest_statistics():
-                self._add_statistics(PrototypeUpdate.from_wire(payload, max_bytes=1 << 62))
+            for client, payload in store.latest_statistics():
+                try:
+                    self._add_statistics(PrototypeUpdate.from_wire(payload, max_bytes=1 << 62))
+                except (ProtocolError, ValueError) as exc:
+                    # Stored by an earlier version under other bounds: the fleet's head goes
+                    # on without it rather than the service failing every restart.
+                    log.warning("the stored statistics of %s are left out: %s", client, exc)
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)

@@ -195,3 +195,22 @@ def test_a_statistics_update_with_the_wrong_shape_or_extras_is_refused(tmp_path)
     assert m.offer(stray.to_wire(), topic_client="d2").reason == "wrong_extras"
     assert m.offer(good.to_wire(), topic_client="d0").accepted
     m.store.close()
+
+
+def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(
+    tmp_path, caplog
+):
+    import sqlite3
+
+    (x0, y0), (x1, y1) = devices(8, count=2)
+    m = _manager(tmp_path)
+    for u in (update_of(x0, y0, "d0", method="lda"), update_of(x1, y1, "d1", method="lda")):
+        assert m.offer(u.to_wire(), topic_client=u.client).accepted
+    assert m.poll() is not None
+    m.store.close()
+    with sqlite3.connect(tmp_path / "coordinator.sqlite3") as db:
+        db.execute("UPDATE statistics SET payload = ? WHERE client = 'd1'", (b"junk",))
+    again = _manager(tmp_path)  # starts: the service must not fail every restart
+    assert "the stored statistics of d1 are left out" in caplog.text
+    assert again._held == {"d0"}
+    again.store.close()
