@@ -19,12 +19,11 @@ from types import MappingProxyType
 import numpy as np
 
 from protocol import PrototypeUpdate
-from protocol.methods import wire_method
+from protocol.methods import COUNTS, GRAM, wire_method
 from protocol.weights import averaged_weight_shapes
+from runtime.closed_form import triangle_size
 
 FISHER = "fisher"
-#: A closed-form update's second moment (edge_agent/closed_form.py).
-GRAM = "gram"
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class Admission:
         elif kind == "fisher":
             extras = None
         elif kind == "statistics" and wire_method(method).gram:
-            extras = MappingProxyType({GRAM: (dim * (dim + 1) // 2,)})
+            extras = MappingProxyType({GRAM: (triangle_size(dim),)})
         return cls(
             fleet=fleet,
             bundle=bundle,
@@ -115,12 +114,42 @@ class Admission:
         bound = self.max_value + (self.max_count * self.num_classes if self.statistics else 0)
         if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
             return "value_above_max"
+        exact = self.statistics and update.classes and update.privacy.mechanism == "none"
+        if exact and implausible(update):
+            return "implausible_statistics"
         return None
 
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:
         got = {name: a.shape for name, a in update.extras.items()}
-        if self.statistics and not update.classes:
-            return bool(got)
+        if self.statistics:
+            # No rows (statistics sent before): nothing beside them; else the counts
+            # as drawn, one per row, and the method's second moment.
+            want = {COUNTS: (len(update.classes),), **(self.extras or {})}
+            return got != (want if update.classes else {})
         if self.extras is None:
             return got != {FISHER: update.prototypes.shape}
         return got != dict(self.extras)
+
+
+def implausible(update: PrototypeUpdate) -> bool:
+    """Exact statistics no device can hold: counts that are not whole numbers or disagree
+    with the counts as drawn, a class sum longer than its count (every row has norm <= 1),
+    or a second moment whose trace exceeds the samples (``tr(x x^T) = ||x||^2 <= 1``).
+    A noisy release cannot be held to these; its bounds are the admission's."""
+    counts = np.asarray(update.counts, dtype=np.float64)
+    drawn = np.asarray(update.extras[COUNTS], dtype=np.float64)
+    if not np.array_equal(counts, drawn) or not np.array_equal(counts, np.round(counts)):
+        return True
+    slack = 1e-9 * max(1.0, float(counts.sum()))
+    norms = np.linalg.norm(np.asarray(update.prototypes, dtype=np.float64), axis=1)
+    if (norms > counts + slack).any():
+        return True
+    if GRAM in update.extras:
+        k = update.prototypes.shape[1]
+        tri = np.asarray(update.extras[GRAM], dtype=np.float64)
+        # The diagonal's places in the row-by-row upper triangle: i * k - i * (i - 1) / 2.
+        i = np.arange(k)
+        trace = float(tri[i * k - i * (i - 1) // 2].sum())
+        if trace > counts.sum() + slack or (tri[i * k - i * (i - 1) // 2] < -slack).any():
+            return True
+    return False

@@ -182,6 +182,13 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         validate_id(self.coordinator_id, field="coordinator_id")
+        if wire_method(self.model.method).closed_form and self.robust != RobustOptions():
+            # Said, not ignored: the defences cap, clip or take medians of prototypes,
+            # and a closed-form head is solved from sums (admission bounds them instead).
+            raise ValueError(
+                f"[robust] does not apply to {self.model.method}: its head is solved from the "
+                "summed statistics; leave the [robust] table out"
+            )
 
     def stalled(self, *, round_: int, updates: int, extensions: int) -> str | None:
         """Why the open round cannot close, when it cannot: said by status and metrics."""

@@ -24,13 +24,13 @@ from coordinator.metrics import Metrics
 from coordinator.presence import Presence
 from coordinator.rejections import Rejections
 from coordinator.screening import Screening
+from coordinator.statistics import FleetStatistics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
-from coordinator.strategies.closed_form import ClosedForm, statistics_of
+from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
 from protocol.methods import wire_method
 from protocol.receipts import payload_digest
-from runtime import closed_form as cf
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,27 @@ class RoundManager:
         self.screening = Screening(
             admission=config.admission_checks(), keys=self.keys, run_id=self.run_id
         )
+        # Closed-form methods: the sum of every client's latest statistics, and the head it
+        # solves, announced again until new statistics come (coordinator/statistics.py).
+        self._statistics: FleetStatistics | None = None
+        wire = wire_method(config.model.method)
+        if wire.closed_form:
+            assert isinstance(self.strategy, ClosedForm)  # the method's record says it is
+            self._statistics = FleetStatistics(
+                store=store, strategy=self.strategy, num_classes=len(config.model.classes),
+                dim=config.model.dim, gram=wire.gram,
+                admissible=lambda u: self.screening.admission.check(u),
+            )  # fmt: skip
         self.screening.quarantine_failing(store, self.metrics, latest.round)
-        # Digests of the open round's stored updates, by client, for receipts.
-        self._digests: dict[str, str | None] = {
-            c: payload_digest(p) for c, p in store.updates(latest.round)
-        }
+        # Digests of the open round's stored updates, by client, for receipts; the
+        # statistics among them are the open round's again.
+        self._digests: dict[str, str | None] = {}
+        for client, payload in store.updates(latest.round):
+            self._digests[client] = payload_digest(payload)
+            if self._statistics is not None:
+                stored = PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
+                if stored.classes:
+                    self._statistics.take(stored)
         # The open round's updates as decoded when they arrived: the close takes a stored
         # update from here instead of reading its payload back and decoding it again (most
         # of a close's work for a FedAvg round). Only an update this manager stored in this
@@ -128,22 +144,7 @@ class RoundManager:
         # then reads and decodes what the store holds.
         self._decoded: dict[str, PrototypeUpdate] = {}
         self._clients = set(self._digests)
-        # Closed-form methods: the sum of every client's latest statistics (a device sends
-        # them once per data version; the store keeps each client's latest), and the head
-        # it solved, announced again until new statistics come. One running sum, not every
-        # client's: 10,000 clients' second moments would not fit in memory.
-        self._closed_form = wire_method(config.model.method).closed_form
-        self._total: cf.Statistics | None = None
-        self._held: set[str] = set()
-        self._solved: Aggregate | None = None
-        if self._closed_form:
-            for client, payload in store.latest_statistics():
-                try:
-                    self._add_statistics(PrototypeUpdate.from_wire(payload, max_bytes=1 << 62))
-                except (ProtocolError, ValueError) as exc:
-                    # Stored by an earlier version under other bounds: the fleet's head goes
-                    # on without it rather than the service failing every restart.
-                    log.warning("the stored statistics of %s are left out: %s", client, exc)
+
         # Kept in memory (and rebuilt from the store on restart) so deciding whether a
         # round is due costs O(1) per update instead of a query over the whole round.
         self._arrivals = store.arrival_times(latest.round)
@@ -230,7 +231,12 @@ class RoundManager:
                 stored = self._digests.get(update.client)
                 return Decision("duplicate", update.round, update.client, stored)
             digest = self._digests[update.client] = payload_digest(payload) if receipt else None
-            self._decoded[update.client] = update
+            if self._statistics is not None and update.classes:
+                # Added to the round's sum now and let go: a round of 10,000 clients'
+                # statistics is not held update by update.
+                self._statistics.take(update)
+            else:
+                self._decoded[update.client] = update
             self._clients.add(update.client)
             self.presence.know(update.client)
             self._arrivals.append(now)
@@ -335,50 +341,16 @@ class RoundManager:
         payload = self.store.update_payload(self._round, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
-    def _add_statistics(self, update: PrototypeUpdate) -> None:
-        model = self.config.model
-        part = statistics_of(update, num_classes=len(model.classes), dim=model.dim)
-        self._total = part if self._total is None else cf.merge([self._total, part])
-        self._held.add(update.client)
-
-    def _solve(self, updates: list[PrototypeUpdate]) -> tuple[Aggregate, dict[str, bytes]]:
-        """A closed-form round: the round's new statistics replace their clients' earlier
-        ones, and the head is solved from every client's latest (the same head again when
-        none came). Returns it and the new statistics' payloads, stored with the close."""
-        fresh = [u for u in updates if u.classes]
-        model = self.config.model
-        for update in fresh:
-            if update.client in self._held and self._total is not None:
-                old = PrototypeUpdate.from_wire(
-                    self.store.statistics_of(update.client), max_bytes=1 << 62
-                )
-                self._total = cf.without(
-                    self._total,
-                    statistics_of(old, num_classes=len(model.classes), dim=model.dim),
-                )
-            self._add_statistics(update)
-        if fresh or self._solved is None:
-            strategy = self.strategy
-            assert isinstance(strategy, ClosedForm)  # the method's record says it is
-            self._solved = (
-                Aggregate() if self._total is None else strategy.solve_statistics(self._total)
-            )
-        payloads = {
-            u.client: self.store.update_payload(self._round, u.client)
-            if self.store.keep_payloads
-            else b""
-            for u in fresh
-        }
-        return self._solved, payloads
-
     def _close(self, now: float) -> RoundAnnouncement:
         started = time.perf_counter()
-        updates = [self._stored_update(c) for c in self.store.update_clients(self._round)]
+        clients = self.store.update_clients(self._round)
         model = self.config.model
-        fresh: dict[str, bytes] = {}
-        if self._closed_form:
-            result, fresh = self._solve(updates)
+        fresh: list[str] = []
+        if self._statistics is not None:  # summed as they arrived
+            result = self._statistics.solve()
+            fresh = list(self._statistics.round_clients)
         else:
+            updates = [self._stored_update(c) for c in clients]
             result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
         self.metrics.aggregation_seconds.observe(time.perf_counter() - started)
         finished = self._round + 1
@@ -394,28 +366,30 @@ class RoundManager:
             final=final,
             statistics=fresh,
         )
+        if self._statistics is not None:
+            self._statistics.committed()
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - self._opened_at)
-        if len(updates) < self.config.rounds.min_clients:
+        if len(clients) < self.config.rounds.min_clients:
             log.warning(
                 "round %d: closing with %d update(s), below min_clients = %d, after %d "
                 "deadline extensions (rounds.max_extensions)",
                 self._round,
-                len(updates),
+                len(clients),
                 self.config.rounds.min_clients,
                 self._extensions,
             )
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",
             self._round,
-            len(updates),
-            ",".join(u.client for u in updates),
+            len(clients),
+            ",".join(clients),
             finished,
             " (final)" if final else "",
             extra={
                 "event": "round_closed",
                 "round": self._round,
-                "updates": len(updates),
+                "updates": len(clients),
                 "final": final,
             },
         )

@@ -15,7 +15,7 @@ import math
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,7 @@ class Store:
         deadline: float,
         keep_rounds: int = 0,
         final: bool = False,
-        statistics: Mapping[str, bytes] | None = None,
+        statistics: Sequence[str] = (),
     ) -> None:
         """Close round ``closed`` and open ``closed + 1`` atomically (``final``: stored
         closed as well, in the same transaction, so a crash cannot leave the last round
@@ -313,18 +313,17 @@ class Store:
         stay. A service that runs for months would otherwise keep every update it ever
         received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB.
 
-        ``statistics``: the closed-form updates of the round that carried class
-        statistics, by client: each replaces that client's previous ones, in the same
-        transaction, and outlives ``keep_rounds`` (the fleet's head is solved from every
-        client's latest statistics, :meth:`latest_statistics`)."""
+        ``statistics``: the clients whose closed-form updates of the round carried class
+        statistics: each update is copied to the statistics table in the same transaction,
+        replacing that client's previous one, and outlives ``keep_rounds`` (the fleet's
+        head is solved from every client's latest, :meth:`statistics_of`)."""
         with self._lock, self._transaction():
-            for client, payload in (statistics or {}).items():
-                kept = payload if self.keep_payloads else b""
+            for client in statistics:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO statistics (client, round, payload) VALUES (?, ?, ?)",
-                    (client, closed, kept),
+                    "INSERT OR REPLACE INTO statistics (client, round, payload) "
+                    "SELECT client, round, payload FROM updates WHERE round = ? AND client = ?",
+                    (closed, client),
                 )
-                self._wrote(len(kept))
             self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
             self._db.execute(
                 "INSERT INTO rounds (round, opened_at, deadline, closed_at, announcement) "
@@ -341,14 +340,11 @@ class Store:
                     (oldest_kept,),
                 )
 
-    def latest_statistics(self) -> list[tuple[str, bytes]]:
-        """Every client's latest statistics-bearing update (closed-form methods), in
-        client order; StateError for one stored without its payload (a vector run)."""
+    def statistics_clients(self) -> list[str]:
+        """The clients whose statistics the statistics table holds, in client order."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT client, round, payload FROM statistics ORDER BY client"
-            ).fetchall()
-        return [(client, _kept(payload, round_, client)) for client, round_, payload in rows]
+            rows = self._db.execute("SELECT client FROM statistics ORDER BY client").fetchall()
+        return [client for (client,) in rows]
 
     def statistics_of(self, client: str) -> bytes:
         """``client``'s latest statistics-bearing update (LookupError if none)."""

@@ -17,7 +17,12 @@ import torch
 from edge_agent import data as data_mod
 from edge_agent import screening
 from edge_agent.anchored import AnchoredLearner, FitSplit
-from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
+from edge_agent.closed_form import (
+    ClosedFormDevice,
+    StatisticsRelease,
+    largest_dim,
+    statistics_bytes,
+)
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
 from edge_agent.extras import load_weights, update_extras
@@ -153,6 +158,17 @@ class Agent:
                 labels=self.train_labels, num_classes=self.num_classes,
                 settings=cfg.closed_form, seed=cfg.seed, state_dir=cfg.state_dir,
             )  # fmt: skip
+            gram, cap = self.record.wire.gram, cfg.mqtt.max_payload_bytes
+            size = statistics_bytes(self.closed.dim, classes=self.num_classes, gram=gram)
+            if size > cap:
+                # Refused here, not by the coordinator round after round: an update above
+                # the cap would be sent again every resend_s and never stored.
+                raise ValueError(
+                    f"{cfg.method}'s statistics at {self.closed.dim} dimensions take up to "
+                    f"{size:,} bytes, above mqtt.max_payload_bytes = {cap:,}: set "
+                    f"[closed_form] dim to at most "
+                    f"{largest_dim(cap, classes=self.num_classes, gram=gram)}"
+                )
         elif MECHANISMS[privacy.mechanism].space == "features":
             split = FitSplit.stratified(self.train_labels, share=privacy.validation_share,
                                         seed=cfg.seed)  # fmt: skip
@@ -380,7 +396,10 @@ class Agent:
         closed, cfg, privacy = self.closed, self.cfg, self.cfg.privacy
         assert closed is not None
         round_ = announcement.round
-        sent = self.state.snapshot.extra.get("statistics_stored") == self.data_version
+        # What the statistics are of: the data, and the method and size they are taken in
+        # (another [closed_form] dim or method over the same data is another release).
+        version = f"{self.data_version}:{cfg.method}:{closed.dim}"
+        sent = self.state.snapshot.extra.get("statistics_stored") == version
         formal = MECHANISMS[privacy.mechanism].formal
         spent = self.ledger.spent() if formal else None
         if sent:
@@ -389,7 +408,7 @@ class Agent:
             release = closed.release()
         else:
             made = self.spending.statistics_release(
-                round_, state=self.state, data_version=self.data_version,
+                round_, state=self.state, data_version=version,
                 make=lambda z, rng: closed.noisy_release(z, rng).arrays(),
             )  # fmt: skip
             if made is None:
@@ -408,7 +427,7 @@ class Agent:
         update = self.keys.sign(update, run=run)
         payload = update.to_wire()
         if not sent:
-            self.state.record(statistics_sent={"round": round_, "version": self.data_version})
+            self.state.record(statistics_sent={"round": round_, "version": version})
         record: dict[str, Any] = {
             "loss": 0.0,
             "train_seconds": 0.0,

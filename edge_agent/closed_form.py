@@ -33,6 +33,7 @@ from edge_agent.anchored import FitSplit
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import DeviceMethod
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from protocol.methods import BIAS, COUNTS, GRAM
 from runtime import closed_form as cf
 from runtime.files import atomic_write
 
@@ -40,11 +41,6 @@ log = logging.getLogger(__name__)
 
 #: What the device can predict with, in the order a tie is settled.
 CHOICES = ("global", "personalised", "own")
-
-#: The announcement's extra holding the head's biases (coordinator/strategies/closed_form.py).
-BIAS = "bias"
-#: The update's extra holding the upper triangle of the summed second moment.
-GRAM = "gram"
 
 
 @functools.lru_cache(maxsize=4)
@@ -98,11 +94,30 @@ def global_head(
     return cf.LinearHead(weight=weight, bias=offsets, present=present)
 
 
+#: Bytes of a statistics update beside its arrays: field names, the header, a signature.
+ENVELOPE_BYTES = 4096
+
+
+def statistics_bytes(k: int, *, classes: int, gram: bool) -> int:
+    """An upper bound on a statistics update's size: float64 sums (C x k), counts twice
+    (the field and the counts as drawn), and the second moment's upper triangle."""
+    values = classes * k + 2 * classes + (cf.triangle_size(k) if gram else 0)
+    return 8 * values + ENVELOPE_BYTES
+
+
+def largest_dim(limit: int, *, classes: int, gram: bool) -> int:
+    """The largest k whose statistics update fits ``limit`` bytes (0 if none does)."""
+    k = 0
+    while statistics_bytes(k + 1, classes=classes, gram=gram) <= limit:
+        k += 1
+    return k
+
+
 @dataclass(frozen=True)
 class StatisticsRelease:
-    """What a closed-form update carries: per-class rows (sums, or means for a method
-    without a second moment) with their counts, and the second moment if any. Float64:
-    the coordinator's sum must be the pooled one, not a rounded one."""
+    """What a closed-form update carries: per-class feature sums with their counts (signed
+    under noise), and the second moment for the methods that use one. Float64: the
+    coordinator's sum must be the pooled one, not a rounded one."""
 
     classes: np.ndarray  # (m,) class indices
     counts: np.ndarray  # (m,)
@@ -110,16 +125,11 @@ class StatisticsRelease:
     gram: np.ndarray | None  # (k, k)
 
     @classmethod
-    def of(
-        cls, stats: cf.Statistics, *, sums: bool, every_class: bool = False
-    ) -> StatisticsRelease:
+    def of(cls, stats: cf.Statistics, *, every_class: bool = False) -> StatisticsRelease:
         """``stats`` as sent: the classes held (``every_class``: all of them, as a noisy
-        release sends them, so the set sent reveals nothing; a noisy count below zero
-        is sent as zero, post-processing)."""
-        counts = np.maximum(stats.counts, 0.0)
-        classes = np.arange(len(counts)) if every_class else np.flatnonzero(counts > 0)
-        rows = stats.sums if sums else stats.sums / np.maximum(counts, 1.0)[:, None]
-        return cls(classes, counts[classes], rows[classes], stats.gram)
+        release sends them, so the set sent reveals nothing)."""
+        classes = np.arange(stats.num_classes) if every_class else np.flatnonzero(stats.counts > 0)
+        return cls(classes, stats.counts[classes], stats.sums[classes], stats.gram)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The release as named arrays (a device keeps a noisy one, to send it again)."""
@@ -137,13 +147,21 @@ class StatisticsRelease:
 
     def update(self, *, fleet: str, round_: int, client: str, bundle: str, method: str,
                privacy: PrivacyMeta | None = None) -> PrototypeUpdate:  # fmt: skip
+        """The update carrying it. Its ``counts`` field is the counts clamped at 0 (no
+        update's may be negative); the counts as drawn travel in ``extras["counts"]``,
+        which the coordinator sums, so that the noise of the devices' counts cancels in
+        the fleet's instead of each clamped count adding a bias."""
+        extras: dict[str, np.ndarray] = {}
+        if len(self.classes):
+            extras[COUNTS] = np.asarray(self.counts, dtype=np.float64)
+            if self.gram is not None:
+                extras[GRAM] = cf.upper_triangle(self.gram)
         return PrototypeUpdate(
             fleet=fleet, round=round_, client=client, bundle=bundle, method=method,
             classes=tuple(int(c) for c in self.classes),
-            counts=tuple(float(c) for c in self.counts),
+            counts=tuple(max(0.0, float(c)) for c in self.counts),
             prototypes=np.asarray(self.rows, dtype=np.float64),
-            extras={} if self.gram is None else {GRAM: cf.upper_triangle(self.gram)},
-            privacy=privacy or PrivacyMeta(),
+            extras=extras, privacy=privacy or PrivacyMeta(),
         )  # fmt: skip
 
 
@@ -207,6 +225,7 @@ class ClosedFormDevice:
         self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)
         self.path = None if state_dir is None else state_dir / self.FILE
         self.val_accuracies: dict[str, float] = {}
+        self._statistics: cf.Statistics | None = None
         stored = None
         if self.path is not None:
             stored = StoredHead.load(self.path, fleet=fleet, feature_dim=features.shape[1],
@@ -216,32 +235,31 @@ class ClosedFormDevice:
 
     def statistics(self) -> cf.Statistics:
         """This device's exact statistics over all its data (the second moment where its
-        method uses one)."""
-        return cf.device_statistics(
-            self.x, self.labels, self.num_classes, gram=self.method.wire.gram
-        )
+        method uses one), computed once."""
+        if self._statistics is None:
+            self._statistics = cf.device_statistics(
+                self.x, self.labels, self.num_classes, gram=self.method.wire.gram
+            )
+        return self._statistics
 
     def release(self) -> StatisticsRelease:
-        """The exact statistics as sent: sums and the second moment, or (without one)
-        class means."""
-        return StatisticsRelease.of(self.statistics(), sums=self.method.wire.gram)
+        """The exact statistics as sent."""
+        return StatisticsRelease.of(self.statistics())
 
     def noisy_release(self, noise_multiplier: float, rng: np.random.Generator) -> StatisticsRelease:
         """The statistics through one Gaussian mechanism of multiplier ``noise_multiplier``
         (noise std over the release's joint L2 sensitivity under adding or removing one
         example of norm <= 1). With a second moment: (G, s, n), sensitivity sqrt(3)
-        (``runtime/closed_form.py``). Without (fedcof): the sums and counts, sqrt(2),
-        sent as means ``noisy sum / max(1, noisy count)`` (post-processing). Every class is
-        sent, present or not, so the set sent reveals nothing."""
+        (``runtime/closed_form.py``). Without (fedcof): the sums and counts, sqrt(2). Every
+        class is sent, present or not, so the set sent reveals nothing."""
         exact = self.statistics()
         if self.method.wire.gram:
             noisy = cf.noised(exact, sigma=noise_multiplier * cf.SENSITIVITY, rng=rng)
-            return StatisticsRelease.of(noisy, sums=True, every_class=True)
+            return StatisticsRelease.of(noisy, every_class=True)
         sigma = noise_multiplier * math.sqrt(2.0)
         sums = exact.sums + rng.normal(0.0, sigma, size=exact.sums.shape)
-        counts = np.maximum(exact.counts + rng.normal(0.0, sigma, size=exact.counts.shape), 0.0)
-        means = sums / np.maximum(counts, 1.0)[:, None]
-        return StatisticsRelease(np.arange(self.num_classes), counts, means, None)
+        counts = exact.counts + rng.normal(0.0, sigma, size=exact.counts.shape)
+        return StatisticsRelease(np.arange(self.num_classes), counts, sums, None)
 
     def adopt(self, announcement: RoundAnnouncement) -> bool:
         """Choose and keep the head to predict with, given the announcement's fleet head;

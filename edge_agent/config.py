@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge_agent.methods import DEVICE_METHODS, device_method
+from edge_agent.methods import CORE, DEVICE_METHODS, device_method
 from edge_agent.train_config import TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
@@ -146,7 +146,7 @@ class AgentConfig:
     state_dir: Path
     bundle: Path
     data: DataSettings
-    method: str = "fedpcl"
+    method: str = CORE
     classes: tuple[str, ...] = tuple(str(i) for i in range(10))
     seed: int = 0
     # The head's starting weights when they should not follow ``seed``: FedAvg and FPL

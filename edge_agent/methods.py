@@ -47,8 +47,7 @@ class DeviceMethod:
     values that apply (``dp`` needs DP-SGD through the method's model; ``dp-features``
     a release its global knowledge can be built from). ``dp_warmup``: under DP-SGD the method trains
     cross-entropy alone until global prototypes arrive (FPL: its per-sample loss needs
-    them). ``trains_head``: the device trains a projection head with an objective of
-    ``edge_agent.train.LOSSES`` (a closed-form method solves a linear head instead)."""
+    them)."""
 
     name: str
     rule: MethodRule
@@ -57,11 +56,16 @@ class DeviceMethod:
     anchor: Literal["contrast", "distance"] | None = None
     modes: frozenset[str] = frozenset({"none", "paper", "dp"})
     dp_warmup: bool = False
-    trains_head: bool = True
     wire: WireMethod = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wire", WIRE_METHODS[self.name])
+
+    @property
+    def trains_head(self) -> bool:
+        """The device trains a projection head with an objective of
+        ``edge_agent.train.LOSSES``; a closed-form method's solves a linear head instead."""
+        return not self.wire.closed_form
 
 
 _SERVER_MODEL = MethodRule("classifier", None, True, "the round's global model")
@@ -104,7 +108,7 @@ DEVICE_METHODS: dict[str, DeviceMethod] = {
             modes=frozenset({"none", "paper"}),  # DP-SGD: its dual branch shares a classifier
         ),
         *(
-            DeviceMethod(name, _CLOSED_FORM, trains_head=False, modes=_STATISTICS_MODES)
+            DeviceMethod(name, _CLOSED_FORM, modes=_STATISTICS_MODES)
             for name in ("lda", "ridge", "fedcof")
         ),
     )

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_agent.methods import CORE, METHODS
+from edge_agent.methods import CORE, METHODS, device_method
 from fleet import report as report_mod
 from fleet.bundles import ensure_bundle, resolve_bundle
 from fleet.central import CENTRAL, CENTRAL_TRAIN
@@ -165,11 +165,14 @@ def _sweep(
               if k not in ("command", "log_format", "log_level")}  # fmt: skip
     config.update(methods=methods, seeds=seeds, bundle=str(bundle))
     document = report_mod.build_report(results, config=config, partition=description)
-    # The contribution heatmap of the first federated method that ran (the core one if present).
-    heat_method = next((m for m in (CORE, *methods) if m in results), methods[0])
-    run0 = results[heat_method][seeds[0]]
+    # The contribution heatmap of the first method that ran with a trained head (the core
+    # one if present): it reads each device's saved head.
+    heat_method = next(
+        (m for m in (CORE, *methods) if m in results and device_method(m).trains_head), None
+    )
+    run0 = results[heat_method or methods[0]][seeds[0]]
     extra: dict[str, Path] = {}
-    if run0.spec.transport == "vector":
+    if run0.spec.transport == "vector" or heat_method is None:
         # The heat map reads each device's saved head; the vector engine saves none.
         document["backbone_contribution"] = None
         return report_mod.write(document, args.out, extra_plots=extra)

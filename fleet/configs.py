@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent.config import ClosedFormSettings
 from fleet.partition import ClientData
 from fleet.spec import FLEET, RunSpec, train_table
 from protocol.methods import wire_method
@@ -88,7 +89,7 @@ def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
     """What the agents' updates carry: head embeddings, (dp-features) backbone features, or
     (closed-form methods) the features' statistics, projected to ``stats_dim`` if set."""
     if wire_method(spec.method).closed_form:
-        return min(spec.stats_dim, feature_dim) if spec.stats_dim else feature_dim
+        return ClosedFormSettings(dim=spec.stats_dim).size(feature_dim)
     return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 

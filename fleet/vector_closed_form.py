@@ -23,7 +23,7 @@ from coordinator.store import Store
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method
-from edge_agent.privacy.accounting import Event, epsilon
+from edge_agent.privacy.accounting import epsilon, gaussian_release
 from edge_agent.privacy.randomness import NoiseSource, guarantee
 from fleet.configs import agent_seed
 from fleet.progress import log_round, progress_bar
@@ -58,7 +58,7 @@ def _privacy(spec: RunSpec) -> PrivacyMeta:
                          f"mechanism or dp-features, not {mechanism}")  # fmt: skip
     z = float(settings["release_noise_multiplier"])
     delta = float(settings.get("delta", PrivacySettings.delta))
-    spent = epsilon([Event(z, 1.0, 1, kind="release")], delta=delta)
+    spent = epsilon([gaussian_release(z)], delta=delta)
     return PrivacyMeta(mechanism=mechanism, epsilon=spent, delta=delta,
                        guarantee=guarantee(formal=True, reproducible=spec.reproducible_noise))  # fmt: skip
 

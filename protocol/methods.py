@@ -19,16 +19,23 @@ from typing import Literal
 #: triangle of the sum of ``x x^T``, for the methods that use one); ``none``: nothing.
 UpdateExtras = Literal["none", "weights", "fisher", "statistics"]
 
+#: A closed-form update's extras: the upper triangle of its second moment (1-D), and its
+#: counts as they were drawn (signed under noise; the ``counts`` field holds them clamped
+#: at 0, as every update's must be). An announcement's ``bias``: the solved head's biases.
+GRAM = "gram"
+COUNTS = "counts"
+BIAS = "bias"
+
 
 @dataclass(frozen=True)
 class WireMethod:
     """``averaged``: the announcement brings back the sample-weighted mean of the weights
     the updates carried (the device continues from it). ``local_sets``: the announcement
     carries every client's padded local prototype set (FedPCL Eq. 7). ``closed_form``:
-    the prototype rows of an update are class statistics of the frozen features (sums,
-    or means for ``gram=False``), once per data version, and the announcement's
-    prototype rows and ``"bias"`` extra are the solved linear classifier. ``gram``: such
-    an update carries the summed second moment too."""
+    the prototype rows of an update are the per-class sums of the frozen features, once
+    per data version, with :data:`COUNTS` beside them, and the announcement's prototype
+    rows and :data:`BIAS` are the solved linear classifier. ``gram``: such an update
+    carries the summed second moment too (:data:`GRAM`)."""
 
     name: str
     extras: UpdateExtras = "none"

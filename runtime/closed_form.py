@@ -436,9 +436,15 @@ def lda_head(stats: Statistics, *, shrinkage: float | None = None) -> LinearHead
     """Linear discriminant analysis with a shared, shrunk covariance. Needs ``stats.gram``.
 
     ``mu_c = s_c / N_c``; within-class scatter ``W = G - sum_c N_c mu_c mu_c^T``;
-    ``Sigma = W / max(N - C_present, 1)``, shrunk toward ``tr(Sigma)/k * I`` with weight
-    ``shrinkage`` (OAS from ``Sigma`` and ``N`` when None). Score of class c:
-    ``x^T Sigma_s^-1 mu_c - mu_c^T Sigma_s^-1 mu_c / 2 + log(N_c / N)``.
+    ``Sigma = W / max(N - C_present, 1)``, made positive semi-definite, then shrunk toward
+    ``tr(Sigma)/k * I`` with weight ``shrinkage`` (OAS from ``Sigma`` and ``N`` when None).
+    Score of class c: ``x^T Sigma_s^-1 mu_c - mu_c^T Sigma_s^-1 mu_c / 2 + log(N_c / N)``.
+
+    Why PSD here and not only on ``G``: with noisy statistics ``G`` can be PSD while ``W``,
+    ``G`` less the noisy means' outer products, is not, along the class means' directions,
+    and a covariance that is negative there turns ``Sigma^-1 mu_c`` away from ``mu_c`` (a
+    head below chance). Exact statistics give a PSD ``W`` up to rounding, which the
+    clipping leaves as it is.
     """
     if stats.gram is None:
         raise ValueError("lda_head needs a gram; this release carries none (FedCOF: fedcof_head)")
@@ -449,8 +455,7 @@ def lda_head(stats: Statistics, *, shrinkage: float | None = None) -> LinearHead
     n = float(n_c.sum())
     mu = stats.sums[present] / n_c[:, None]  # (Cp, k)
     within = stats.gram - (mu.T * n_c) @ mu
-    sigma = within / max(n - int(present.sum()), 1.0)
-    sigma = (sigma + sigma.T) / 2.0
+    sigma = _psd(within / max(n - int(present.sum()), 1.0))
     k = stats.dim
     rho = oas_shrinkage(sigma, n) if shrinkage is None else float(shrinkage)
     tau = float(np.trace(sigma)) / k
@@ -463,6 +468,19 @@ def lda_head(stats: Statistics, *, shrinkage: float | None = None) -> LinearHead
     weight[present] = w
     bias[present] = -0.5 * np.einsum("ck,ck->c", mu, w) + np.log(n_c / n)
     return LinearHead(weight=weight, bias=bias, present=present)
+
+
+def _psd(m: F64) -> F64:
+    """``m`` symmetrised, its negative eigenvalues set to 0; as it is (symmetrised) when a
+    Cholesky factorisation shows it positive definite already, the cheap common case."""
+    sym = (m + m.T) / 2.0
+    try:
+        np.linalg.cholesky(sym)
+        return sym
+    except np.linalg.LinAlgError:
+        values, vectors = np.linalg.eigh(sym)
+        psd = (vectors * np.maximum(values, 0.0)) @ vectors.T
+        return (psd + psd.T) / 2.0
 
 
 def _ridge(gram: F64, sums: F64, present: Bools, lam: float) -> LinearHead:
@@ -615,7 +633,8 @@ def noised(stats: Statistics, *, sigma: float, rng: np.random.Generator) -> Stat
     Each upper-triangle entry of the Gram matrix gets its own draw, mirrored to the lower
     half (the lower half is not released, so it carries no extra noise and the result stays
     symmetric); each entry of the sums and each count get their own. ``holders`` and
-    ``devices`` are public and stay. For (epsilon, delta)-DP pick
+    ``devices`` are copied as they are: they are not part of what is released (a device
+    sends every class under noise, and the coordinator knows only which devices sent). For (epsilon, delta)-DP pick
     ``sigma = noise_multiplier * SENSITIVITY``. A scatter is refused: the bound does not
     cover it.
     """
@@ -652,10 +671,7 @@ def denoise(stats: Statistics) -> Statistics:
         scatter = np.where(absent[:, None, None], 0.0, stats.scatter)
     gram = None
     if stats.gram is not None:
-        sym = (stats.gram + stats.gram.T) / 2.0
-        values, vectors = np.linalg.eigh(sym)
-        psd = (vectors * np.maximum(values, 0.0)) @ vectors.T
-        gram = (psd + psd.T) / 2.0
+        gram = _psd(stats.gram)
     return Statistics(
         counts=counts,
         sums=sums,

@@ -14,6 +14,7 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
 from coordinator.strategies import available
+from protocol import PrivacyMeta
 from protocol.methods import wire_method
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import BUNDLE, CLASSES, DIM, config, stand_in_update
@@ -109,9 +110,14 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
             extras = {n: np.full(s, sign * 65504.0, np.float32) for n, s in shapes.items()}
         elif method == "feddbp":
             extras = {"fisher": np.full(u.prototypes.shape, 65504.0, np.float32)}
-        elif wire_method(method).gram:  # lda, ridge: the second moment's upper triangle
-            extras = {"gram": np.full(DIM * (DIM + 1) // 2, sign * 65504.0)}
+        elif wire_method(method).closed_form:  # counts as drawn; lda, ridge: a second moment
+            extras = {"counts": np.full(len(u.classes), 1e9)}
+            if wire_method(method).gram:
+                extras["gram"] = np.full(DIM * (DIM + 1) // 2, sign * 65504.0)
         u = dataclasses.replace(u, counts=(1e9,) * len(u.classes), prototypes=protos, extras=extras)
+        if wire_method(method).closed_form:  # a release that says it is noisy: held to bounds alone
+            noisy = PrivacyMeta(mechanism="dp-features", epsilon=1.0, delta=1e-5, guarantee="dp")
+            u = dataclasses.replace(u, privacy=noisy)
         assert checks_.check(u) is None
         assert m.offer(u.to_wire(), topic_client=u.client).accepted
     nxt = m.poll()

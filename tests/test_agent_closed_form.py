@@ -12,10 +12,17 @@ import pytest
 from coordinator.strategies import make_strategy
 from coordinator.strategies.closed_form import announced
 from edge_agent.agent import Agent
-from edge_agent.closed_form import BIAS, GRAM, ClosedFormDevice, StoredHead, prepare, projection
+from edge_agent.closed_form import (
+    ClosedFormDevice,
+    StatisticsRelease,
+    StoredHead,
+    prepare,
+    projection,
+)
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import device_method
 from protocol import PrototypeUpdate, RoundAnnouncement
+from protocol.methods import BIAS, GRAM
 from runtime import closed_form as cf
 from tests.agent_helpers import agent_config
 
@@ -193,3 +200,45 @@ def test_a_noisy_release_is_paid_for_once_and_sent_again_unchanged(small_zoo, tm
     third = PrototypeUpdate.from_wire(restarted.handle(dataclasses.replace(start, round=2)).payload)
     assert np.array_equal(third.prototypes, sent.prototypes)
     assert restarted.epsilon_spent == pytest.approx(sent.privacy.epsilon)
+
+
+@pytest.mark.parametrize(("method", "per_unit"), [("lda", 3**0.5), ("ridge", 3**0.5),
+                                                  ("fedcof", 2**0.5)])  # fmt: skip
+def test_a_noisy_release_adds_the_mechanisms_noise_to_everything_it_sends(tmp_path, method,
+                                                                          per_unit):  # fmt: skip
+    # The noise's standard deviation is the multiplier times the release's L2
+    # sensitivity: sqrt(3) with a second moment (G, s, n), sqrt(2) without (s, n).
+    x, y = _blobs(1, 60)
+    device = ClosedFormDevice(
+        method=device_method(method), fleet="lab", features=x, labels=y, num_classes=4,
+        settings=ClosedFormSettings(), seed=0, state_dir=None,
+    )  # fmt: skip
+    exact = device.release()
+    rng = np.random.default_rng(0)
+    diffs = []
+    for _ in range(50):
+        noisy = device.noisy_release(2.0, rng)
+        assert list(noisy.classes) == [0, 1, 2, 3]  # every class, held or not
+        diffs += [noisy.rows - exact.rows, noisy.counts - exact.counts]
+        if exact.gram is not None:
+            assert noisy.gram is not None
+            diffs.append(cf.upper_triangle(noisy.gram) - cf.upper_triangle(exact.gram))
+        else:
+            assert noisy.gram is None
+    spread = float(np.std(np.concatenate([d.ravel() for d in diffs])))
+    assert spread == pytest.approx(2.0 * per_unit, rel=0.03)
+
+
+def test_an_update_that_would_not_fit_the_payload_cap_names_the_largest_dim():
+    from edge_agent.closed_form import largest_dim, statistics_bytes
+
+    k = largest_dim(4 << 20, classes=10, gram=True)
+    assert statistics_bytes(k, classes=10, gram=True) <= 4 << 20
+    assert statistics_bytes(k + 1, classes=10, gram=True) > 4 << 20
+    # The bound holds for a real update of that size.
+    rng = np.random.default_rng(0)
+    x = cf.clip_rows(rng.normal(size=(30, 40)))
+    stats = cf.device_statistics(x, rng.integers(0, 10, size=30), 10)
+    wire = StatisticsRelease.of(stats).update(fleet="lab", round_=0, client="c", bundle="b" * 64,
+                                             method="lda").to_wire()  # fmt: skip
+    assert len(wire) <= statistics_bytes(40, classes=10, gram=True)

@@ -15,8 +15,10 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
 from coordinator.strategies import make_strategy
-from coordinator.strategies.closed_form import BIAS, GRAM, fleet_statistics
+from coordinator.strategies.closed_form import fleet_statistics
+from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
+from protocol.methods import BIAS, GRAM
 from runtime import closed_form as cf
 from runtime.security import CoordinatorSecurity
 
@@ -41,15 +43,9 @@ def devices(seed: int = 0, count: int = 7) -> list[tuple[np.ndarray, np.ndarray]
 def update_of(x: np.ndarray, y: np.ndarray, client: str, *, method: str, round_: int = 0):
     """A device's statistics update as an agent sends it (edge_agent/agent.py)."""
     stats = cf.device_statistics(x, y, C, gram=method != "fedcof")
-    held = np.flatnonzero(stats.counts > 0)
-    means = stats.sums / np.maximum(stats.counts, 1.0)[:, None]
-    rows = means[held] if method == "fedcof" else stats.sums[held]
-    extras = {} if stats.gram is None else {GRAM: cf.upper_triangle(stats.gram)}
-    update = PrototypeUpdate(
-        fleet="lab", round=round_, client=client, bundle=BUNDLE, method=method,
-        classes=tuple(int(c) for c in held), counts=tuple(float(c) for c in stats.counts[held]),
-        prototypes=rows, extras=extras,
-    )  # fmt: skip
+    update = StatisticsRelease.of(stats).update(
+        fleet="lab", round_=round_, client=client, bundle=BUNDLE, method=method
+    )
     # Through the wire: what the coordinator sums is what travelled.
     return PrototypeUpdate.from_wire(update.to_wire())
 
@@ -109,7 +105,7 @@ def test_the_coordinators_ridge_is_the_pooled_ridge():
 def test_fedcof_is_solved_from_means_and_counts_alone():
     data = devices(4, count=30)
     updates = [update_of(x, y, f"d{i}", method="fedcof") for i, (x, y) in enumerate(data)]
-    assert all(not u.extras for u in updates)  # prototype-sized: no second moment
+    assert all(set(u.extras) == {"counts"} for u in updates)  # prototype-sized: no moment
     solved = make_strategy("fedcof").aggregate(updates, num_classes=C, dim=K)
     stats = cf.merge(cf.means_statistics(*_dense(u)) for u in updates)
     np.testing.assert_allclose(
@@ -118,10 +114,10 @@ def test_fedcof_is_solved_from_means_and_counts_alone():
 
 
 def _dense(update: PrototypeUpdate) -> tuple[np.ndarray, np.ndarray]:
-    counts, means = np.zeros(C), np.zeros((C, K))
+    counts, sums = np.zeros(C), np.zeros((C, K))
     counts[list(update.classes)] = update.counts
-    means[list(update.classes)] = update.prototypes
-    return counts, means
+    sums[list(update.classes)] = update.prototypes
+    return counts, sums / np.maximum(counts, 1.0)[:, None]
 
 
 def test_a_strategys_parameters_are_checked_by_name_and_range():
@@ -197,9 +193,7 @@ def test_a_statistics_update_with_the_wrong_shape_or_extras_is_refused(tmp_path)
     m.store.close()
 
 
-def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(
-    tmp_path, caplog
-):
+def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(tmp_path, caplog):
     import sqlite3
 
     (x0, y0), (x1, y1) = devices(8, count=2)
@@ -212,5 +206,101 @@ def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(
         db.execute("UPDATE statistics SET payload = ? WHERE client = 'd1'", (b"junk",))
     again = _manager(tmp_path)  # starts: the service must not fail every restart
     assert "the stored statistics of d1 are left out" in caplog.text
-    assert again._held == {"d0"}
+    for client in ("d0", "d1"):
+        assert again.offer(_empty(client, 1).to_wire(), topic_client=client).accepted
+    head = again.poll()
+    assert head is not None  # solved from what was left: d0's statistics alone
+    w, _ = pooled_lda(x0, y0)
+    np.testing.assert_allclose(head.global_prototypes, w.astype(np.float32), rtol=1e-5)
     again.store.close()
+
+
+def test_exact_statistics_no_device_can_hold_are_refused(tmp_path):
+    import dataclasses
+
+    checks = _config(tmp_path).admission_checks()
+    x, y = devices(9, count=1)[0]
+    good = update_of(x, y, "d0", method="lda")
+    assert checks.check(good) is None
+    replace = dataclasses.replace
+    # A class sum longer than its count: some row had norm above 1.
+    long = np.asarray(good.prototypes) * 3.0
+    assert checks.check(replace(good, prototypes=long)) == "implausible_statistics"
+    # Counts that disagree with the counts as drawn, or are not whole.
+    half = {**good.extras, "counts": np.asarray(good.extras["counts"]) + 0.5}
+    assert checks.check(replace(good, extras=half)) == "implausible_statistics"
+    # A second moment whose trace exceeds the number of samples (each adds ||x||^2 <= 1).
+    gram = np.asarray(good.extras[GRAM]) * 50.0
+    assert checks.check(replace(good, extras={**good.extras, GRAM: gram})) == (
+        "implausible_statistics"
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_running_sum_over_rounds_gives_the_pooled_lda(tmp_path, seed):
+    """The production path: each device's statistics arrive in a round of their own
+    (spread at random over three rounds, in random order), are summed on arrival and
+    across closes, and the solved head is the pooled LDA to 1e-8."""
+    data = devices(10 + seed)
+    rng = np.random.default_rng(seed)
+    arrival = rng.integers(0, 3, size=len(data))
+    m = _manager(tmp_path)
+    for round_ in range(3):
+        for i in rng.permutation(len(data)):
+            x, y = data[i]
+            u = (update_of(x, y, f"d{i}", method="lda", round_=round_)
+                 if arrival[i] == round_ else _empty(f"d{i}", round_))  # fmt: skip
+            assert m.offer(u.to_wire(), topic_client=u.client).accepted
+        assert m.poll() is not None
+    w, b = pooled_lda(np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data]))
+    assert m._statistics is not None
+    solved = m._statistics.solved  # the coordinator's float64 solution, before the cast
+    assert solved is not None
+    np.testing.assert_allclose(solved.global_prototypes, w, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(solved.extras[BIAS], b, rtol=1e-8, atol=1e-10)
+    m.store.close()
+
+
+def test_statistics_kept_under_another_dimension_are_left_out_on_restart(tmp_path, caplog):
+    import dataclasses
+
+    (x0, y0), (x1, y1) = devices(12, count=2)
+    m = _manager(tmp_path)
+    for u in (update_of(x0, y0, "d0", method="lda"), update_of(x1, y1, "d1", method="lda")):
+        assert m.offer(u.to_wire(), topic_client=u.client).accepted
+    assert m.poll() is not None
+    m.store.close()
+    cfg = _config(tmp_path)
+    smaller = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=K - 1))
+    again = RoundManager(config=smaller, store=Store(smaller.database), metrics=Metrics(),
+                         clock=lambda: 0.0)  # fmt: skip
+    assert caplog.text.count("are left out: wrong_dim") == 2
+    again.store.close()
+
+
+def test_robust_options_are_refused_for_a_closed_form_fleet(tmp_path):
+    import dataclasses
+
+    from coordinator.strategies import RobustOptions
+
+    with pytest.raises(ValueError, match=r"\[robust\] does not apply to lda"):
+        dataclasses.replace(_config(tmp_path), robust=RobustOptions(rule="median"))
+
+
+def test_lda_of_noisy_statistics_is_far_above_chance():
+    # Five devices of 200 samples, each noising its own (G, s, n) as at epsilon 8: without
+    # the within-class covariance made positive semi-definite before the shrinkage, the
+    # solved directions turn away from the class means and the head falls below chance.
+    rng = np.random.default_rng(0)
+    k, c = 32, 4
+    centres = cf.clip_rows(rng.normal(size=(c, k)))
+    parts = []
+    for _ in range(5):
+        y = rng.integers(0, c, size=200)
+        x = cf.clip_rows(centres[y] * 0.6 + rng.normal(size=(200, k)) * 0.08)
+        parts.append(cf.noised(cf.device_statistics(x, y, c), sigma=0.6 * cf.SENSITIVITY,
+                               rng=rng))  # fmt: skip
+    head = cf.lda_head(cf.denoise(cf.merge(parts)))
+    y = rng.integers(0, c, size=2000)
+    x = cf.clip_rows(centres[y] * 0.6 + rng.normal(size=(2000, k)) * 0.08)
+    assert (head.predict(x) == y).mean() > 0.9

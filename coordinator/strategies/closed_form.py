@@ -8,9 +8,11 @@ the fleet) and its biases as the ``"bias"`` extra. A round in which no client se
 statistics changes nothing: the round manager announces the same head again
 (``coordinator/rounds.py``).
 
-The update's prototype rows are the per-class sums (LDA, ridge; the second moment rides
-in ``extras["gram"]``) or the per-class means (FedCOF, which sends prototype-sized
-messages and nothing else).
+An update's prototype rows are its per-class feature sums, ``extras["counts"]`` its
+counts as drawn (signed under noise: clamping each device's at zero would inflate the
+fleet's), and for LDA and ridge ``extras["gram"]`` the upper triangle of its second
+moment. FedCOF's message stays prototype-sized: sums and counts, from which the
+coordinator takes each device's class means.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ import numpy as np
 
 from coordinator.strategies.base import Aggregate, RobustOptions, Strategy, register
 from protocol import PrototypeUpdate
+from protocol.methods import BIAS, COUNTS, GRAM
 from runtime import closed_form as cf
 
 log = logging.getLogger(__name__)
 
-#: The extra an update's second moment travels in, and the announcement's biases.
-GRAM = "gram"
-BIAS = "bias"
 #: The largest value an announced head may hold: float16's, so it travels in any
 #: announce dtype. A larger head is scaled down whole, which changes no prediction (the
 #: argmax of ``x W^T + b`` is the same for ``s W`` and ``s b``, s > 0).
@@ -36,22 +36,27 @@ LARGEST = 65504.0
 
 
 def statistics_of(update: PrototypeUpdate, *, num_classes: int, dim: int) -> cf.Statistics:
-    """One client's statistics as its update carries them (an update with no rows: none)."""
+    """One client's statistics as its update carries them (dense over the classes)."""
     counts = np.zeros(num_classes)
-    rows = np.zeros((num_classes, dim))
+    sums = np.zeros((num_classes, dim))
     idx = np.asarray(update.classes, dtype=np.int64)
-    counts[idx] = update.counts
-    rows[idx] = np.asarray(update.prototypes, dtype=np.float64)
+    counts[idx] = np.asarray(update.extras[COUNTS], dtype=np.float64)
+    sums[idx] = np.asarray(update.prototypes, dtype=np.float64)
     if GRAM in update.extras:
         return cf.Statistics(
             counts=counts,
-            sums=rows,
+            sums=sums,
             gram=cf.from_upper_triangle(np.asarray(update.extras[GRAM], dtype=np.float64)),
-            holders=(counts > 0).astype(np.int64),
+            holders=(counts >= 1.0).astype(np.int64),
             scatter=None,
             devices=1,
         )
-    return cf.means_statistics(counts, rows)
+    # FedCOF: the device's class means. A class whose (noisy) count is below one holds no
+    # example's worth of signal: absent from this device, so it counts as no holder.
+    held = counts >= 1.0
+    counts = np.where(held, counts, 0.0)
+    means = np.where(held[:, None], sums / np.maximum(counts, 1.0)[:, None], 0.0)
+    return cf.means_statistics(counts, means)
 
 
 def fleet_statistics(
@@ -107,15 +112,10 @@ class ClosedForm(Strategy):
 
 def within_range(head: cf.LinearHead) -> cf.LinearHead:
     """``head``, scaled down whole if any announced value exceeds :data:`LARGEST`; its
-    predictions are unchanged. A non-finite head (only adversarial statistics make one)
-    keeps nothing: all zeros."""
+    predictions are unchanged. (A head is finite: ``LinearHead`` refuses one that is not,
+    inside the solve's ``try``.)"""
     present = head.present
     values = np.concatenate([head.weight[present].ravel(), head.bias[present]])
-    if not np.isfinite(values).all():
-        log.warning("the solved head is not finite; announcing none of it")
-        values = np.zeros(1)
-        return cf.LinearHead(weight=np.zeros_like(head.weight), bias=np.zeros_like(head.bias),
-                             present=np.zeros_like(present))  # fmt: skip
     largest = float(np.abs(values).max(initial=0.0))
     if largest <= LARGEST:
         return head

@@ -70,6 +70,12 @@ def release_event(sigma_sum: float, sigma_count: float) -> Event:
     return Event(effective_sigma(sigma_sum, sigma_count), 1.0, 1, kind="release")
 
 
+def gaussian_release(noise_multiplier: float) -> Event:
+    """One Gaussian mechanism of ``noise_multiplier`` (noise std over its joint L2
+    sensitivity) over a whole release: a closed-form method's statistics."""
+    return Event(noise_multiplier, 1.0, 1, kind="release")
+
+
 @functools.cache
 def _orders() -> tuple[float, ...]:
     from opacus.accountants import RDPAccountant

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 
 from edge_agent.config import PrivacySettings
-from edge_agent.privacy.accounting import Event, per_part_sigma, release_event, sgd_schedule
+from edge_agent.privacy.accounting import (
+    Event,
+    gaussian_release,
+    per_part_sigma,
+    release_event,
+    sgd_schedule,
+)
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
 from edge_agent.privacy.randomness import NoiseSource
@@ -99,7 +105,7 @@ class Spending:
         """The statistics release as the accountant sees it: one Gaussian mechanism of
         multiplier ``release_noise_multiplier`` (noise std over L2 sensitivity), the
         same event as a dp-features release of that multiplier."""
-        return Event(self.settings.release_noise_multiplier, 1.0, 1, kind="release")
+        return gaussian_release(self.settings.release_noise_multiplier)
 
     def mechanism_params(self) -> MechanismParams:
         p = self.settings
