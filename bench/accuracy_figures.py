@@ -240,7 +240,12 @@ def closed_form(r: Results) -> str:
                       r.get(f"closed_form.lda_{clients}_final_acc"))  # fmt: skip
         scale.append(f"{clients:,} clients: the statistics round {num(first)} s, a later round "
                      f"{num(s)} s, peak {num(peak)} MB, final accuracy {pct(acc)}%")  # fmt: skip
+    ratio = r.get("closed_form.run_bytes_fedavg_over_lda")
     lines += [
+        "",
+        f"A device's uplink over a whole 30-round run at the default k = 512: lda "
+        f"{num(r.get('closed_form.run_bytes_up_lda'))} bytes, fedavg "
+        f"{num(r.get('closed_form.run_bytes_up_fedavg'))} ({num(ratio)} times lda's).",
         "",
         "Under `dp-features`:",
         "",

@@ -10,6 +10,8 @@ is a mean over seeds 0-2. Solo (the agents' own head and linear classifier, 20 r
 measured on the same clients beside each fleet.
 
 Keys: ``closed_form.k<k>.lda_acc`` and ``.bytes_up`` (5 devices; k0 is no projection),
+``closed_form.run_bytes_up_{lda,fedavg}`` (a device's uplink over a whole 30-round run at
+the simulator's default k) and their ratio ``closed_form.run_bytes_fedavg_over_lda``,
 ``closed_form.dp<devices>.solo_acc``, ``closed_form.dp<devices>.k<k>.eps<e>.lda_acc`` (e
 ``inf`` for no noise), ``closed_form.lda_<clients>_{round_s, peak_mb, final_acc}``.
 """
@@ -36,7 +38,7 @@ from export import bundle as bundle_mod
 from fleet.collect import round_seconds
 from fleet.partition import digits5
 from fleet.procmem import peak_self_mb, reset_peak
-from fleet.spec import RunSpec
+from fleet.spec import DEFAULT_STATS_DIM, RunSpec
 from fleet.vector_engine import FleetFeatures
 from fleet.vector_run import features_of, train_vector
 
@@ -47,6 +49,7 @@ DP_KS = (64, 512)
 #: (devices, training samples, test samples) per device.
 FLEETS = ((5, 100, 100), (100, 50, 50), (1000, 20, 20))
 SOLO_ROUNDS = 20
+RUN_ROUNDS = 30
 DELTA = 1e-5
 _RUNS = itertools.count()
 
@@ -93,6 +96,22 @@ def k_sweep(root: Path) -> dict[str, float]:
     return out
 
 
+def traffic(root: Path) -> dict[str, float]:
+    """A device's bytes up over a whole run of 30 rounds, lda (the simulator's default k)
+    beside fedavg, 5 devices, seed 0: updates as they leave (unsigned on this transport,
+    both alike)."""
+    data = _fleet(5, 100, 100, 0)
+    out: dict[str, float] = {}
+    for method in ("lda", "fedavg"):
+        _, records = _run(root, data, method=method, rounds=RUN_ROUNDS, seed=0,
+                          stats_dim=DEFAULT_STATS_DIM)  # fmt: skip
+        out[f"closed_form.run_bytes_up_{method}"] = float(records.bytes_up.sum(axis=1).mean())
+    out["closed_form.run_bytes_fedavg_over_lda"] = (
+        out["closed_form.run_bytes_up_fedavg"] / out["closed_form.run_bytes_up_lda"]
+    )
+    return out
+
+
 def privacy_sweep(root: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     for devices, train, test in FLEETS:
@@ -123,6 +142,7 @@ def run() -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="protofleet-closed-form-") as tmp:
         out |= k_sweep(Path(tmp))
+        out |= traffic(Path(tmp))
         out |= privacy_sweep(Path(tmp))
     for clients in (1000, 10_000):
         out |= at_scale(clients)
