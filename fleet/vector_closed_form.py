@@ -12,28 +12,22 @@ announced head changes, and keeps its score while it does not.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from coordinator.config import CoordinatorConfig
-from coordinator.metrics import Metrics
-from coordinator.rounds import RoundManager
-from coordinator.store import Store
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import epsilon, gaussian_release
 from edge_agent.privacy.randomness import NoiseSource, guarantee
 from fleet.configs import agent_seed
-from fleet.progress import log_round, progress_bar
 from fleet.spec import FLEET, RunSpec
 from fleet.vector_engine import FleetFeatures
-from fleet.vector_records import OFFER_BATCH, Records, offer
-from protocol import DEFAULT_MAX_PAYLOAD_BYTES, PrivacyMeta, RoundAnnouncement
+from fleet.vector_records import Records, drive_rounds
+from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.cliutil import UsageError
-from runtime.faults import crash_point
-from runtime.settings import build
 
 
 def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> ClosedFormDevice:
@@ -44,6 +38,28 @@ def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> Clo
         num_classes=num_classes, settings=ClosedFormSettings(dim=spec.stats_dim),
         seed=agent_seed(spec, k), state_dir=None,
     )  # fmt: skip
+
+
+def _updates(spec: RunSpec, data: FleetFeatures, *, names: list[str], num_classes: int,
+             round_: int, dim: int, bundle_id: str,
+             privacy: PrivacyMeta) -> Iterator[tuple[int, bytes]]:  # fmt: skip
+    """Every client's update of ``round_``, as an agent sends it (edge_agent/agent.py): its
+    statistics in round 0 (noisy under dp-features, from its own secret randomness as an
+    agent's NoiseSource), no rows after (accepted in this process means stored)."""
+    noise_multiplier = float(spec.privacy.get("release_noise_multiplier", 0.0))
+    for k, client in enumerate(names):
+        if round_ == 0:
+            device = _device(spec, data, k, num_classes)
+            if privacy.epsilon is None:
+                release = device.release()
+            else:
+                noise = NoiseSource.create(agent_seed(spec, k) if spec.reproducible_noise else None)
+                release = device.noisy_release(noise_multiplier, noise.numpy)
+        else:
+            release = StatisticsRelease.nothing(dim)
+        update = release.update(fleet=FLEET, round_=round_, client=client, bundle=bundle_id,
+                                method=spec.method, privacy=privacy)  # fmt: skip
+        yield k, update.to_wire()
 
 
 def _privacy(spec: RunSpec) -> PrivacyMeta:
@@ -74,77 +90,33 @@ def drive_closed_form(
     evaluate: bool = True,
 ) -> Records:
     """``spec.rounds`` rounds of ``data``'s clients; their scores and traffic per round."""
-    cfg = build(CoordinatorConfig, coord)
     records = Records(len(names), spec.rounds)
     privacy = _privacy(spec)
-    noise_multiplier = float(spec.privacy.get("release_noise_multiplier", 0.0))
-    method = spec.method
     dim = int(coord["model"]["dim"])
-    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
-    previous: bytes | None = None  # the head the clients last chose from
+    chosen_from: list[bytes] = []  # the head the clients last chose from
     scores = np.full(len(names), np.nan)
-    try:
-        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
-        with progress_bar(spec, spec.rounds * len(names), f"{method}: client-rounds",
-                          "client") as bar:  # fmt: skip
-            while True:
-                wire = manager.announcement.to_wire()
-                announcement = RoundAnnouncement.from_wire(
-                    wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
-                )
-                round_ = announcement.round
-                head = announcement.global_prototypes.tobytes() + bytes(announcement.global_classes)
-                if (
-                    evaluate
-                    and round_ >= 1
-                    and len(announcement.global_classes)
-                    and head != previous
-                ):
-                    previous = head
-                    for k in range(len(names)):
-                        device = _device(spec, data, k, num_classes)
-                        device.adopt(announcement)
-                        test = data.features[data.test_index[k]]
-                        predicted = device.scores(test).argmax(axis=1)
-                        scores[k] = float((predicted == data.test_labels[k]).mean())
-                if round_ >= 1:
-                    for k in range(len(names)):
-                        value = None if np.isnan(scores[k]) else float(scores[k])
-                        records.set(k, round_ - 1, {"test_accuracy": value,
-                                                    "test_accuracy_classifier": value})  # fmt: skip
-                if manager.done:
-                    break
-                pending: list[tuple[int, bytes]] = []
-                for k, client in enumerate(names):
-                    # What an agent without a privacy mechanism sends (edge_agent/agent.py).
-                    if round_ == 0:
-                        device = _device(spec, data, k, num_classes)
-                        # Each device's own secret randomness, as an agent's NoiseSource.
-                        noise = None if privacy.epsilon is None else NoiseSource.create(
-                            agent_seed(spec, k) if spec.reproducible_noise else None
-                        )  # fmt: skip
-                        release = (
-                            device.release()
-                            if noise is None
-                            else device.noisy_release(noise_multiplier, noise.numpy)
-                        )
-                    else:
-                        release = StatisticsRelease.nothing(dim)
-                    update = release.update(fleet=FLEET, round_=round_, client=client,
-                                            bundle=bundle_id, method=method,
-                                            privacy=privacy)  # fmt: skip
-                    pending.append((k, update.to_wire()))
-                    records.bytes_down[k, round_] = len(wire)
-                    if len(pending) == OFFER_BATCH:
-                        offer(manager, store, pending, names, records, round_)
-                        bar.update(len(pending))
-                        pending = []
-                offer(manager, store, pending, names, records, round_)
-                bar.update(len(pending))
-                if manager.poll() is None:
-                    raise RuntimeError(f"round {round_} did not close")
-                log_round(spec, round_ + 1)
-                crash_point(f"fleet:{method}:round_closed")
-    finally:
-        store.close()
+
+    def adopt(announcement: RoundAnnouncement) -> None:
+        round_ = announcement.round
+        head = announcement.global_prototypes.tobytes() + bytes(announcement.global_classes)
+        if evaluate and round_ >= 1 and announcement.global_classes and head not in chosen_from:
+            chosen_from[:] = [head]
+            for k in range(len(names)):
+                device = _device(spec, data, k, num_classes)
+                device.adopt(announcement)
+                predicted = device.scores(data.features[data.test_index[k]]).argmax(axis=1)
+                scores[k] = float((predicted == data.test_labels[k]).mean())
+        if round_ >= 1:
+            for k in range(len(names)):
+                value = None if np.isnan(scores[k]) else float(scores[k])
+                records.set(k, round_ - 1, {"test_accuracy": value,
+                                            "test_accuracy_classifier": value})  # fmt: skip
+
+    def updates(announcement: RoundAnnouncement) -> Iterator[tuple[int, bytes]]:
+        return _updates(spec, data, names=names, num_classes=num_classes,
+                        round_=announcement.round, dim=dim, bundle_id=bundle_id,
+                        privacy=privacy)  # fmt: skip
+
+    drive_rounds(spec=spec, coord=coord, names=names, records=records, adopt=adopt,
+                 updates=updates)  # fmt: skip
     return records

@@ -1,16 +1,25 @@
-"""What a vector run keeps of its clients (scores and traffic per round) and how it hands
-their updates to the round manager: shared by the trained methods' engine
-(fleet/vector_run.py) and the closed-form methods' (fleet/vector_closed_form.py)."""
+"""What a vector run keeps of its clients (scores and traffic per round) and the rounds
+it drives against the real round manager and store: shared by the trained methods'
+engine (fleet/vector_run.py) and the closed-form methods' (fleet/vector_closed_form.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fleet.spec import ClientRecord
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.store import Store
+from fleet.progress import log_round, progress_bar
+from fleet.spec import ClientRecord, RunSpec
 from fleet.vector_engine import SCORES
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
+from runtime.faults import crash_point
+from runtime.settings import build
 
 
 @dataclass
@@ -62,3 +71,60 @@ def offer(manager: Any, store: Any, pending: list[tuple[int, bytes]], names: lis
             if not outcome.accepted:
                 raise RuntimeError(f"the coordinator rejected {names[k]}: {outcome.reason}")
             records.bytes_up[k, round_] = len(payload)
+
+
+def offer_round(manager: Any, store: Any, updates: Iterable[tuple[int, bytes]], *,
+                names: list[str], records: Records, round_: int, wire_bytes: int,
+                bar: Any) -> None:  # fmt: skip
+    """Offer a round's updates ((client index, payload), as they are made) in batches of
+    :data:`OFFER_BATCH`, recording each client's traffic; then close the round."""
+    pending: list[tuple[int, bytes]] = []
+    for k, payload in updates:
+        pending.append((k, payload))
+        records.bytes_down[k, round_] = wire_bytes
+        if len(pending) == OFFER_BATCH:
+            offer(manager, store, pending, names, records, round_)
+            bar.update(len(pending))
+            pending = []
+    offer(manager, store, pending, names, records, round_)
+    bar.update(len(pending))
+    if manager.poll() is None:
+        raise RuntimeError(f"round {round_} did not close")
+
+
+def drive_rounds(
+    *,
+    spec: RunSpec,
+    coord: dict[str, Any],
+    names: list[str],
+    records: Records,
+    adopt: Callable[[RoundAnnouncement], None],
+    updates: Callable[[RoundAnnouncement], Iterator[tuple[int, bytes]]],
+) -> None:
+    """``spec.rounds`` rounds against a coordinator built from ``coord`` (its tables): each
+    announcement, decoded under the agents' deployed limit as a device would, goes to
+    ``adopt``; then, unless it is the final one, ``updates`` makes the round's updates,
+    which are offered and the round closed. The store keeps receipts without payloads: a
+    vector run cannot resume, and the close aggregates what the manager decoded."""
+    cfg = build(CoordinatorConfig, coord)
+    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
+    try:
+        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
+        with progress_bar(spec, spec.rounds * len(names), f"{spec.method}: client-rounds",
+                          "client") as bar:  # fmt: skip
+            while True:
+                wire = manager.announcement.to_wire()
+                announcement = RoundAnnouncement.from_wire(
+                    wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
+                )
+                adopt(announcement)
+                if manager.done:
+                    break
+                round_ = announcement.round
+                offer_round(manager, store, updates(announcement), names=names,
+                            records=records, round_=round_, wire_bytes=len(wire),
+                            bar=bar)  # fmt: skip
+                log_round(spec, round_ + 1)
+                crash_point(f"fleet:{spec.method}:round_closed")
+    finally:
+        store.close()

@@ -12,20 +12,23 @@ report reads.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from edge_agent.inference import dense_globals
 from edge_agent.methods import device_method
+from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
 from fleet.partition import Partition
 from fleet.procmem import peak_self_mb, reset_peak
-from fleet.progress import log_round, progress_bar
+from fleet.progress import progress_bar
 from fleet.spec import FLEET, ClientRecord, RunSpec, train_table
 from fleet.vector_closed_form import drive_closed_form
 from fleet.vector_engine import FleetFeatures, VectorEngine
-from fleet.vector_records import OFFER_BATCH, Records, offer
-from runtime.faults import crash_point
+from fleet.vector_records import Records, drive_rounds
+from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 
 
 def drive(
@@ -38,79 +41,50 @@ def drive(
 ) -> Records:
     """Run ``spec.rounds`` rounds of ``engine``'s clients against a coordinator built from
     ``coord`` (its tables); every client's scores and traffic per round."""
-    from coordinator.config import CoordinatorConfig
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.store import Store
-    from edge_agent.inference import dense_globals
-    from edge_agent.train import Guidance
-    from protocol import DEFAULT_MAX_PAYLOAD_BYTES, PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-    from runtime.settings import build
-
-    cfg = build(CoordinatorConfig, coord)
     records = Records(len(names), spec.rounds)
-    method, num_classes = engine.method, engine.num_classes
-    # Receipts without payloads: a vector run cannot resume, and the close aggregates what
-    # the manager decoded on arrival.
-    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
-    try:
-        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
-        with progress_bar(spec, spec.rounds * len(names), f"{method}: client-rounds",
-                          "client") as bar:  # fmt: skip
-            while True:
-                wire = manager.announcement.to_wire()
-                # Decoded under the agents' deployed limit, as a device would.
-                announcement = RoundAnnouncement.from_wire(
-                    wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
-                )
-                round_ = announcement.round
-                if engine.record.wire.averaged:
-                    engine.adopt(announcement.extras)
-                if engine.rule.from_server and round_ >= 1:
-                    globals_ = (
-                        dense_globals(
-                            announcement,
-                            client=names[0],
-                            num_classes=num_classes,
-                            dim=engine.cfg.out_dim,
-                        )
-                        if engine.rule.prototypes == "global"
-                        else None
-                    )
-                    for k, score in enumerate(engine.from_server(globals_)):
-                        records.set(k, round_ - 1, {"test_accuracy": score})
-                if manager.done:
-                    break
-                # One client's view serves every client: the engine's methods announce one
-                # global set to all (FedDBP's personalised sets are why it is not among them).
-                guidance = Guidance.from_announcement(announcement, client=names[0],
-                                                      dim=engine.cfg.out_dim)  # fmt: skip
-                pending: list[tuple[int, bytes]] = []
-                for k, result in engine.train_round(guidance):
-                    update = PrototypeUpdate(
-                        fleet=FLEET, round=round_, client=names[k], bundle=bundle_id,
-                        method=method,
-                        classes=tuple(int(c) for c in result.release_classes),
-                        counts=tuple(int(c) for c in result.release_counts),
-                        prototypes=result.release_protos.astype(np.float16),
-                        extras=result.weights, privacy=PrivacyMeta(),
-                    )  # fmt: skip
-                    pending.append((k, update.to_wire()))
-                    records.set(k, round_, result.scores)
-                    records.bytes_down[k, round_] = len(wire)
-                    if len(pending) == OFFER_BATCH:
-                        offer(manager, store, pending, names, records, round_)
-                        bar.update(len(pending))
-                        pending = []
-                offer(manager, store, pending, names, records, round_)
-                bar.update(len(pending))
-                if manager.poll() is None:
-                    raise RuntimeError(f"round {round_} did not close")
-                log_round(spec, round_ + 1)
-                crash_point(f"fleet:{method}:round_closed")
-    finally:
-        store.close()
+
+    def adopt(announcement: RoundAnnouncement) -> None:
+        round_ = announcement.round
+        if engine.record.wire.averaged:
+            engine.adopt(announcement.extras)
+        if engine.rule.from_server and round_ >= 1:
+            globals_ = None
+            if engine.rule.prototypes == "global":
+                globals_ = dense_globals(
+                    announcement, client=names[0], num_classes=engine.num_classes,
+                    dim=engine.cfg.out_dim,
+                )  # fmt: skip
+            for k, score in enumerate(engine.from_server(globals_)):
+                records.set(k, round_ - 1, {"test_accuracy": score})
+
+    def updates(announcement: RoundAnnouncement) -> Iterator[tuple[int, bytes]]:
+        # One client's view serves every client: the engine's methods announce one global
+        # set to all (FedDBP's personalised sets are why it is not among them).
+        guidance = Guidance.from_announcement(announcement, client=names[0],
+                                              dim=engine.cfg.out_dim)  # fmt: skip
+        return _trained(engine, guidance, names=names, bundle_id=bundle_id, records=records,
+                        round_=announcement.round)  # fmt: skip
+
+    drive_rounds(spec=spec, coord=coord, names=names, records=records, adopt=adopt,
+                 updates=updates)  # fmt: skip
     return records
+
+
+def _trained(engine: VectorEngine, guidance: Any, *, names: list[str], bundle_id: str,
+             records: Records, round_: int) -> Iterator[tuple[int, bytes]]:  # fmt: skip
+    """Every client's update of ``round_`` as its chunk finishes training, its scores
+    recorded."""
+    for k, result in engine.train_round(guidance):
+        update = PrototypeUpdate(
+            fleet=FLEET, round=round_, client=names[k], bundle=bundle_id,
+            method=engine.method,
+            classes=tuple(int(c) for c in result.release_classes),
+            counts=tuple(int(c) for c in result.release_counts),
+            prototypes=result.release_protos.astype(np.float16),
+            extras=result.weights, privacy=PrivacyMeta(),
+        )  # fmt: skip
+        records.set(k, round_, result.scores)
+        yield k, update.to_wire()
 
 
 def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatures:

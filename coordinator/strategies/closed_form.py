@@ -140,30 +140,28 @@ class LDA(ClosedForm):
         return cf.lda_head(stats, shrinkage=self.shrinkage)
 
 
-@register("ridge")
-class Ridge(ClosedForm):
-    """Fed3R: ``W = (G + lam I)^-1 [s_1 ... s_C]``, the pooled ridge solution exactly."""
+class RidgeForm(ClosedForm):
+    """A head solved as ``(G + lam I)^-1 [s_1 ... s_C]`` for some ``G``."""
 
     def __init__(self, *, robust: RobustOptions | None = None, lam: float = 0.1) -> None:
         super().__init__(robust=robust)
         if lam <= 0:
             raise ValueError(f"lam must be positive, got {lam}")
         self.lam = lam
+
+
+@register("ridge")
+class Ridge(RidgeForm):
+    """Fed3R: ``W = (G + lam I)^-1 [s_1 ... s_C]``, the pooled ridge solution exactly."""
 
     def solve(self, stats: cf.Statistics) -> cf.LinearHead:
         return cf.ridge_head(stats, lam=self.lam)
 
 
 @register("fedcof")
-class FedCOF(ClosedForm):
+class FedCOF(RidgeForm):
     """From class means and counts alone: the class covariances implied by the spread of
     the devices' class means (unbiased only with many devices), then the ridge form."""
-
-    def __init__(self, *, robust: RobustOptions | None = None, lam: float = 0.1) -> None:
-        super().__init__(robust=robust)
-        if lam <= 0:
-            raise ValueError(f"lam must be positive, got {lam}")
-        self.lam = lam
 
     def solve(self, stats: cf.Statistics) -> cf.LinearHead:
         return cf.fedcof_head(stats, lam=self.lam)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,8 @@ from edge_agent.train_config import TrainConfig
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Spending:
@@ -53,22 +55,40 @@ class Spending:
         """This data version's dp-features release and the epsilon spent: made (and paid
         for) once per data version, stored, and sent again every round after that as
         post-processing. None if a new release would exceed the budget."""
-        stored = state.load_feature_release(data_version)
+        return self._once(
+            round_,
+            stored=state.load_feature_release(data_version),
+            event=self.release_event(),
+            make=lambda: MECHANISMS["dp-features"].release(
+                features, labels, num_classes, self.mechanism_params(), self.noise.numpy
+            ),
+            save=lambda release: state.save_feature_release(data_version, release),
+            what=f"data version {data_version[:12]} released in feature space",
+        )
+
+    def _once(
+        self,
+        round_: int,
+        *,
+        stored: T | None,
+        event: Event,
+        make: Callable[[], T],
+        save: Callable[[T], None],
+        what: str,
+    ) -> tuple[T, float] | None:
+        """A release made and paid for once: the ``stored`` one again (post-processing, no
+        new epsilon), else a new one if the budget allows ``event``, else None."""
         if stored is not None:
             return stored, self.ledger.spent()
-        events = [self.release_event()]
-        if not self.ledger.allows(events):
+        if not self.ledger.allows([event]):
             return None
-        release = MECHANISMS["dp-features"].release(
-            features, labels, num_classes, self.mechanism_params(), self.noise.numpy
-        )
+        release = make()
         # Durable before the release exists anywhere: a crash from here on can only make
         # the device pay again for a release that never left it.
-        spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
+        spent = self.ledger.record(round_, [event], reproducible=self.noise.reproducible)
         crash_point("after_ledger_write")
-        state.save_feature_release(data_version, release)
-        log.info("data version %s released in feature space (epsilon spent %.3g)",
-                 data_version[:12], spent)  # fmt: skip
+        save(release)
+        log.info("%s (epsilon spent %.3g)", what, spent)
         return release, spent
 
     def statistics_release(
@@ -85,21 +105,14 @@ class Spending:
         (``edge_agent/closed_form.py::noisy_release``). Made and paid for once per data
         version, stored, and sent again as post-processing after that. None if a new
         release would exceed the budget."""
-        stored = state.load_statistics_release(data_version)
-        if stored is not None:
-            return stored, self.ledger.spent()
-        events = [self.statistics_event()]
-        if not self.ledger.allows(events):
-            return None
-        noisy = make(self.settings.release_noise_multiplier, self.noise.numpy)
-        # Durable before the release exists anywhere: a crash from here on can only make
-        # the device pay again for a release that never left it.
-        spent = self.ledger.record(round_, events, reproducible=self.noise.reproducible)
-        crash_point("after_ledger_write")
-        state.save_statistics_release(data_version, noisy)
-        log.info("data version %s: class statistics released (epsilon spent %.3g)",
-                 data_version[:12], spent)  # fmt: skip
-        return noisy, spent
+        return self._once(
+            round_,
+            stored=state.load_statistics_release(data_version),
+            event=self.statistics_event(),
+            make=lambda: make(self.settings.release_noise_multiplier, self.noise.numpy),
+            save=lambda release: state.save_statistics_release(data_version, release),
+            what=f"data version {data_version[:12]}: class statistics released",
+        )
 
     def statistics_event(self) -> Event:
         """The statistics release as the accountant sees it: one Gaussian mechanism of
