@@ -129,7 +129,8 @@ def add_common_options(
     tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
                     help="mqtt: broker + processes; memory: one process, no broker; vector: every "
                          "client trained as one batched computation (fedpcl, fedproto, solo, "
-                         "fedavg; no privacy mechanism, no --resume), for fleets of thousands "
+                         "fedavg without a privacy mechanism; lda, ridge, fedcof also with "
+                         "dp-features; no --resume), for fleets of thousands "
                          "(default mqtt)")  # fmt: skip
     tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
     tr.add_argument("--workers", type=int,
