@@ -39,8 +39,20 @@ from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 
-#: What the device can predict with, in the order a tie is settled.
+#: What the device can predict with: the fleet's head, one personalised toward its data,
+#: its own (the head it has without the fleet, chosen unless another earns its place).
 CHOICES = ("global", "personalised", "own")
+
+
+def choose(scores: dict[str, float], *, validation: int) -> str:
+    """The head to predict with, from each head's accuracy on ``validation`` held-out
+    samples: the device's own unless the fleet's or the personalised one gets at least one
+    more of them right (a validation split of a few samples is noisy, and a noisy fleet
+    head that ties its own by luck costs more than it gains); between those two, the
+    better, the fleet's on a tie."""
+    margin = 1.0 / max(validation, 1)
+    best = max(CHOICES[:2], key=lambda name: (scores[name], -CHOICES.index(name)))
+    return best if scores[best] >= scores["own"] + margin - 1e-12 else "own"
 
 
 @functools.lru_cache(maxsize=4)
@@ -279,7 +291,7 @@ class ClosedFormDevice:
             name: float((head.predict(x[val]) == y[val]).mean()) if len(val) else 0.0
             for name, head in probes.items()
         }
-        best = max(CHOICES, key=lambda name: (scores[name], -CHOICES.index(name)))
+        best = choose(scores, validation=len(val))
         if best == "global":
             chosen = fleet
         elif best == "personalised":
