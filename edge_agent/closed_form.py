@@ -12,9 +12,10 @@ The device then chooses what it predicts with, on a validation split of its own 
 (neither leaves it): the fleet's head as announced, a personalised head (a closed-form
 ridge toward the fleet's on its own data) or its own head (an LDA on its own statistics,
 what it would have without the fleet). The chosen head is refitted on all its data and
-kept in its state folder, so ``edge-agent predict`` predicts with what was scored. A fleet
-head worse than the device's own on held-out data (a small fleet under heavy noise) is
-never used.
+kept in its state folder, so ``edge-agent predict`` predicts with what was scored. The
+device keeps its own head unless the fleet's or the personalised one gets at least one
+more held-out sample right (:func:`choose`): a fleet head no better on its data (a small
+fleet under heavy noise) is not used.
 """
 
 from __future__ import annotations
