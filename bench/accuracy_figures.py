@@ -238,8 +238,9 @@ def closed_form(r: Results) -> str:
         )
         first, acc = (r.get(f"closed_form.lda_{clients}_first_round_s"),
                       r.get(f"closed_form.lda_{clients}_final_acc"))  # fmt: skip
-        scale.append(f"{clients:,} clients: the statistics round {num(first)} s, a later round "
-                     f"{num(s)} s, peak {num(peak)} MB, final accuracy {pct(acc)}%")  # fmt: skip
+        scale.append(f"{clients:,} clients: the statistics round {num(first)} s, the rounds after "
+                     f"it {num(s)} s in the median (every client chooses its head in the first "
+                     f"of them), peak {num(peak)} MB, final accuracy {pct(acc)}%")  # fmt: skip
     ratio = r.get("closed_form.run_bytes_fedavg_over_lda")
     lines += [
         "",
