@@ -193,15 +193,22 @@ def test_a_statistics_update_with_the_wrong_shape_or_extras_is_refused(tmp_path)
     m.store.close()
 
 
-def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(tmp_path, caplog):
-    import sqlite3
-
-    (x0, y0), (x1, y1) = devices(8, count=2)
+def _two_devices_stored(tmp_path: Path, *, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Two devices' statistics stored by a closed round 0, the coordinator stopped."""
+    data = devices(seed, count=2)
     m = _manager(tmp_path)
-    for u in (update_of(x0, y0, "d0", method="lda"), update_of(x1, y1, "d1", method="lda")):
+    for i, (x, y) in enumerate(data):
+        u = update_of(x, y, f"d{i}", method="lda")
         assert m.offer(u.to_wire(), topic_client=u.client).accepted
     assert m.poll() is not None
     m.store.close()
+    return data
+
+
+def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(tmp_path, caplog):
+    import sqlite3
+
+    (x0, y0), _ = _two_devices_stored(tmp_path, seed=8)
     with sqlite3.connect(tmp_path / "coordinator.sqlite3") as db:
         db.execute("UPDATE statistics SET payload = ? WHERE client = 'd1'", (b"junk",))
     again = _manager(tmp_path)  # starts: the service must not fail every restart
@@ -264,12 +271,7 @@ def test_the_running_sum_over_rounds_gives_the_pooled_lda(tmp_path, seed):
 def test_statistics_kept_under_another_dimension_are_left_out_on_restart(tmp_path, caplog):
     import dataclasses
 
-    (x0, y0), (x1, y1) = devices(12, count=2)
-    m = _manager(tmp_path)
-    for u in (update_of(x0, y0, "d0", method="lda"), update_of(x1, y1, "d1", method="lda")):
-        assert m.offer(u.to_wire(), topic_client=u.client).accepted
-    assert m.poll() is not None
-    m.store.close()
+    _two_devices_stored(tmp_path, seed=12)
     cfg = _config(tmp_path)
     smaller = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=K - 1))
     again = RoundManager(config=smaller, store=Store(smaller.database), metrics=Metrics(),
