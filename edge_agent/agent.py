@@ -438,7 +438,7 @@ class Agent:
         }
         exact = closed.statistics()
         means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
-        self.state.save_round(round_, model=self.model, prototypes=means.astype(np.float32),
+        self.state.save_round(round_, model=None, prototypes=means.astype(np.float32),
                               counts=exact.counts, update=payload, metrics=record)  # fmt: skip
         log.info("round %d answered: %s", round_, "statistics" if not sent else "no new data")
         return Decision("answered", update=update, payload=payload)

@@ -134,14 +134,16 @@ class StateDir:
         self,
         round_: int,
         *,
-        model: nn.Module,
+        model: nn.Module | None,
         prototypes: np.ndarray,
         counts: np.ndarray,
         update: bytes,
         metrics: dict[str, Any],
     ) -> None:
-        """Persist everything a round produced, then commit it with state.json."""
-        self.save_model(model)
+        """Persist everything a round produced, then commit it with state.json (``model``:
+        None for a device that trains none, a closed-form method's)."""
+        if model is not None:
+            self.save_model(model)
         atomic_write(
             self.root / "prototypes.npz", _npz_bytes({"prototypes": prototypes, "counts": counts})
         )
