@@ -257,3 +257,28 @@ def test_the_device_keeps_its_own_head_unless_another_earns_its_place():
         "personalised"
     )
     assert choose({"global": 0.0, "personalised": 0.0, "own": 0.0}, validation=0) == "own"
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_over_mosquitto_the_statistics_travel_once_and_score_as_in_memory(small_zoo, tmp_path):
+    """The agents' services over a real Mosquitto: the statistics leave each device in
+    round 0 and, once the coordinator's receipt came, never again; every device's scores
+    are those of the in-process fleet."""
+    from fleet import partition as part
+    from fleet.runner import run
+    from fleet.spec import RunSpec
+
+    partition = part.digits5(clients=2, split="feature", seed=3, train=40, test=30)
+    results = {}
+    for transport in ("mqtt", "memory"):
+        spec = RunSpec(method="lda", rounds=3, bundle=small_zoo, out=tmp_path / transport,
+                       transport=transport, workers=1, stats_dim=24, progress=False)  # fmt: skip
+        results[transport] = run(spec, partition)
+    for client in results["mqtt"].clients:
+        first, *later = client.bytes_up
+        assert first > 4000 and all(0 < b < 2000 for b in later), client.bytes_up
+    assert [c.accuracy for c in results["mqtt"].clients] == [
+        c.accuracy for c in results["memory"].clients
+    ]
+    assert all(a is not None for c in results["mqtt"].clients for a in c.accuracy)
