@@ -15,8 +15,22 @@ from runtime.faults import crash_point
 def run_memory(
     spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
 ) -> tuple[float, int]:
+    """The run on one torch thread (many agents share the cores), the caller's thread
+    count given back after it: a process that goes on (a sweep, a test session) computes
+    as it did before, bit for bit."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_memory(spec, agents, coord)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_memory(
+    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
+) -> tuple[float, int]:
     from coordinator.config import CoordinatorConfig
     from coordinator.metrics import Metrics
     from coordinator.rounds import RoundManager
@@ -28,7 +42,6 @@ def run_memory(
     from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
     from runtime.settings import build
 
-    torch.set_num_threads(1)
     reset_peak()
     runtime = BackboneRuntime(spec.bundle, settings=RuntimeSettings(intra_op_threads=1))
     live = []
