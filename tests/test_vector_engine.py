@@ -64,6 +64,19 @@ def test_the_vector_engine_scores_every_client_as_its_agent_does(
     assert all(d > 0 for c in results["vector"].clients for d in c.bytes_down)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """The agent's side on one torch thread, as each of the engine's chunks and each agent
+    of a simulated fleet computes: a product split over two threads rounds otherwise. (The
+    test passed before only when an earlier in-process memory fleet had left the whole
+    session on one thread; the memory transport now gives the caller's count back.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_a_group_step_equals_the_agents_step_weight_for_weight() -> None:
     """Three clients, one of them ragged, two rounds of FedPCL and FedProto against announced
     sets, and of FedPCL, Solo and FedAvg with nothing announced: the stack's weights after
