@@ -319,28 +319,6 @@ def merge(parts: Iterable[Statistics]) -> Statistics:
     )
 
 
-def without(total: Statistics, part: Statistics) -> Statistics:
-    """``total`` less one of the parts it was merged from: a device whose new statistics
-    replace its old (new data). Exact in the integers (counts of exact releases, holders,
-    devices); the float sums lose only the rounding of one subtraction."""
-    if (part.num_classes, part.dim) != (total.num_classes, total.dim):
-        raise ValueError("the part has another shape than the total")
-    if (part.gram is None) != (total.gram is None) or (part.scatter is None) != (
-        total.scatter is None
-    ):
-        raise ValueError("the part and the total disagree on carrying a gram or a scatter")
-    return Statistics(
-        counts=total.counts - part.counts,
-        sums=total.sums - part.sums,
-        gram=None if total.gram is None or part.gram is None else total.gram - part.gram,
-        holders=total.holders - part.holders,
-        scatter=(
-            None if total.scatter is None or part.scatter is None else total.scatter - part.scatter
-        ),
-        devices=total.devices - part.devices,
-    )
-
-
 # --------------------------------------------------------------------------- heads
 
 
