@@ -85,7 +85,7 @@ def first_final_round(curve: list[float | None]) -> int | None:
 
 
 def run() -> dict[str, float]:
-    from fleet import glyphs
+    from fleet.data import glyphs
 
     ensure_zoo()
     results: dict[str, float] = {"accuracy.rounds": ROUNDS, "accuracy.clients": 5,

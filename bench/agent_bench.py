@@ -19,8 +19,8 @@ from bench.export_bench import ZOO, ensure_zoo
 from edge_agent.features import FeatureCache
 from edge_agent.train import Guidance, LocalModel, TrainConfig, make_optimiser, train_round
 from export.runtime import BackboneRuntime
-from fleet.digits5 import domain_data
-from fleet.procmem import peak_self_mb
+from fleet.data.digits5 import domain_data
+from fleet.transports.procmem import peak_self_mb
 
 SAMPLES = 1_000
 

@@ -35,12 +35,12 @@ from bench.vector_bench import ensure_one_backbone, pooled_features
 from edge_agent.privacy.accounting import plan_features
 from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod
-from fleet.collect import round_seconds
-from fleet.partition import digits5
-from fleet.procmem import peak_self_mb, reset_peak
-from fleet.spec import DEFAULT_STATS_DIM, RunSpec
-from fleet.vector_engine import FleetFeatures
-from fleet.vector_run import features_of, train_vector
+from fleet.data.partition import digits5
+from fleet.engine.batch import FleetFeatures
+from fleet.transports.collect import round_seconds
+from fleet.transports.procmem import peak_self_mb, reset_peak
+from fleet.transports.spec import DEFAULT_STATS_DIM, RunSpec
+from fleet.transports.vector import features_of, train_vector
 
 SEEDS = (0, 1, 2)
 KS = (64, 128, 256, 512, 0)

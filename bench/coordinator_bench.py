@@ -16,7 +16,7 @@ import paho.mqtt.client as mqtt
 
 from coordinator.store_reader import StoreReader
 from coordinator.strategies import make_strategy
-from fleet.broker import MosquittoBroker
+from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, round_topic, update_topic
 
 CLASSES, DIM, BUNDLE = 10, 256, "e" * 64

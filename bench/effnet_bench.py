@@ -34,7 +34,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _digits5_images(count: int) -> np.ndarray:
-    from fleet.partition import digits5
+    from fleet.data.partition import digits5
 
     partition = digits5(clients=5, split="feature", seed=0, train=count // 5, test=1)
     images = np.concatenate([c.train_x for c in partition.clients])  # every domain, 32x32

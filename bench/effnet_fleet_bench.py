@@ -17,12 +17,12 @@ from pathlib import Path
 from statistics import mean
 
 from bench.export_bench import ensure_zoo
-from fleet import runner
-from fleet.bundles import ensure_bundle
-from fleet.partition import digits5
-from fleet.protocols import protocol_train
-from fleet.report import run_summary
-from fleet.spec import RunSpec
+from fleet.data.bundles import ensure_bundle
+from fleet.data.partition import digits5
+from fleet.report.summary import run_summary
+from fleet.transports import runner
+from fleet.transports.protocols import protocol_train
+from fleet.transports.spec import RunSpec
 
 EFFNET = Path(__file__).resolve().parent / "effnet-lite0"
 METHODS = ("fedpcl", "solo", "fedavg")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from export import bench
 from export import bundle as bundle_mod
-from fleet.bundles import ensure_bundle
+from fleet.data.bundles import ensure_bundle
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 

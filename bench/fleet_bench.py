@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.export_bench import ZOO, ensure_zoo
-from fleet import runner
-from fleet.partition import digits5
-from fleet.report import run_summary
-from fleet.spec import RunSpec
+from fleet.data.partition import digits5
+from fleet.report.summary import run_summary
+from fleet.transports import runner
+from fleet.transports.spec import RunSpec
 
 
 def _fleet(root: Path, *, clients: int, rounds: int, transport: str, method: str = "fedpcl",

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from bench.export_bench import ZOO, ensure_zoo
 from bench.fleet_bench import median_round_s
-from fleet import runner
-from fleet.ledger import run_ledger
-from fleet.partition import digits5
-from fleet.report import run_summary
-from fleet.spec import RunSpec
+from fleet.data.partition import digits5
+from fleet.report.ledger import run_ledger
+from fleet.report.summary import run_summary
+from fleet.transports import runner
+from fleet.transports.spec import RunSpec
 
 CLIENTS = 1000
 ROUNDS = 3

@@ -35,10 +35,10 @@ def protofleet_round_seconds(workload: Workload, *, rounds: int, root: Path) -> 
     """The median round after the first of ``workload`` on the vector engine, against the
     coordinator's round manager and store."""
     from edge_agent.train_config import TrainConfig
-    from fleet.collect import round_seconds
-    from fleet.spec import RunSpec
-    from fleet.vector_engine import FleetFeatures
-    from fleet.vector_run import train_vector
+    from fleet.engine.batch import FleetFeatures
+    from fleet.transports.collect import round_seconds
+    from fleet.transports.spec import RunSpec
+    from fleet.transports.vector import train_vector
 
     index = tuple(workload.train_index)
     labels = tuple(workload.train_labels)

@@ -18,11 +18,11 @@ from typing import Any
 
 from bench.export_bench import ZOO, ensure_zoo
 from edge_agent.privacy.accounting import plan, plan_features
-from fleet import runner
-from fleet.partition import digits5
-from fleet.privacy_audit import canary_audit, release_broken
-from fleet.report import run_summary
-from fleet.spec import RunSpec
+from fleet.data.partition import digits5
+from fleet.report.privacy_audit import canary_audit, release_broken
+from fleet.report.summary import run_summary
+from fleet.transports import runner
+from fleet.transports.spec import RunSpec
 
 ROUNDS = 20
 SEEDS = (0, 1, 2)

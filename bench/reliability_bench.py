@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from fleet.broker import BrokerAddress, MosquittoBroker, free_port
+from fleet.transports.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import round_topic, update_filter, update_topic
 
 BIN = Path(sys.executable).parent
@@ -162,7 +162,7 @@ def junk_drain_per_s(repeats: int = 3) -> tuple[float, float]:
 def flood_honest_lost(bundle: Path, clients: int = 3) -> int:
     """Run the junk flood of tests/test_hostile.py with ``clients`` real agents."""
     from export import bundle as bundle_mod
-    from fleet.digits5 import domain_data
+    from fleet.data.digits5 import domain_data
 
     bundle_id = bundle_mod.load(bundle).id
     rng = np.random.default_rng(7)

@@ -32,7 +32,7 @@ TEN_K = {"clients": 10_000, "train": 100, "test": 20, "rounds": 3}
 
 def ensure_one_backbone() -> Path:
     """The zoo's fontdigits CNN alone (192-d), built once (a few minutes)."""
-    from fleet.bundles import ensure_bundle
+    from fleet.data.bundles import ensure_bundle
 
     return ensure_bundle(ONE_BACKBONE, "full", backbone="zoo-fontdigits")
 
@@ -43,9 +43,9 @@ def pooled_features(bundle_path: Path, *, clients: int, train: int, test: int,
     (twice the images each client draws), ``clients`` drawn from them
     (``FleetFeatures.pooled``)."""
     from export import bundle as bundle_mod
-    from fleet.partition import digits5
-    from fleet.spec import RunSpec
-    from fleet.vector_run import features_of
+    from fleet.data.partition import digits5
+    from fleet.transports.spec import RunSpec
+    from fleet.transports.vector import features_of
 
     spec = RunSpec(method="fedpcl", rounds=1, bundle=bundle_path, out=bundle_path,
                    transport="vector")  # fmt: skip
@@ -63,10 +63,10 @@ def vector_fleet(
     rendered ones; its records, round times and this process's peak."""
     from edge_agent.train_config import TrainConfig
     from export import bundle as bundle_mod
-    from fleet.collect import round_seconds
-    from fleet.procmem import peak_self_mb, reset_peak
-    from fleet.spec import RunSpec
-    from fleet.vector_run import train_vector
+    from fleet.transports.collect import round_seconds
+    from fleet.transports.procmem import peak_self_mb, reset_peak
+    from fleet.transports.spec import RunSpec
+    from fleet.transports.vector import train_vector
 
     reset_peak()
     bundle = bundle_mod.load(bundle_path)

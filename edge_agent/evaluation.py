@@ -1,6 +1,6 @@
 """A device's figure on its own labelled test split (``[data] test``), by its method's
 inference rule (:mod:`edge_agent.inference`): what ``edge-agent status`` shows after every
-round. The simulated fleet's comparisons of every rule live in fleet/evaluation.py."""
+round. The simulated fleet's comparisons of every rule live in fleet/engine/evaluation.py."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class Evaluator:
         self, out: inf.Outputs, refs: inf.References, *, rule: str | None
     ) -> dict[str, Any]:
         """Figures beyond the device's own, for research: none on a device
-        (fleet/evaluation.py scores every method by every rule)."""
+        (fleet/engine/evaluation.py scores every method by every rule)."""
         return {}
 
     def from_server(self, model: LocalModel, state: StateDir) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 registry keyed by rule name, and the method -> rule table.
 
 A device's score on its test split (:mod:`edge_agent.evaluation`, and the simulated
-fleet's :mod:`fleet.evaluation` over it) and ``edge-agent predict`` both call
+fleet's :mod:`fleet.engine.evaluation` over it) and ``edge-agent predict`` both call
 :func:`predict`, so a device predicts exactly the way it was scored.
 
 The math is pure functions on plain arrays (:func:`nearest_by_cosine`,

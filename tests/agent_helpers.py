@@ -8,7 +8,7 @@ import numpy as np
 
 from edge_agent.config import AgentConfig, DataSettings
 from edge_agent.train_config import TrainConfig
-from fleet.digits5 import domain_data
+from fleet.data.digits5 import domain_data
 from runtime.security import AgentSecurity
 from runtime.transport import MqttSettings
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.broker import MosquittoBroker
+from fleet.transports.broker import MosquittoBroker
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
-from fleet.broker import MosquittoBroker
+from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from runtime.security import CoordinatorSecurity
 from runtime.transport import MqttSettings

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import paho.mqtt.client as mqtt
 
-from fleet.broker import BrokerAddress
+from fleet.transports.broker import BrokerAddress
 
 
 class Collector:

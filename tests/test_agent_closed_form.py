@@ -265,9 +265,9 @@ def test_over_mosquitto_the_statistics_travel_once_and_score_as_in_memory(small_
     """The agents' services over a real Mosquitto: the statistics leave each device in
     round 0 and, once the coordinator's receipt came, never again; every device's scores
     are those of the in-process fleet."""
-    from fleet import partition as part
-    from fleet.runner import run
-    from fleet.spec import RunSpec
+    from fleet.data import partition as part
+    from fleet.transports.runner import run
+    from fleet.transports.spec import RunSpec
 
     partition = part.digits5(clients=2, split="feature", seed=3, train=40, test=30)
     results = {}

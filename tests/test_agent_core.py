@@ -6,7 +6,7 @@ import pytest
 from edge_agent import data as data_mod
 from edge_agent.agent import Agent
 from edge_agent.extras import model_weights
-from fleet.evaluation import FleetEvaluator
+from fleet.engine.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
 
@@ -234,7 +234,7 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
     import sys
     from pathlib import Path
 
-    from fleet.digits5 import domain_data
+    from fleet.data.digits5 import domain_data
 
     root = tmp_path / "e"
     cfg = agent_config(root, small_zoo, agent_id="dev-e", domain="clean")

@@ -185,7 +185,7 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
 @pytest.mark.slow
 @pytest.mark.broker
 def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(small_zoo, tmp_path):
-    from fleet.broker import MosquittoBroker, free_port
+    from fleet.transports.broker import MosquittoBroker, free_port
 
     port = free_port()
     config, _ = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)

@@ -42,7 +42,7 @@ def references(text: str) -> list[tuple[str, str | None]]:
     for span in _SPAN.findall(text):
         match = _REFERENCE.fullmatch(span)
         if match is None or "/" not in match["path"]:
-            # `fleet/runner.py:collect` or `edge_agent/agent.py Agent.x`: a file named with
+            # `fleet/transports/runner.py:collect` or `edge_agent/agent.py Agent.x`: a file named with
             # a name the notation does not carry would otherwise go unchecked.
             if "::" in span or re.match(r"[\w/.-]+\.py\W", span):
                 raise ValueError(f"malformed reference `{span}`")
@@ -119,7 +119,7 @@ def test_references_read_paths_folders_and_names() -> None:
     [
         "`edge_agent/head.py :: local_prototypes`",
         "`edge_agent/head.py::`",
-        "`fleet/runner.py:collect`",
+        "`fleet/transports/runner.py:collect`",
         "`edge_agent/agent.py#Agent.handle`",
         "`edge_agent/agent.py Agent.nothing`",
     ],

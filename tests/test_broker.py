@@ -2,7 +2,7 @@
 
 import pytest
 
-from fleet.broker import BrokerError, MosquittoBroker, find_mosquitto
+from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
 from protocol import (
     PrototypeUpdate,
     RoundAnnouncement,
@@ -25,7 +25,7 @@ def test_mosquitto_is_installed():
 def test_a_private_broker_has_the_limits_of_the_shipped_production_config():
     from pathlib import Path
 
-    from fleet.broker import PRODUCTION_LIMITS
+    from fleet.transports.broker import PRODUCTION_LIMITS
 
     shipped = Path(__file__).resolve().parent.parent / "systemd" / "mosquitto" / "protofleet.conf"
     settings = dict(

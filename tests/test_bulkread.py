@@ -9,7 +9,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from fleet.broker import MosquittoBroker
+from fleet.transports.broker import MosquittoBroker
 from runtime import bulkread
 from runtime.bulkread import READ_BYTES, BulkReadClient, split_packet
 from runtime.transport import MqttSettings, make_client

@@ -67,10 +67,10 @@ def test_option_checks_and_help_do_not_import_torch():
     # agent's config file and its state folder.
     code = (
         "import sys\n"
-        "import coordinator.cli, edge_agent.cli, export.cli, fleet.cli\n"
+        "import coordinator.cli, edge_agent.cli, export.cli, fleet.cli.main\n"
         "from edge_agent.config import AgentConfig\n"
         "from edge_agent.state import StateDir\n"
-        "from fleet.spec import RunSpec\n"
+        "from fleet.transports.spec import RunSpec\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx')))\n"
     )
     result = subprocess.run(
@@ -344,7 +344,7 @@ def test_a_file_error_is_one_line_naming_the_file_and_exit_1(root_logging, capsy
 @pytest.mark.slow
 def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
     from export import bundle as bundle_mod
-    from fleet.bundles import ensure_bundle
+    from fleet.data.bundles import ensure_bundle
 
     target = tmp_path / "zoo"
     staging = tmp_path / ".zoo.building"

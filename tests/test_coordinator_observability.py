@@ -5,7 +5,7 @@ import sys
 import urllib.request
 
 from coordinator.metrics import Metrics
-from fleet.broker import free_port
+from fleet.transports.broker import free_port
 from runtime.cliutil import JsonFormatter
 
 

@@ -169,7 +169,7 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
 
 @pytest.mark.slow
 def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_is_up(tmp_path):
-    from fleet.broker import MosquittoBroker, free_port
+    from fleet.transports.broker import MosquittoBroker, free_port
     from tests.process_helpers import coordinator_process
 
     port = free_port()
@@ -193,7 +193,7 @@ def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_i
 @pytest.mark.slow
 def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
     # No broker is needed: the first holds the lock from before its first connection.
-    from fleet.broker import free_port
+    from fleet.transports.broker import free_port
 
     config = write_config(tmp_path, free_port(), rounds=3)
     first = coordinator_process(config)

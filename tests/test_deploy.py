@@ -20,7 +20,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from export.bundle import load as load_bundle
-from fleet.broker import BrokerAddress, MosquittoBroker, free_port
+from fleet.transports.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import AgentState, Status, round_topic, status_topic, update_topic
 from runtime.transport import CredentialsError, MqttSettings, load_credentials
 from tests.agent_helpers import digits_npz

@@ -128,7 +128,7 @@ def test_zoo_members_names_the_ones_that_exist(tmp_path):
 
 @pytest.mark.slow
 def test_a_one_member_zoo_holds_the_same_network_as_the_whole_zoo(small_zoo, tmp_path):
-    from fleet.bundles import bundle_kind
+    from fleet.data.bundles import bundle_kind
 
     out = tmp_path / "one"
     result = edge_export("zoo", "--out", str(out), "--size", "small", "--members", "fontdigits")

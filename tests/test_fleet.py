@@ -25,16 +25,16 @@ from edge_agent.config import load as load_agent_config
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel, embed
 from export.runtime import BackboneRuntime
-from fleet import partition as part
-from fleet.amqtt_broker import AmqttBroker
-from fleet.broker import MosquittoBroker, free_port
-from fleet.configs import to_toml
-from fleet.hosting import parse_broker_url
-from fleet.ledger import update_ledger
-from fleet.plots import plot_domains
-from fleet.report import build_report, markdown, to_json, train_note
-from fleet.runner import run
-from fleet.spec import ClientRecord, RunResult, RunSpec
+from fleet.data import partition as part
+from fleet.report.ledger import update_ledger
+from fleet.report.plots import plot_domains
+from fleet.report.summary import build_report, markdown, to_json, train_note
+from fleet.transports.amqtt_broker import AmqttBroker
+from fleet.transports.broker import MosquittoBroker, free_port
+from fleet.transports.configs import to_toml
+from fleet.transports.mqtt import parse_broker_url
+from fleet.transports.runner import run
+from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed, Terminated, UsageError
 from tests.process_helpers import LoggedProcess
 
@@ -303,8 +303,8 @@ def test_small_helpers() -> None:
 
 
 def test_the_protocol_sets_every_classifier_alike_and_train_param_wins(tmp_path: Path) -> None:
-    from fleet.cli import build_parser
-    from fleet.commands import spec_for
+    from fleet.cli.commands import spec_for
+    from fleet.cli.main import build_parser
 
     def train_of(
         argv: list[str], method: str, command: str = "compare", **kwargs: Any
@@ -457,7 +457,11 @@ def test_a_killed_fleet_process_takes_its_children_with_it(small_zoo: Path, tmp_
         fleet.wait_for("round 2 of 500 closed", timeout=120)
         children = {p: c for p, c in _group_members(group).items() if p != fleet.proc.pid}
         kinds = " ".join(children.values())
-        assert "mosquitto" in kinds and "edge-coordinator" in kinds and "fleet.worker" in kinds
+        assert (
+            "mosquitto" in kinds
+            and "edge-coordinator" in kinds
+            and "fleet.transports.worker" in kinds
+        )
         # A pidfd becomes readable when its process ends: an event to wait on, not a poll.
         fds = {pid: os.pidfd_open(pid) for pid in children}
         fleet.kill()
@@ -539,7 +543,7 @@ def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
 
 
 def test_a_stop_request_is_raised_at_the_runs_next_check_as_the_signal_it_was() -> None:
-    from fleet.hosting import _StopRequest
+    from fleet.transports.mqtt import _StopRequest
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup
     try:
@@ -646,7 +650,7 @@ def test_privacy_sweep_reports_accuracy_and_the_label_attack(
 
 
 def test_a_privacy_report_marks_reproducible_noise_as_no_guarantee() -> None:
-    from fleet.privacy import markdown
+    from fleet.cli.privacy import markdown
 
     rows = {"solo (no privacy)": 0.5, "fedpcl dp eps=8": 0.25}
     document = {"config": {}, "delta": 1e-5, "results": {"label": rows},
@@ -656,7 +660,7 @@ def test_a_privacy_report_marks_reproducible_noise_as_no_guarantee() -> None:
 
 
 def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
-    from fleet.configs import agent_tables
+    from fleet.transports.configs import agent_tables
 
     client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
     for rounds, kept in ((30, 200), (450, 450)):  # a device's default, or every round
@@ -668,7 +672,7 @@ def test_fleet_agents_keep_every_round_for_the_report(tmp_path: Path) -> None:
 def test_simulated_agents_draw_secret_noise_unless_the_run_asks_for_replayable_noise(
     tmp_path: Path,
 ) -> None:
-    from fleet.configs import agent_tables, prototype_dim
+    from fleet.transports.configs import agent_tables, prototype_dim
 
     client = part.digits5(clients=1, split="feature", seed=0, train=4, test=2).clients[0]
     privacy = {"mechanism": "dp-features", "epsilon": 8.0}
@@ -684,7 +688,7 @@ def test_simulated_agents_draw_secret_noise_unless_the_run_asks_for_replayable_n
 
 
 def test_a_privacy_report_on_own_data_names_the_file_not_a_digits5_setting() -> None:
-    from fleet.privacy import markdown
+    from fleet.cli.privacy import markdown
 
     rows = {"solo (no privacy)": 0.5, "fedpcl dp eps=8": 0.25}
     own = {"config": {"data": "/data/clinic.npz"}, "delta": 1e-5, "results": {"clinic.npz": rows},
@@ -783,8 +787,8 @@ def test_a_sweep_in_this_process_lets_go_of_its_out_folder_when_it_ends(
 ) -> None:
     # The lock is the sweep's, not the process's: a program that runs sweeps one after
     # another (or a notebook) must not keep other processes out of a folder it finished.
-    from fleet.cli import build_parser
-    from fleet.commands import cmd_run
+    from fleet.cli.commands import cmd_run
+    from fleet.cli.main import build_parser
     from runtime.runlock import holder
 
     out = tmp_path / "out"
@@ -832,8 +836,8 @@ def test_a_device_predicts_exactly_as_the_fleet_scored_it_for_every_method(
 
 
 def test_glyphs5_is_deterministic_balanced_and_reads_back_as_clients(tmp_path: Path) -> None:
-    from fleet import glyphs
-    from fleet.cli import build_parser
+    from fleet.cli.main import build_parser
+    from fleet.data import glyphs
 
     a = glyphs.make(seed=3, train=20, test=10)
     b = glyphs.make(seed=3, train=20, test=10)
@@ -860,7 +864,7 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
     import subprocess
     import sys
 
-    from fleet.hosting import _liveness
+    from fleet.transports.mqtt import _liveness
     from runtime.cliutil import CommandFailed
 
     done = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -882,8 +886,8 @@ def test_a_coordinator_that_finished_is_not_taken_for_a_crash(tmp_path: Path) ->
 def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosquitto) -> None:
     # FedPCL's announcement to 200 agents carries 200 padded local sets: 2 MB. Ignored as
     # too large, it left `edge-fleet run --clients 200` waiting until the coordinator's exit.
-    from fleet.spec import FLEET
-    from fleet.watcher import Watcher
+    from fleet.transports.spec import FLEET
+    from fleet.transports.watcher import Watcher
     from protocol import RoundAnnouncement, round_topic
     from tests.mqtt_helpers import connected
 
@@ -907,7 +911,7 @@ def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosqu
 
 
 def test_no_worker_hosts_more_agents_than_pahos_select_can_watch() -> None:
-    from fleet.hosting import AGENTS_PER_WORKER, workers_for
+    from fleet.transports.mqtt import AGENTS_PER_WORKER, workers_for
 
     assert workers_for(1000, 4) == 4  # 250 each
     assert workers_for(3, 4) == 3  # never an idle worker

@@ -9,10 +9,10 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.downlink import DEFAULT_BUDGET
-from fleet.cli import build_parser
-from fleet.commands import spec_for
-from fleet.configs import coordinator_tables
-from fleet.report import settings
+from fleet.cli.commands import spec_for
+from fleet.cli.main import build_parser
+from fleet.report.summary import settings
+from fleet.transports.configs import coordinator_tables
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES
 from runtime.settings import build
 from runtime.transport import MqttSettings

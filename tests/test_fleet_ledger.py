@@ -7,7 +7,7 @@ from pathlib import Path
 
 from coordinator.schema import SCHEMA
 from coordinator.store import Store
-from fleet.ledger import update_ledger
+from fleet.report.ledger import update_ledger
 
 
 def _database(path: Path, answers: list[list[str]], *, keep_rounds: int = 0) -> Path:

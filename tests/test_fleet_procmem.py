@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from fleet.procmem import peak_self_mb, reset_peak, status_mb
+from fleet.transports.procmem import peak_self_mb, reset_peak, status_mb
 
 
 def test_reset_peak_forgets_memory_already_freed() -> None:
@@ -29,7 +29,7 @@ def test_a_child_does_not_inherit_its_parents_peak() -> None:
         [
             sys.executable,
             "-c",
-            "import json, fleet.procmem as p; print(json.dumps(p.peak_self_mb()))",
+            "import json, fleet.transports.procmem as p; print(json.dumps(p.peak_self_mb()))",
         ],
         capture_output=True,
         text=True,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet import partition as part
-from fleet.resume import fingerprint, load, run_or_resume, save, sweep_dir
-from fleet.spec import ClientRecord, RunResult, RunSpec
+from fleet.cli.resume import fingerprint, load, run_or_resume, save, sweep_dir
+from fleet.data import partition as part
+from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.faults import ENV as CRASH_AT
 

@@ -114,3 +114,58 @@ def test_the_coordinator_needs_no_torch_onnx_or_opacus() -> None:
         if imported(path, "coordinator") & COORDINATOR_NEVER
     }
     assert found == {}
+
+
+#: fleet/'s rooms and which of the others each may import: data and the batched engine
+#: at the bottom, the transports that run a fleet on them, the reports read from a
+#: finished run, and the command line over all of it (docs/architecture.md).
+FLEET_ROOMS: dict[str, set[str]] = {
+    "data": set(),
+    "engine": set(),
+    "transports": {"data", "engine"},
+    "report": {"data", "engine", "transports"},
+    "cli": {"data", "engine", "transports", "report"},
+}
+
+
+def fleet_rooms_imported(path: Path) -> set[str]:
+    """The rooms of fleet/ that ``path`` imports, lazily or not."""
+    rooms: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fleet"):
+            modules = [node.module]
+            if node.module == "fleet":
+                modules = [f"fleet.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names if alias.name.startswith("fleet.")]
+        rooms.update(m.split(".")[1] for m in modules if m.count(".") >= 1)
+    return rooms
+
+
+def test_every_fleet_module_lives_in_a_room() -> None:
+    loose = sorted(p.name for p in (ROOT / "fleet").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    assert {p.name for p in (ROOT / "fleet").iterdir() if (p / "__init__.py").exists()} == set(
+        FLEET_ROOMS
+    )
+
+
+@pytest.mark.parametrize("room", sorted(FLEET_ROOMS))
+def test_no_fleet_room_imports_one_above_it(room: str) -> None:
+    above = set(FLEET_ROOMS) - FLEET_ROOMS[room] - {room}
+    upward = {
+        str(path.relative_to(ROOT)): sorted(fleet_rooms_imported(path) & above)
+        for path in sorted((ROOT / "fleet" / room).rglob("*.py"))
+        if fleet_rooms_imported(path) & above
+    }
+    assert upward == {}
+
+
+def test_the_room_reader_sees_absolute_and_package_imports(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from fleet.report import summary\nimport fleet.cli.main\n"
+        "def f():\n    from fleet import data\n    from fleet.engine.batch import x\n"
+    )
+    assert fleet_rooms_imported(sample) == {"report", "cli", "data", "engine"}

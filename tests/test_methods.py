@@ -13,7 +13,7 @@ from coordinator.strategies import available
 from edge_agent.inference import RULES
 from edge_agent.methods import DEVICE_METHODS, METHODS, device_method
 from edge_agent.train import LOSSES
-from fleet.vector_losses import GROUP_LOSSES
+from fleet.engine.losses import GROUP_LOSSES
 from protocol.methods import WIRE_METHODS, WireMethod, wire_method
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from edge_agent.privacy.ledger import Ledger, LedgerError
 from edge_agent.privacy.mechanisms import MechanismParams, release_dp, release_none, release_paper
 from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod
-from fleet.evaluation import FleetEvaluator
+from fleet.engine.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
 from tests.agent_helpers import agent_config
 
@@ -566,7 +566,7 @@ def test_sigkill_after_the_ledger_write_never_lowers_the_spent_epsilon(
 
 
 def test_clopper_pearson_by_hand() -> None:
-    from fleet.privacy_audit import clopper_pearson
+    from fleet.report.privacy_audit import clopper_pearson
 
     low, high = clopper_pearson(0, 100)
     assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 100), rel=1e-9)
@@ -578,7 +578,7 @@ def test_clopper_pearson_by_hand() -> None:
 def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one(space: str) -> None:
     """Both formal releases: dp (unit embeddings) and dp-features (raw features of norms up
     to 3, clipped by the mechanism)."""
-    from fleet.privacy_audit import canary_audit, release_broken
+    from fleet.report.privacy_audit import canary_audit, release_broken
 
     real = canary_audit(runs=6000, seed=1, space=space)
     broken = canary_audit(runs=6000, seed=1, mechanism=release_broken, space=space)
@@ -588,7 +588,7 @@ def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one(space
 
 
 def test_label_inference_from_counts_with_and_without_noise() -> None:
-    from fleet.privacy_audit import label_inference_error
+    from fleet.report.privacy_audit import label_inference_error
 
     rng = np.random.default_rng(0)
     z = rng.normal(size=(60, 8))

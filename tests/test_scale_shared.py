@@ -17,7 +17,7 @@ from coordinator.partial_wire import (
 )
 from coordinator.strategies import make_strategy
 from coordinator.worker import Worker, shared_update_filter
-from fleet.broker import MosquittoBroker
+from fleet.transports.broker import MosquittoBroker
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, MalformedPayload, PayloadTooLarge, update_topic
 from tests.coordinator_helpers import BUNDLE, CLASSES, DIM, stand_in_update, stand_ins
 from tests.mqtt_helpers import connected

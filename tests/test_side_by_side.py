@@ -1,4 +1,4 @@
-"""fleet.side_by_side: work items on threads, results in item order, torch on one core
+"""fleet.engine.side_by_side: work items on threads, results in item order, torch on one core
 per thread and restored after."""
 
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from fleet.side_by_side import in_order
+from fleet.engine.side_by_side import in_order
 
 WAIT = 10.0  # seconds: a bound on an event that comes at once unless something is wrong
 

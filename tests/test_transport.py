@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fleet.broker import free_port
+from fleet.transports.broker import free_port
 from runtime.transport import (
     MqttSettings,
     TakeoverWatch,

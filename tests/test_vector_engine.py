@@ -14,11 +14,11 @@ import torch
 
 from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
 from edge_agent.train_config import TrainConfig
-from fleet import partition as part
-from fleet import runner
-from fleet.spec import RunSpec
-from fleet.vector_engine import VECTOR_METHODS, FleetFeatures, VectorEngine
-from fleet.vector_heads import HeadStack, Rows
+from fleet.data import partition as part
+from fleet.engine.batch import VECTOR_METHODS, FleetFeatures, VectorEngine
+from fleet.engine.heads import HeadStack, Rows
+from fleet.transports import runner
+from fleet.transports.spec import RunSpec
 from runtime.cliutil import UsageError
 
 
@@ -117,7 +117,7 @@ def test_a_group_step_equals_the_agents_step_weight_for_weight() -> None:
                 if key.startswith("classifier") and method == "fedpcl":
                     continue
                 # FedPCL's weights are the agent's to the bit; a classifier's weight gradient
-                # (one batched product, fleet/vector_heads.py::_Linear) leaves the others
+                # (one batched product, fleet/engine/heads.py::_Linear) leaves the others
                 # within a float32 ulp or so.
                 same = (
                     torch.equal(stacked[key].to(value.dtype), value)
@@ -221,8 +221,8 @@ def test_edge_fleet_run_on_the_vector_transport_writes_its_report(
 ) -> None:
     import json
 
-    from fleet.cli import build_parser
-    from fleet.commands import cmd_run
+    from fleet.cli.commands import cmd_run
+    from fleet.cli.main import build_parser
 
     out = tmp_path / "out"
     argv = ["run", "--transport", "vector", "--method", "fedpcl", "--bundle", str(small_zoo),

@@ -1,8 +1,8 @@
 """Run one simulated fleet: the real agent and coordinator code, over MQTT
-(fleet/hosting.py) or in memory (fleet/inmemory.py).
+(fleet/transports/mqtt.py) or in memory (fleet/transports/memory.py).
 
 Either way every agent evaluates itself on its own test split each round and keeps the
-record in its state directory; :func:`~fleet.collect.collect` reads the run back from
+record in its state directory; :func:`~fleet.transports.collect.collect` reads the run back from
 those records and the coordinator's store.
 """
 
@@ -13,12 +13,18 @@ from dataclasses import replace
 from typing import Any
 
 from edge_agent.methods import device_method
-from fleet.collect import collect, round_seconds
-from fleet.configs import agent_tables, coordinator_tables, fleet_keys, prototype_dim, to_toml
-from fleet.hosting import run_mqtt
-from fleet.inmemory import run_memory
-from fleet.partition import Partition
-from fleet.spec import RunResult, RunSpec
+from fleet.data.partition import Partition
+from fleet.transports.collect import collect, round_seconds
+from fleet.transports.configs import (
+    agent_tables,
+    coordinator_tables,
+    fleet_keys,
+    prototype_dim,
+    to_toml,
+)
+from fleet.transports.memory import run_memory
+from fleet.transports.mqtt import run_mqtt
+from fleet.transports.spec import RunResult, RunSpec
 from runtime.cliutil import UsageError
 
 
@@ -67,8 +73,8 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
 
 def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float) -> RunResult:
     """No agent files or keys: the vector engine holds every client in this process."""
-    from fleet.vector_engine import unsupported
-    from fleet.vector_run import run_vector
+    from fleet.engine.batch import unsupported
+    from fleet.transports.vector import run_vector
 
     refusal = unsupported(spec.method)
     if refusal is not None:

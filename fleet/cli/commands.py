@@ -8,19 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.methods import CORE, METHODS, device_method
-from fleet import report as report_mod
-from fleet.bundles import ensure_bundle, resolve_bundle
-from fleet.central import CENTRAL, CENTRAL_TRAIN
-from fleet.central import run as run_central
-from fleet.contribution import backbone_contribution
-from fleet.hosting import parse_broker_url
-from fleet.options import parse_seeds, resolve_data_options, split_list
-from fleet.partition import Partition, digits5, from_directory, from_npz
-from fleet.plots import plot_contribution
-from fleet.protocols import protocol_train
-from fleet.resume import run_or_resume, sweep_dir
-from fleet.runner import run as run_fleet
-from fleet.spec import RunResult, RunSpec
+from fleet.cli.options import parse_seeds, resolve_data_options, split_list
+from fleet.cli.resume import run_or_resume, sweep_dir
+from fleet.data.bundles import ensure_bundle, resolve_bundle
+from fleet.data.partition import Partition, digits5, from_directory, from_npz
+from fleet.report import summary as report_mod
+from fleet.report.central import CENTRAL, CENTRAL_TRAIN
+from fleet.report.central import run as run_central
+from fleet.report.contribution import backbone_contribution
+from fleet.report.plots import plot_contribution
+from fleet.transports.mqtt import parse_broker_url
+from fleet.transports.protocols import protocol_train
+from fleet.transports.runner import run as run_fleet
+from fleet.transports.spec import RunResult, RunSpec
 from runtime.cliutil import UsageError, check_output_folder
 from runtime.runlock import AlreadyRunning, RunLock
 
@@ -50,7 +50,7 @@ def spec_for(
     """One run of a sweep from the shared options. Every run of a sweep shares one feature
     cache under ``--out``: the backbones see each image once, whatever the method. The
     [train] table layers, each over the one before: what ``--protocol`` gives the method
-    (:mod:`fleet.protocols`), ``--train-param``, and the sweep's own settings (DP-SGD's GroupNorm)."""
+    (:mod:`fleet.transports.protocols`), ``--train-param``, and the sweep's own settings (DP-SGD's GroupNorm)."""
     base = protocol_train(args.protocol, method)
     extra["extra_train"] = {**base, **args.train_param, **extra.get("extra_train", {})}
     return RunSpec(
@@ -114,7 +114,7 @@ def check_options(args: argparse.Namespace, *, method: str, seed: int) -> Partit
 
 def vector_options(args: argparse.Namespace, *, method: str) -> None:
     """What the vector engine does not implement, refused before anything starts."""
-    from fleet.vector_engine import unsupported
+    from fleet.engine.batch import unsupported
 
     refusal = unsupported(method)
     if refusal is not None:

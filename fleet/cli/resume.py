@@ -24,8 +24,8 @@ from typing import Any
 from edge_agent.features import fingerprint as data_fingerprint
 from export import bundle as bundle_mod
 from export.errors import BundleError
-from fleet.partition import Partition
-from fleet.spec import ClientRecord, RunResult, RunSpec
+from fleet.data.partition import Partition
+from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.files import atomic_write
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent.methods import FLOOR
-from fleet.report import _seeds, method_train, train_note
+from fleet.report.summary import _seeds, method_train, train_note
 
 
 def pyplot() -> Any:
@@ -24,7 +24,7 @@ def pyplot() -> Any:
 
 def _title(report: dict[str, Any], text: str) -> str:
     config = report.get("config", {})
-    from fleet.central import CENTRAL
+    from fleet.report.central import CENTRAL
 
     note = train_note(
         config, method_train({"methods": {k: v for k, v in report["methods"].items()
@@ -37,7 +37,7 @@ def _title(report: dict[str, Any], text: str) -> str:
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
     """Each method's mean accuracy by round (band: std over seeds); the ceiling (central)
     and the floor (solo's final) as horizontal lines."""
-    from fleet.central import CENTRAL
+    from fleet.report.central import CENTRAL
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
@@ -74,7 +74,7 @@ def finish(plt: Any, fig: Any, ax: Any, path: Path, *, legend_size: int = 8) -> 
 
 
 def plot_domains(report: dict[str, Any], path: Path) -> Path:
-    from fleet.central import CENTRAL
+    from fleet.report.central import CENTRAL
 
     plt = pyplot()
     methods = report["methods"]

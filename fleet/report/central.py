@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fleet.partition import Partition
-from fleet.spec import ClientRecord, RunResult, RunSpec, train_table
+from fleet.data.partition import Partition
+from fleet.transports.spec import ClientRecord, RunResult, RunSpec, train_table
 
 if TYPE_CHECKING:
     from export.runtime import BackboneRuntime

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.methods import device_method
-from fleet.spec import RunResult
+from fleet.transports.spec import RunResult
 
 
 def backbone_contribution(

@@ -1,6 +1,6 @@
 """The embedded broker: amqtt in a background thread, for machines without Mosquitto.
 
-Same shape as :class:`fleet.broker.MosquittoBroker` (``address``, ``start``, ``stop``,
+Same shape as :class:`fleet.transports.broker.MosquittoBroker` (``address``, ``start``, ``stop``,
 context manager), so the fleet runner does not care which one it got. amqtt is pure
 Python and slower than Mosquitto; a fleet of a few dozen agents is what it is for.
 """
@@ -12,7 +12,13 @@ import logging
 import threading
 from typing import Any
 
-from fleet.broker import BrokerAddress, BrokerError, ManagedBroker, free_port, wait_for_port
+from fleet.transports.broker import (
+    BrokerAddress,
+    BrokerError,
+    ManagedBroker,
+    free_port,
+    wait_for_port,
+)
 
 
 class AmqttBroker(ManagedBroker):

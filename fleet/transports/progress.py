@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from fleet.spec import RunSpec
+from fleet.transports.spec import RunSpec
 
 log = logging.getLogger(__name__)
 

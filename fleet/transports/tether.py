@@ -5,7 +5,7 @@ coordinator and the workers. SIGKILL (the OOM killer, ``kill -9``) runs no code,
 child asks the kernel itself for a SIGTERM when its parent goes (Linux
 ``PR_SET_PDEATHSIG``; the request survives ``exec``). Elsewhere the clean stops remain.
 
-``python -m fleet.tether PARENT_PID COMMAND [ARG...]`` tethers itself, then becomes
+``python -m fleet.transports.tether PARENT_PID COMMAND [ARG...]`` tethers itself, then becomes
 COMMAND (for programs that are not ours: Mosquitto, a console script).
 
 The kernel's "parent" is the *thread* that started the child: start tethered processes
@@ -37,12 +37,14 @@ def tether(parent: int) -> bool:
 
 def command(parent: int, argv: Sequence[str]) -> list[str]:
     """``argv`` run through this module, tethered to ``parent``."""
-    return [sys.executable, "-m", "fleet.tether", str(parent), *argv]
+    return [sys.executable, "-m", "fleet.transports.tether", str(parent), *argv]
 
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: python -m fleet.tether PARENT_PID COMMAND [ARG...]", file=sys.stderr)
+        print(
+            "usage: python -m fleet.transports.tether PARENT_PID COMMAND [ARG...]", file=sys.stderr
+        )
         return 2
     if not tether(int(argv[0])):
         return 1

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.downlink import DEFAULT_BUDGET
-from fleet.spec import RunResult, RunSpec
+from fleet.transports.spec import RunResult, RunSpec
 
 
 def _mean(values: Sequence[float | None]) -> float:
@@ -84,7 +84,7 @@ def build_report(
     results: dict[str, dict[int, RunResult]], *, config: dict[str, Any], partition: str
 ) -> dict[str, Any]:
     """``results[method][seed]`` -> the report.json document. A ``central`` entry is the
-    comparison's ceiling (fleet.central)."""
+    comparison's ceiling (fleet.report.central)."""
     methods: dict[str, Any] = {}
     for method, by_seed in results.items():
         runs = {str(seed): run_summary(r) for seed, r in sorted(by_seed.items())}
@@ -131,8 +131,8 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
     """One arm's full settings: protocol, every [train] key (defaults included), how it
     predicts, rounds, transport and privacy."""
     from edge_agent.train_config import TrainConfig
-    from fleet.central import CENTRAL
-    from fleet.spec import train_table
+    from fleet.report.central import CENTRAL
+    from fleet.transports.spec import train_table
     from runtime.settings import build
 
     if spec.method == CENTRAL:
@@ -227,7 +227,7 @@ def _best_cell(m: dict[str, Any], *, with_std: bool) -> str:
 
 def protocol_line(config: dict[str, Any]) -> str:
     """'Fair protocol: every method ...' for a report made under a --protocol, or ''."""
-    from fleet.protocols import PROTOCOLS
+    from fleet.transports.protocols import PROTOCOLS
 
     chosen = PROTOCOLS.get(config.get("protocol") or "")
     return chosen.summary[0].upper() + chosen.summary[1:] + "." if chosen else ""
@@ -236,7 +236,7 @@ def protocol_line(config: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """Methods as rows, domains as columns, final accuracy in % as mean (std) over seeds,
     then the final and best-round means; the ceiling (central) last."""
-    from fleet.central import CENTRAL
+    from fleet.report.central import CENTRAL
 
     everything = report["methods"]
     methods = {k: v for k, v in everything.items() if k != CENTRAL}
@@ -313,7 +313,7 @@ def markdown(report: dict[str, Any]) -> str:
 def write(
     report: dict[str, Any], out: Path, *, extra_plots: dict[str, Path] | None = None
 ) -> dict[str, Path]:
-    from fleet.plots import plot_accuracy, plot_domains  # matplotlib: only when writing
+    from fleet.report.plots import plot_accuracy, plot_domains  # matplotlib: only when writing
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(to_json(report))

@@ -1,6 +1,6 @@
 """A worker process of a simulated fleet: hosts many agents, one MQTT session each.
 
-``python -m fleet.worker SPEC.json`` where the spec names the bundle and the agents'
+``python -m fleet.transports.worker SPEC.json`` where the spec names the bundle and the agents'
 TOML files. Every agent gets its own :class:`~edge_agent.service.AgentService` (its own paho client and thread); all share one
 set of ONNX Runtime sessions and one torch thread, so a hundred agents fit on two cores.
 SIGTERM or SIGINT stops every agent cleanly (offline status published) and exits 0; so
@@ -17,16 +17,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fleet.tether import tether
+from fleet.transports.tether import tether
 from runtime.lifecycle import SignalDispatch
 
-log = logging.getLogger("fleet.worker")
+log = logging.getLogger("fleet.transports.worker")
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if len(argv) != 1:
-        print("usage: python -m fleet.worker SPEC.json", file=sys.stderr)
+        print("usage: python -m fleet.transports.worker SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     stop = threading.Event()
@@ -51,7 +51,7 @@ def _host(spec: dict[str, Any], stop: threading.Event, services: list[Any]) -> i
     from edge_agent.config import load
     from edge_agent.service import AgentService
     from export.runtime import BackboneRuntime, RuntimeSettings
-    from fleet.evaluation import FleetEvaluator
+    from fleet.engine.evaluation import FleetEvaluator
 
     torch.set_num_threads(1)
     runtime = BackboneRuntime(Path(spec["bundle"]), settings=RuntimeSettings(intra_op_threads=1))

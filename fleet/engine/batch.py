@@ -7,7 +7,7 @@ generator (seeded as the agent's), train E epochs of batches of 32 with Adam, em
 training set for its prototypes (FedPCL Eq. 5) and its test set for its scores. Here the
 clients of a chunk take each step together: one ``baddbmm`` for their first layers, one
 backward pass for their summed losses, one Adam update over the stack
-(:mod:`fleet.vector_heads`). tests/test_vector_engine.py holds the two paths to the same
+(:mod:`fleet.engine.heads`). tests/test_vector_engine.py holds the two paths to the same
 accuracies.
 
 The fleet's features are one matrix (:class:`FleetFeatures`): the backbones ran once per
@@ -29,18 +29,18 @@ from edge_agent.methods import DEVICE_METHODS, device_method
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams
 from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
-from fleet.evaluation import FleetEvaluator
-from fleet.side_by_side import in_order
-from fleet.vector_heads import HeadStack, Rows
-from fleet.vector_losses import GROUP_LOSSES
+from fleet.engine.evaluation import FleetEvaluator
+from fleet.engine.heads import HeadStack, Rows
+from fleet.engine.losses import GROUP_LOSSES
+from fleet.engine.side_by_side import in_order
 
-#: The scores of a client's round, as fleet.evaluation.FleetEvaluator names them.
+#: The scores of a client's round, as fleet.engine.evaluation.FleetEvaluator names them.
 SCORES = ("test_accuracy", "test_accuracy_prototype", "test_accuracy_classifier")
 
 #: The methods a vector run takes: those the engine trains (the others need per-client
 #: machinery it lacks: FPL's averaged model with cluster prototypes, FedDBP's second branch
 #: and Fisher scores) and the closed-form ones, which train nothing
-#: (fleet/vector_closed_form.py).
+#: (fleet/transports/vector_closed_form.py).
 VECTOR_METHODS = tuple(
     sorted([*GROUP_LOSSES, *(m for m, r in DEVICE_METHODS.items() if not r.trains_head)])
 )
@@ -125,7 +125,7 @@ class VectorEngine:
         """``evaluate``: score every client on its test rows after each round (and on
         what the coordinator returns); off, the scores are None and the round is the
         training and the updates alone. ``threads``: chunks trained at once, one core each
-        (fleet/side_by_side.py); by default as many as torch has threads."""
+        (fleet/engine/side_by_side.py); by default as many as torch has threads."""
         refusal = unsupported(method)
         if refusal is not None:
             raise ValueError(refusal)
@@ -150,7 +150,7 @@ class VectorEngine:
 
     def train_round(self, guidance: Guidance) -> Iterator[tuple[int, ClientRound]]:
         """Train every client one round; yield (client, its round) as each chunk ends,
-        in client order. Chunks train side by side (:func:`fleet.side_by_side.in_order`):
+        in client order. Chunks train side by side (:func:`fleet.engine.side_by_side.in_order`):
         each writes only its own rows of the stack and its clients' generators."""
         if self.record.wire.local_sets:  # its targets, cached on the guidance: built once, here
             guidance.fedpcl_targets(tau=self.cfg.tau, include_positive=self.cfg.include_positive)
@@ -259,7 +259,7 @@ class VectorEngine:
             for j, i in enumerate(index)
         ]
 
-    # -- scores, by fleet.evaluation.FleetEvaluator ---------------------------------------
+    # -- scores, by fleet.engine.evaluation.FleetEvaluator ---------------------------------------
 
     def _evaluator(self, k: int) -> FleetEvaluator:
         """Client k's evaluator, scoring outputs the engine computed (it runs no model)."""

@@ -22,10 +22,10 @@ from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import epsilon, gaussian_release
 from edge_agent.privacy.randomness import NoiseSource, guarantee
-from fleet.configs import agent_seed
-from fleet.spec import FLEET, RunSpec
-from fleet.vector_engine import FleetFeatures
-from fleet.vector_records import Records, drive_rounds
+from fleet.engine.batch import FleetFeatures
+from fleet.transports.configs import agent_seed
+from fleet.transports.spec import FLEET, RunSpec
+from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.cliutil import UsageError
 

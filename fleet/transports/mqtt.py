@@ -1,6 +1,6 @@
 """The ``mqtt`` transport: a broker (Mosquitto from PATH, else amqtt in-process, or
 ``--broker URL``), ``edge-coordinator run`` as its own process, and the agents hosted in a
-few worker processes (``python -m fleet.worker``), each agent with its own state
+few worker processes (``python -m fleet.transports.worker``), each agent with its own state
 directory and MQTT session, all agents of a worker sharing one set of ONNX Runtime
 sessions."""
 
@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from fleet import tether
-from fleet.configs import to_toml
-from fleet.procmem import FleetMemory
-from fleet.progress import log_round, progress_bar
-from fleet.spec import RunSpec
-from fleet.watcher import Watcher
+from fleet.transports import tether
+from fleet.transports.configs import to_toml
+from fleet.transports.procmem import FleetMemory
+from fleet.transports.progress import log_round, progress_bar
+from fleet.transports.spec import RunSpec
+from fleet.transports.watcher import Watcher
 from runtime.cliutil import CommandFailed, Terminated, UsageError
 from runtime.lifecycle import SignalDispatch
 
@@ -70,8 +70,8 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         host, port = parse_broker_url(spec.broker)
         yield host, port, None
         return
-    from fleet.amqtt_broker import AmqttBroker
-    from fleet.broker import BrokerError, MosquittoBroker, find_mosquitto
+    from fleet.transports.amqtt_broker import AmqttBroker
+    from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
 
     broker: Any
     if find_mosquitto() is not None:
@@ -145,7 +145,7 @@ def _run_mqtt_fleet(
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     with broker_for(spec) as (host, port, broker_pid):
-        # The deployed payload limits, as the memory transport's (fleet/inmemory.py).
+        # The deployed payload limits, as the memory transport's (fleet/transports/memory.py).
         mqtt = {"host": host, "port": port, "keepalive": 60}
         coord_cfg = spec.out / "coordinator.toml"
         coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
@@ -182,7 +182,7 @@ def _run_mqtt_fleet(
                 )
                 procs.append(
                     _spawn(
-                        [sys.executable, "-m", "fleet.worker", str(spec_file)],
+                        [sys.executable, "-m", "fleet.transports.worker", str(spec_file)],
                         logs / f"worker-{w}.log",
                     )
                 )

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.store_reader import StoreReader
-from fleet.collect import run_database
-from fleet.spec import RunSpec
+from fleet.transports.collect import run_database
+from fleet.transports.spec import RunSpec
 
 
 @dataclass(frozen=True)

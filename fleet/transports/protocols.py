@@ -54,6 +54,6 @@ def protocol_train(protocol: str, method: str) -> dict[str, Any]:
         raise ValueError(
             f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}"
         ) from None
-    # ``method`` may be the pooled-data head (fleet/central.py), which trains as the floor.
+    # ``method`` may be the pooled-data head (fleet/report/central.py), which trains as the floor.
     free = method in DEVICE_METHODS and DEVICE_METHODS[method].classifier_free
     return {} if free else dict(chosen.classifier_train)

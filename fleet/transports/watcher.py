@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleet.spec import FLEET
+from fleet.transports.spec import FLEET
 from runtime.cliutil import CommandFailed
 
 CONNECT_TIMEOUT_S = 10.0  # for the broker's answer to the watcher's first connection

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from coordinator.config import database_in
 from coordinator.store_reader import StoreReader
-from fleet.configs import coordinator_state_dir
-from fleet.partition import Partition
-from fleet.spec import ClientRecord, RunResult, RunSpec
+from fleet.data.partition import Partition
+from fleet.transports.configs import coordinator_state_dir
+from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.procmem import peak_self_mb, reset_peak
-from fleet.progress import log_round, progress_bar
-from fleet.spec import RunSpec
+from fleet.transports.procmem import peak_self_mb, reset_peak
+from fleet.transports.progress import log_round, progress_bar
+from fleet.transports.spec import RunSpec
 from runtime.faults import crash_point
 
 
@@ -38,7 +38,7 @@ def _run_memory(
     from edge_agent.agent import Agent
     from edge_agent.config import AgentConfig
     from export.runtime import BackboneRuntime, RuntimeSettings
-    from fleet.evaluation import FleetEvaluator
+    from fleet.engine.evaluation import FleetEvaluator
     from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
     from runtime.settings import build
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from fleet import tether
+from fleet.transports import tether
 
 #: The limits of the shipped production broker configuration
 #: (systemd/mosquitto/protofleet.conf; tests/test_broker.py checks that the two agree), so

@@ -24,12 +24,12 @@ from typing import Any
 
 from edge_agent.privacy.accounting import Plan, plan, plan_features
 from edge_agent.privacy.randomness import guarantee
-from fleet import commands, options
-from fleet.bundles import ensure_bundle
-from fleet.partition import SPLITS, Partition
-from fleet.report import arm_settings, protocol_line, run_summary, settings, to_json
-from fleet.resume import run_or_resume, sweep_dir
-from fleet.runner import run as run_fleet
+from fleet.cli import commands, options
+from fleet.cli.resume import run_or_resume, sweep_dir
+from fleet.data.bundles import ensure_bundle
+from fleet.data.partition import SPLITS, Partition
+from fleet.report.summary import arm_settings, protocol_line, run_summary, settings, to_json
+from fleet.transports.runner import run as run_fleet
 from runtime.cliutil import UsageError
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
@@ -230,7 +230,7 @@ def label_attack(
     import numpy as np
 
     from edge_agent.privacy.mechanisms import MechanismParams, release_dp
-    from fleet.privacy_audit import label_inference_error
+    from fleet.report.privacy_audit import label_inference_error
 
     rng = np.random.default_rng(0)
     num_classes = len(partition.classes)
@@ -302,7 +302,7 @@ LABELS = {"dp": "DP FedPCL (DP-SGD)", "dp-features": "FedPCL, dp-features releas
 
 
 def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
-    from fleet.plots import finish, pyplot
+    from fleet.report.plots import finish, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)

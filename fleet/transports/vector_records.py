@@ -1,6 +1,6 @@
 """What a vector run keeps of its clients (scores and traffic per round) and the rounds
 it drives against the real round manager and store: shared by the trained methods'
-engine (fleet/vector_run.py) and the closed-form methods' (fleet/vector_closed_form.py)."""
+engine (fleet/transports/vector.py) and the closed-form methods' (fleet/transports/vector_closed_form.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
-from fleet.progress import log_round, progress_bar
-from fleet.spec import ClientRecord, RunSpec
-from fleet.vector_engine import SCORES
+from fleet.engine.batch import SCORES
+from fleet.transports.progress import log_round, progress_bar
+from fleet.transports.spec import ClientRecord, RunSpec
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
 from runtime.faults import crash_point
 from runtime.settings import build

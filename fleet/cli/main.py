@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet import commands, glyphs, options, privacy
+from fleet.cli import commands, options, privacy
+from fleet.data import glyphs
 from runtime.cliutil import make_parser, run
 
 

@@ -1,5 +1,5 @@
 """The ``vector`` transport: a whole fleet trained by the vector engine
-(:mod:`fleet.vector_engine`) against the real coordinator round manager and SQLite
+(:mod:`fleet.engine.batch`) against the real coordinator round manager and SQLite
 store, in this process, the updates and announcements passing as wire bytes under the
 deployed payload limits.
 
@@ -21,13 +21,13 @@ from edge_agent.inference import dense_globals
 from edge_agent.methods import device_method
 from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
-from fleet.partition import Partition
-from fleet.procmem import peak_self_mb, reset_peak
-from fleet.progress import progress_bar
-from fleet.spec import FLEET, ClientRecord, RunSpec, train_table
-from fleet.vector_closed_form import drive_closed_form
-from fleet.vector_engine import FleetFeatures, VectorEngine
-from fleet.vector_records import Records, drive_rounds
+from fleet.data.partition import Partition
+from fleet.engine.batch import FleetFeatures, VectorEngine
+from fleet.transports.procmem import peak_self_mb, reset_peak
+from fleet.transports.progress import progress_bar
+from fleet.transports.spec import FLEET, ClientRecord, RunSpec, train_table
+from fleet.transports.vector_closed_form import drive_closed_form
+from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 
 
@@ -125,8 +125,8 @@ def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatur
 
 
 def client_seeds(spec: RunSpec, clients: int) -> tuple[list[int], list[int]]:
-    """(seeds, initial seeds) as fleet.configs.agent_tables gives the agents."""
-    from fleet.configs import agent_seed, initial_seed
+    """(seeds, initial seeds) as fleet.transports.configs.agent_tables gives the agents."""
+    from fleet.transports.configs import agent_seed, initial_seed
 
     return (
         [agent_seed(spec, i) for i in range(clients)],
@@ -150,7 +150,7 @@ def train_vector(
     against a coordinator built from ``spec`` as a run's would be: every vector run, the
     CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
     default the agents' (:func:`client_seeds`)."""
-    from fleet.configs import coordinator_tables, prototype_dim
+    from fleet.transports.configs import coordinator_tables, prototype_dim
 
     coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
                                feature_dim=feature_dim)  # fmt: skip

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.config import ClosedFormSettings
-from fleet.partition import ClientData
-from fleet.spec import FLEET, RunSpec, train_table
+from fleet.data.partition import ClientData
+from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.methods import wire_method
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.methods import CORE, METHODS
-from fleet.bundles import BACKBONES
-from fleet.partition import SPLITS
-from fleet.protocols import PROTOCOLS
-from fleet.spec import DEFAULT_STATS_DIM, TRANSPORTS
+from fleet.data.bundles import BACKBONES
+from fleet.data.partition import SPLITS
+from fleet.transports.protocols import PROTOCOLS
+from fleet.transports.spec import DEFAULT_STATS_DIM, TRANSPORTS
 from runtime.cliutil import UsageError
 from runtime.settings import parse_value
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.data import DataError, load_folder
-from fleet.digits5 import CLASSES as DIGIT_CLASSES
-from fleet.digits5 import DOMAINS, domain_data, source
+from fleet.data.digits5 import CLASSES as DIGIT_CLASSES
+from fleet.data.digits5 import DOMAINS, domain_data, source
 from runtime.cliutil import UsageError
 from runtime.npz import NpzError, read_npz
 

@@ -1,0 +1,1 @@
+"""The `edge-fleet` command: its subcommands, shared options, progress and resumable sweeps."""
