@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from coordinator.aggregate import NORM_TOLERANCE
 from protocol import PrototypeUpdate
 from protocol.methods import COUNTS, GRAM, wire_method
 from protocol.weights import averaged_weight_shapes
@@ -45,6 +46,9 @@ class Admission:
     #: (and their second moment, sums over all samples), bounded by the counts rather than
     #: by ``max_value``; an update with no rows (statistics sent before) carries no extras.
     statistics: bool = False
+    #: The method's prototype rows are means of unit-norm embeddings (every trained-head
+    #: method: protocol/methods.py), so without noise no honest row is longer than 1.
+    unit_means: bool = False
 
     @classmethod
     def for_fleet(
@@ -87,6 +91,7 @@ class Admission:
             allow_list=frozenset(allow_list),
             extras=extras,
             statistics=kind == "statistics",
+            unit_means=not wire_method(method).closed_form,
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -114,9 +119,11 @@ class Admission:
         bound = self.max_value + (self.max_count * self.num_classes if self.statistics else 0)
         if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
             return "value_above_max"
-        exact = self.statistics and update.classes and update.privacy.mechanism == "none"
-        if exact and implausible(update):
+        exact = update.classes and update.privacy.mechanism == "none"
+        if exact and self.statistics and implausible(update):
             return "implausible_statistics"
+        if exact and self.unit_means and longer_than_unit(update.prototypes):
+            return "impossible_norm"
         return None
 
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:
@@ -129,6 +136,14 @@ class Admission:
         if self.extras is None:
             return got != {FISHER: update.prototypes.shape}
         return got != dict(self.extras)
+
+
+def longer_than_unit(prototypes: np.ndarray) -> bool:
+    """A row no mean of unit vectors can be: longer than 1 beyond rounding. A noised
+    release is not held to this (its noise lengthens every row); the aggregation's median
+    clip bounds it instead (coordinator/aggregate.py::clip_norms_at_median)."""
+    rows = np.asarray(prototypes, dtype=np.float64)
+    return bool(rows.size) and float(np.linalg.norm(rows, axis=1).max()) > 1.0 + NORM_TOLERANCE
 
 
 def implausible(update: PrototypeUpdate) -> bool:

@@ -94,10 +94,19 @@ def combine(
         if rule == "median":
             out[c] = np.median(rows, axis=0)
         else:
-            k = int(np.floor(trim * rows.shape[0]))
+            k = trimmed_per_side(rows.shape[0], trim)
             ordered = np.sort(rows, axis=0)
             out[c] = ordered[k : rows.shape[0] - k].mean(axis=0)
     return out, has
+
+
+def trimmed_per_side(n: int, trim: float) -> int:
+    """How many of ``n`` values the trimmed mean drops at each end: ``floor(trim * n)``,
+    but at least one whenever three or more remain to drop from (with 3 devices and
+    ``trim = 0.1`` the floor is 0, and a trimmed mean that trims nothing is the mean one
+    hostile device can steer)."""
+    k = int(np.floor(trim * n))
+    return max(k, 1) if n >= 3 and trim > 0 else k
 
 
 def pad_local_sets(protos: F64, counts: F64, global_protos: F64, has_global: Mask) -> np.ndarray:
@@ -115,6 +124,42 @@ def cap_counts(counts: F64, cap: float) -> F64:
     if cap <= 0:
         raise ValueError(f"count cap must be positive, got {cap}")
     return np.minimum(counts, cap)
+
+
+#: How far above 1 the norm of a mean of unit vectors may be and still be one: float16 and
+#: float32 rounding of the rows, never an honest device's arithmetic.
+NORM_TOLERANCE = 1e-3
+
+
+def class_medians(values: F64, counts: F64) -> F64:
+    """(C,) per class, the lower median of ``values`` (U, C) over the clients holding the
+    class (``counts > 0``), ``inf`` where nobody does. The lower median is a value some
+    holder reported, and with two holders it is the smaller: one device of two cannot
+    raise it."""
+    held = np.where(present_mask(counts), values, np.nan)
+    out = np.full(counts.shape[1], np.inf)
+    has = present_mask(counts).any(axis=0)
+    if has.any():
+        out[has] = np.nanquantile(held[:, has], 0.5, axis=0, method="lower")
+    return out
+
+
+def cap_counts_at_median(counts: F64) -> F64:
+    """Each client's count of a class capped at the class's lower median count in the
+    round: one client weighs at most as much as the median holder, whatever it claims.
+    Clients at or below the median keep their counts exactly."""
+    return np.minimum(counts, class_medians(counts, counts)[None, :])
+
+
+def clip_norms_at_median(protos: F64, counts: F64) -> F64:
+    """Every prototype row clipped to the larger of 1 (+ :data:`NORM_TOLERANCE`) and its
+    class's lower median row norm in the round. Means of unit vectors have norm <= 1, so an
+    honest round without noise is left bit for bit as it was; under noise, where every
+    honest row is longer than 1, no row can outweigh the median holder's by its length."""
+    norms = np.linalg.norm(protos, axis=-1)  # (U, C)
+    bound = np.maximum(1.0 + NORM_TOLERANCE, class_medians(norms, counts))  # (C,)
+    scale = np.minimum(1.0, bound[None, :] / np.maximum(norms, 1e-12))
+    return protos * scale[:, :, None]
 
 
 def clip_norms(protos: F64, bound: float) -> F64:

@@ -8,7 +8,10 @@ set of such partial sums added: the result does not depend on how the updates we
 A worker that sees a slice of the fleet (one member of an MQTT 5 shared subscription)
 keeps only its :class:`PartialSum`; a combiner merges the workers' and divides once
 (docs/scale.md). What is not a sum does not split this way: the coordinate-wise median and
-trimmed mean of ``RobustOptions.rule``, and FedPCL's per-client local sets (Eq. 7).
+trimmed mean of ``RobustOptions.rule``, the per-round medians the default
+``RobustOptions`` caps counts and clips norms at (a sharded fleet sets a fixed
+``count_cap`` and ``norm_bound`` instead, docs/scale.md), and FedPCL's per-client local
+sets (Eq. 7).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from protocol import PrototypeUpdate
 #: count_weighted_mean); ``client`` is the client-wise mean of FedProto (and FedDBP's
 #: shared global set), aggregate.py::combine with ``rule="mean"``.
 Mean = Literal["count", "paper", "client"]
+
+
+#: A partial sum is of the counts and rows as sent: the median defences of the default
+#: ``RobustOptions`` need every update of the round at once, which no worker holds.
+RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
 
 
 class OverlapError(ValueError):
@@ -98,7 +106,7 @@ def partial_of(updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     clients = frozenset(u.client for u in updates)
     if len(clients) != len(updates):
         raise OverlapError(_repeated(u.client for u in updates))
-    d = Dense.from_updates(updates, num_classes=num_classes, dim=dim, robust=RobustOptions())
+    d = Dense.from_updates(updates, num_classes=num_classes, dim=dim, robust=RAW)
     weighted, counts = agg.weighted_sums(d.protos, d.counts)  # (C, d), (C,)
     plain, holders = agg.client_sums(d.protos, d.counts)
     return PartialSum(

@@ -66,15 +66,42 @@ def stand_in_update(
     )
 
 
+def lower_median(values: list[float]) -> float:
+    """The smaller middle value: what the coordinator's default caps are."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 def hand_globals(updates: list[PrototypeUpdate]) -> dict[int, np.ndarray]:
-    """FedPCL's default global prototypes, computed the slow obvious way."""
+    """FedPCL's default global prototypes, computed the slow obvious way: each count capped
+    at its class's lower median count (the stand-ins' unit rows are never clipped)."""
+    held: dict[int, list[float]] = {}
+    for u in updates:
+        for c, n in zip(u.classes, u.counts, strict=True):
+            held.setdefault(c, []).append(n)
     sums: dict[int, np.ndarray] = {}
     totals: dict[int, float] = {}
     for u in updates:
         for c, n, p in zip(u.classes, u.counts, u.prototypes, strict=True):
+            n = min(n, lower_median(held[c]))
             sums[c] = sums.get(c, np.zeros(DIM)) + n * p.astype(np.float64)
             totals[c] = totals.get(c, 0.0) + n
     return {c: sums[c] / totals[c] for c in sums}
+
+
+def hand_fedavg(updates: list[PrototypeUpdate]) -> dict[str, np.ndarray]:
+    """FedAvg's default average, the slow obvious way: each device's sample total capped at
+    the lower median total, each array clipped to the lower median of its norms."""
+    totals = [float(sum(u.counts)) for u in updates]
+    weights = np.minimum(totals, lower_median(totals))
+    out = {}
+    for name in updates[0].extras:
+        norms = [float(np.linalg.norm(u.extras[name])) for u in updates]
+        bound = lower_median(norms)
+        out[name] = sum(
+            w / weights.sum() * min(1.0, bound / n) * u.extras[name].astype(np.float64)
+            for w, n, u in zip(weights, norms, updates, strict=True)
+        )
+    return out
 
 
 def coordinator_toml(

@@ -115,15 +115,37 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
             if wire_method(method).gram:
                 extras["gram"] = np.full(DIM * (DIM + 1) // 2, sign * 65504.0)
         u = dataclasses.replace(u, counts=(1e9,) * len(u.classes), prototypes=protos, extras=extras)
-        if wire_method(method).closed_form:  # a release that says it is noisy: held to bounds alone
-            noisy = PrivacyMeta(mechanism="dp-features", epsilon=1.0, delta=1e-5, guarantee="dp")
-            u = dataclasses.replace(u, privacy=noisy)
+        # A release that says it is noisy: held to the bounds alone (an exact one this long
+        # is refused as impossible_norm or implausible_statistics).
+        mechanism = "dp-features" if wire_method(method).closed_form else "dp"
+        noisy = PrivacyMeta(mechanism=mechanism, epsilon=1.0, delta=1e-5, guarantee="dp")
+        u = dataclasses.replace(u, privacy=noisy)
         assert checks_.check(u) is None
         assert m.offer(u.to_wire(), topic_client=u.client).accepted
     nxt = m.poll()
     assert nxt is not None and nxt.round == 1  # RoundAnnouncement refuses non-finite arrays
     arrays = [nxt.global_prototypes, *nxt.local_sets.values(), *nxt.extras.values()]
     assert all(np.isfinite(a).all() and np.abs(a).max(initial=0) <= 65504 for a in arrays)
+
+
+@pytest.mark.parametrize("method", ["fedpcl", "fedproto", "fedavg", "fpl", "feddbp"])
+def test_an_exact_row_longer_than_one_is_impossible(method):
+    # Prototypes are means of unit-norm embeddings: an exact row past 1 (+ rounding) is a
+    # lie; a noised one is not held to it (its noise lengthens every row).
+    u = stand_in_update(1, 0, method=method)
+    admission = checks(method)
+    extras = {n: np.zeros(s, np.float32) for n, s in (admission.extras or {}).items()}
+    if admission.extras is None:
+        extras = {"fisher": np.ones(u.prototypes.shape, np.float32)}
+    rows = np.zeros(u.prototypes.shape, np.float32)
+    rows[:, 0] = 1.0005  # float16 rounding of a unit row stays within this
+    fine = dataclasses.replace(u, prototypes=rows, extras=extras)
+    assert admission.check(fine) is None
+    rows[0, 0] = 1.01
+    long = dataclasses.replace(fine, prototypes=rows)
+    assert admission.check(long) == "impossible_norm"
+    noisy = PrivacyMeta(mechanism="dp", epsilon=1.0, delta=1e-5, guarantee="dp")
+    assert admission.check(dataclasses.replace(long, privacy=noisy)) is None
 
 
 def test_a_stored_update_todays_checks_refuse_is_quarantined_on_resume(tmp_path):

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import aggregate as agg
-from coordinator.partial import OverlapError, PartialSum, global_prototypes, merge, partial_of
+from coordinator.partial import (
+    RAW,
+    OverlapError,
+    PartialSum,
+    global_prototypes,
+    merge,
+    partial_of,
+)
 from coordinator.strategies import make_strategy
 from protocol import PrototypeUpdate
 from tests.coordinator_helpers import DIM, stand_in_update
@@ -116,7 +123,7 @@ def test_any_split_merged_equals_one_aggregation(groups: list[int]) -> None:
     parts = [partial_of(s, num_classes=3, dim=DIM) for s in split]
     order = np.random.default_rng(sum(groups)).permutation(len(parts))
     merged = merge(parts[i] for i in order)
-    dense = make_strategy("fedpcl").dense(UPDATES, num_classes=3, dim=DIM)
+    dense = make_strategy("fedpcl", robust=RAW).dense(UPDATES, num_classes=3, dim=DIM)
     for mean, (want, want_has) in [
         ("count", agg.count_weighted_mean(dense.protos, dense.counts)),
         ("paper", agg.count_weighted_mean(dense.protos, dense.counts, weighting="paper")),
@@ -134,10 +141,11 @@ def test_merged_partials_give_the_strategies_global_prototypes() -> None:
     ]
     merged = merge(halves)
     for name, mean in [("fedpcl", "count"), ("fedproto", "client")]:
-        want = make_strategy(name).aggregate(UPDATES, num_classes=3, dim=DIM)
+        want = make_strategy(name, robust=RAW).aggregate(UPDATES, num_classes=3, dim=DIM)
         got, has = global_prototypes(merged, mean=mean)  # type: ignore[arg-type]
         assert tuple(int(c) for c in np.flatnonzero(has)) == want.global_classes
         np.testing.assert_allclose(got[has], want.global_prototypes, rtol=1e-12, atol=1e-15)
-    paper = make_strategy("fedpcl", weighting="paper").aggregate(UPDATES, num_classes=3, dim=DIM)
+    paper = make_strategy("fedpcl", weighting="paper", robust=RAW).aggregate(
+        UPDATES, num_classes=3, dim=DIM)
     got, has = global_prototypes(merged, mean="paper")
     np.testing.assert_allclose(got[has], paper.global_prototypes, rtol=1e-12, atol=1e-15)

@@ -19,6 +19,10 @@ def update(client, classes, counts, protos, **extras):
     )
 
 
+#: The rows and counts as sent: the tests of each method's arithmetic; the default median
+#: defences have tests of their own (tests/test_coordinator_defaults.py).
+RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
+
 A = update("a", [0, 1], [2, 1], [[1, 0], [0, 1]])
 B = update("b", [1, 2], [3, 4], [[1, 0], [0.6, 0.8]])
 
@@ -43,7 +47,7 @@ def test_registry_lists_every_method_and_fails_loudly():
 
 
 def test_fedpcl_globals_and_padded_sets():
-    result = make_strategy("fedpcl").aggregate([A, B], num_classes=3, dim=2)
+    result = make_strategy("fedpcl", robust=RAW).aggregate([A, B], num_classes=3, dim=2)
     assert result.global_classes == (0, 1, 2)
     np.testing.assert_allclose(
         result.global_prototypes, [[1.0, 0.0], [0.75, 0.25], [0.6, 0.8]], rtol=1e-6
@@ -64,7 +68,7 @@ def test_fedproto_is_the_unweighted_client_mean():
 def test_robust_median_resists_one_outlier():
     honest = [update(f"h{i}", [0], [10], [[1.0, 0.0]]) for i in range(4)]
     liar = update("liar", [0], [1e9], [[-50.0, 50.0]])
-    plain = make_strategy("fedpcl").aggregate([*honest, liar], num_classes=1, dim=2)
+    plain = make_strategy("fedpcl", robust=RAW).aggregate([*honest, liar], num_classes=1, dim=2)
     assert plain.global_prototypes[0, 0] < 0  # the huge claimed count wins
     robust = make_strategy(
         "fedpcl", robust=RobustOptions(count_cap=100, norm_bound=1.0, rule="median")
@@ -106,7 +110,7 @@ def test_fpl_averages_the_clients_models_as_fedavg_does():
     # FPL's Algorithm 1: the global model is the data-size-weighted mean of the clients'.
     a = update("a", [0], [1], [[1.0, 0.0]], w=[[0.0, 4.0]])
     b = update("b", [0], [3], [[0.9, 0.1]], w=[[4.0, 0.0]])
-    result = make_strategy("fpl").aggregate([a, b], num_classes=1, dim=2)
+    result = make_strategy("fpl", robust=RAW).aggregate([a, b], num_classes=1, dim=2)
     np.testing.assert_allclose(result.extras["w"], [[3.0, 1.0]])
     assert set(result.extras) == {"w", "clusters", "cluster_classes"}
 
@@ -123,7 +127,7 @@ def test_feddbp_fuses_each_clients_top_channels():
 def test_fedavg_weights_by_sample_count():
     a = update("a", [0], [1], [[0.0]], w=[[0.0, 4.0]])
     b = update("b", [0], [3], [[0.0]], w=[[4.0, 0.0]])
-    result = make_strategy("fedavg").aggregate([a, b], num_classes=1, dim=1)
+    result = make_strategy("fedavg", robust=RAW).aggregate([a, b], num_classes=1, dim=1)
     np.testing.assert_allclose(result.extras["w"], [[3.0, 1.0]])
     assert result.global_classes == ()
 

@@ -16,15 +16,23 @@ from protocol import PrototypeUpdate
 
 @dataclass(frozen=True)
 class RobustOptions:
-    """Defences usable with any strategy; all off by default.
+    """Defences usable with any strategy.
 
-    ``count_cap`` limits the count one client may claim per class, ``norm_bound`` clips
-    prototype norms, ``rule`` replaces the per-class mean by a coordinate-wise median or
-    trimmed mean (``trim`` at each end).
+    On by default, so one compromised device cannot steer a fleet whose operator changed
+    nothing (docs/coordinator.md): ``median_count_cap`` caps the count each client may
+    claim per class at that class's lower median count in the round, and FedAvg's and
+    FPL's sample weights at the median device's; ``median_norm_clip`` clips every
+    prototype row to the larger of 1 and its class's lower median row norm, and every
+    averaged weight array to its lower median norm. Off by default: ``count_cap``, a fixed
+    cap on the count one client may claim per class; ``norm_bound``, a fixed clip of
+    prototype norms; ``rule``, the per-class mean replaced by a coordinate-wise median or
+    trimmed mean (``trim`` at each end, at least one client whenever three hold a class).
     """
 
     count_cap: float | None = None
     norm_bound: float | None = None
+    median_count_cap: bool = True
+    median_norm_clip: bool = True
     rule: agg.Rule = "mean"
     trim: float = 0.1
 
@@ -37,6 +45,11 @@ class RobustOptions:
             raise ValueError(f"rule must be mean, median or trimmed_mean, got {self.rule!r}")
         if not 0.0 <= self.trim < 0.5:
             raise ValueError(f"trim must be in [0, 0.5), got {self.trim}")
+
+
+def _lower_median(values: np.ndarray) -> float:
+    """A value one of the devices sent, the smaller of the middle two for an even number."""
+    return float(np.quantile(values, 0.5, method="lower"))
 
 
 @dataclass(frozen=True)
@@ -69,8 +82,12 @@ class Dense:
             idx = np.asarray(classes, dtype=np.int64)[None, :]
             protos[rows, idx] = np.stack([updates[u].prototypes for u in members])
             counts[rows, idx] = np.asarray([updates[u].counts for u in members], dtype=np.float64)
+        if robust.median_count_cap:
+            counts = agg.cap_counts_at_median(counts)
         if robust.count_cap is not None:
             counts = agg.cap_counts(counts, robust.count_cap)
+        if robust.median_norm_clip:
+            protos = agg.clip_norms_at_median(protos, counts)
         if robust.norm_bound is not None:
             protos = agg.clip_norms(protos, robust.norm_bound)
         return cls(
@@ -126,6 +143,8 @@ class Strategy(ABC):
         shapes = {n: a.shape for n, a in updates[0].extras.items()}
         usable = [u for u in updates if {n: a.shape for n, a in u.extras.items()} == shapes]
         weights = np.array([float(sum(u.counts)) for u in usable])
+        if self.robust.median_count_cap and weights.size:
+            weights = np.minimum(weights, _lower_median(weights))
         if self.robust.count_cap is not None:
             weights = np.minimum(weights, self.robust.count_cap * num_classes)
         if not shapes or weights.sum() <= 0:
@@ -137,11 +156,16 @@ class Strategy(ABC):
                 stack = np.stack([u.extras[name].astype(np.float64) for u in usable])
                 averaged[name] = np.median(stack, axis=0)
                 continue
+            scale = np.ones(len(usable))
+            if self.robust.median_norm_clip:
+                # No array may pull harder than the median device's by being longer.
+                norms = np.array([float(np.linalg.norm(u.extras[name])) for u in usable])
+                scale = np.minimum(1.0, _lower_median(norms) / np.maximum(norms, 1e-12))
             # Summed update by update, not stacked: the stack of a thousand float64 copies
             # of a FedAvg head (2 GB over the full zoo's 896-d features) is never held.
             total = np.zeros(shapes[name], np.float64)
-            for w, u in zip(share, usable, strict=True):
-                total += w * u.extras[name]
+            for w, s, u in zip(share, scale, usable, strict=True):
+                total += w * (u.extras[name] if s == 1.0 else s * u.extras[name])
             averaged[name] = total
         return averaged
 
