@@ -146,6 +146,7 @@ def test_merged_partials_give_the_strategies_global_prototypes() -> None:
         assert tuple(int(c) for c in np.flatnonzero(has)) == want.global_classes
         np.testing.assert_allclose(got[has], want.global_prototypes, rtol=1e-12, atol=1e-15)
     paper = make_strategy("fedpcl", weighting="paper", robust=RAW).aggregate(
-        UPDATES, num_classes=3, dim=DIM)
+        UPDATES, num_classes=3, dim=DIM
+    )
     got, has = global_prototypes(merged, mean="paper")
     np.testing.assert_allclose(got[has], paper.global_prototypes, rtol=1e-12, atol=1e-15)
