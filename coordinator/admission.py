@@ -120,6 +120,8 @@ class Admission:
         if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
             return "value_above_max"
         exact = update.classes and update.privacy.mechanism == "none"
+        if exact and any(c != int(c) for c in update.counts):
+            return "fractional_count"  # samples come whole; only noise makes a fraction
         if exact and self.statistics and implausible(update):
             return "implausible_statistics"
         if exact and self.unit_means and longer_than_unit(update.prototypes):

@@ -148,6 +148,14 @@ def test_an_exact_row_longer_than_one_is_impossible(method):
     assert admission.check(dataclasses.replace(long, privacy=noisy)) is None
 
 
+def test_an_exact_count_must_be_whole():
+    u = stand_in_update(1, 0)
+    assert checks().check(dataclasses.replace(u, counts=(3.0, 4))) is None
+    assert checks().check(dataclasses.replace(u, counts=(3.5, 4))) == "fractional_count"
+    noisy = PrivacyMeta(mechanism="dp", epsilon=1.0, delta=1e-5, guarantee="dp")
+    assert checks().check(dataclasses.replace(u, counts=(3.5, 4), privacy=noisy)) is None
+
+
 def test_a_stored_update_todays_checks_refuse_is_quarantined_on_resume(tmp_path):
     clock = Clock()
     cfg = config(tmp_path, min_clients=2, wait_after_quorum_s=0.0)
