@@ -6,11 +6,19 @@ PROTOCOL_VERSION = 2
 TOPIC_ROOT = "protofleet"
 TOPIC_VERSION = "v1"
 
-#: Default cap on a raw payload, checked before any decoding work is done. 4 MiB, the
-#: shipped broker's max_packet_size, holds the largest message the project sends: FedAvg's
-#: and FPL's head weights, FC(K*d_e, 256) in float32, 1.3 MB over EfficientNet-Lite0's 1280
-#: features (prototype updates are about 5 kB; announcements keep to the downlink budget).
+#: Default cap on a raw payload, checked before any decoding work is done. 4 MiB holds the
+#: largest message the project sends: FedAvg's and FPL's head weights, FC(K*d_e, 256) in
+#: float32, 1.3 MB over EfficientNet-Lite0's 1280 features (prototype updates are about
+#: 5 kB; announcements keep to the downlink budget).
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 20
+#: Room for the MQTT packet around a payload at the cap: fixed header, topic, packet id
+#: and MQTT 5 properties. A broker's ``max_packet_size`` counts the whole packet, so a
+#: payload exactly at the cap under a ``max_packet_size`` equal to it got its sender
+#: disconnected, again on every reconnect as the client resent it.
+MQTT_PACKET_ROOM = 64 << 10
+#: The shipped broker's ``max_packet_size`` (systemd/mosquitto/protofleet.conf and the
+#: brokers a simulated fleet starts): the payload cap plus the packet's room.
+BROKER_MAX_PACKET_SIZE = DEFAULT_MAX_PAYLOAD_BYTES + MQTT_PACKET_ROOM
 
 MAX_ID_LENGTH = 64
 MAX_BUNDLE_ID_LENGTH = 128

@@ -21,13 +21,14 @@ from types import TracebackType
 from typing import TypeVar
 
 from fleet.transports import tether
+from protocol.limits import BROKER_MAX_PACKET_SIZE
 
 #: The limits of the shipped production broker configuration
 #: (systemd/mosquitto/protofleet.conf; tests/test_broker.py checks that the two agree), so
 #: a simulated fleet meets the queues and packet size a deployed one does. Mosquitto's
 #: default of 1000 queued messages per client silently drops a burst of updates.
 PRODUCTION_LIMITS = {
-    "max_packet_size": 4_194_304,
+    "max_packet_size": BROKER_MAX_PACKET_SIZE,
     "max_queued_messages": 10_000,
     "max_inflight_messages": 100,
 }
