@@ -23,6 +23,7 @@ finished runs are read back); a work tree with uncommitted changes starts afresh
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ from typing import Any
 
 from bench.export_bench import ZOO, ensure_zoo
 from bench.run import ROOT, commit
+from fleet.data import glyphs
 
 BIN = Path(sys.executable).parent
 METHODS = "solo,fedavg,fedproto,fedpcl,fpl,feddbp,lda,ridge,fedcof"
@@ -85,8 +87,6 @@ def first_final_round(curve: list[float | None]) -> int | None:
 
 
 def run() -> dict[str, float]:
-    from fleet.data import glyphs
-
     ensure_zoo()
     results: dict[str, float] = {"accuracy.rounds": ROUNDS, "accuracy.clients": 5,
                                  "accuracy.seeds": len(SEEDS.split(","))}  # fmt: skip
@@ -96,7 +96,7 @@ def run() -> dict[str, float]:
         shutil.rmtree(root, ignore_errors=True)  # code no commit holds: nothing to resume
     root.mkdir(parents=True, exist_ok=True)
     data = root / "glyphs5.npz"
-    glyphs.main(_namespace(out=data, seed=0, train=100, test=100))
+    glyphs.main(argparse.Namespace(out=data, seed=0, train=100, test=100))
     for protocol in PROTOCOLS:
         for setting in SETTINGS:
             where = ["--data", str(data)] if setting == "glyphs" else ["--split", setting]
@@ -118,12 +118,6 @@ def run() -> dict[str, float]:
         r["wall_seconds"] for m in demo["methods"].values() for r in m["runs"].values()
     )
     return results
-
-
-def _namespace(**kwargs: Any) -> Any:
-    import argparse
-
-    return argparse.Namespace(**kwargs)
 
 
 if __name__ == "__main__":

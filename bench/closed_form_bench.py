@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.export_bench import ZOO, ensure_zoo
 from bench.fleet_bench import median_round_s
-from bench.vector_bench import ensure_one_backbone, pooled_features
+from bench.one_backbone import ensure_one_backbone, pooled_features
 from edge_agent.privacy.accounting import plan_features
 from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod

@@ -14,10 +14,15 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.store import Store
 from coordinator.store_reader import StoreReader
 from coordinator.strategies import make_strategy
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, round_topic, update_topic
+from runtime.security import CoordinatorSecurity
 
 CLASSES, DIM, BUNDLE = 10, 256, "e" * 64
 
@@ -119,12 +124,6 @@ def intake_rate(count: int = 5_000) -> tuple[float, float]:
 def database_mb(*, clients: int, rounds: int, keep_rounds: int) -> float:
     """Size of the coordinator's database after ``rounds`` FedPCL rounds of ``clients``
     updates each, driven through the real round manager and SQLite store."""
-    from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.store import Store
-    from runtime.security import CoordinatorSecurity
-
     now = [0.0]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = CoordinatorConfig(

@@ -23,6 +23,7 @@ from export.bundle import INPUT_NAME
 from export.runtime import CPU, BackboneRuntime, RuntimeSettings, preprocess, quiet_threads
 from export.sources import Source, load
 from export.timing import paired_ratio, paired_seconds
+from fleet.data.partition import digits5
 
 BATCH = 8
 ROUNDS = 21  # paired timing rounds (export.timing.paired_seconds): ratios per round
@@ -34,8 +35,6 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _digits5_images(count: int) -> np.ndarray:
-    from fleet.data.partition import digits5
-
     partition = digits5(clients=5, split="feature", seed=0, train=count // 5, test=1)
     images = np.concatenate([c.train_x for c in partition.clients])  # every domain, 32x32
     return images.astype(np.float32) / 255.0

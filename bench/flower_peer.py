@@ -113,6 +113,7 @@ def flower_fedavg_round_seconds(
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from flwr.simulation import run_simulation
 
+    # Lazy: flower_apps imports flwr, an optional extra that must see the settings above.
     from bench import flower_apps
 
     clock = flower_apps.RoundClock()

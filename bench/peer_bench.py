@@ -15,7 +15,14 @@ import tempfile
 from pathlib import Path
 
 from bench.fleet_bench import median_round_s
+from bench.flower_peer import flower_fedavg_round_seconds, missing_modules
+from bench.one_backbone import ensure_one_backbone, pooled_features
 from bench.peer_workload import Workload, load_workload, save_workload
+from edge_agent.train_config import TrainConfig
+from fleet.engine.batch import FleetFeatures
+from fleet.transports.collect import round_seconds
+from fleet.transports.spec import RunSpec
+from fleet.transports.vector import train_vector
 
 #: The workload of ``fleet.speedup_vs_flower``.
 CLIENTS, PER_CLIENT, ROUNDS = 1000, 100, 3
@@ -23,8 +30,6 @@ CLIENTS, PER_CLIENT, ROUNDS = 1000, 100, 3
 
 def zoo_workload() -> Workload:
     """The cached features of 1,000 digits-5 clients (pooled from 50 rendered ones)."""
-    from bench.vector_bench import ensure_one_backbone, pooled_features
-
     data = pooled_features(ensure_one_backbone(), clients=CLIENTS, train=PER_CLIENT, test=1)
     return Workload(features=data.features, train_index=data.train_index,
                     train_labels=data.train_labels, num_classes=10, epochs=1, batch_size=32,
@@ -34,12 +39,6 @@ def zoo_workload() -> Workload:
 def protofleet_round_seconds(workload: Workload, *, rounds: int, root: Path) -> float:
     """The median round after the first of ``workload`` on the vector engine, against the
     coordinator's round manager and store."""
-    from edge_agent.train_config import TrainConfig
-    from fleet.engine.batch import FleetFeatures
-    from fleet.transports.collect import round_seconds
-    from fleet.transports.spec import RunSpec
-    from fleet.transports.vector import train_vector
-
     index = tuple(workload.train_index)
     labels = tuple(workload.train_labels)
     data = FleetFeatures(features=workload.features, train_index=index, train_labels=labels,
@@ -63,8 +62,6 @@ def side_by_side() -> dict[str, float]:
     """Each half in a fresh process of its own, ProtoFleet's then Flower's, on the one
     workload built here: neither runs beside what the other left (Flower returns while
     its actors are still exiting; a process that ran anything keeps its heap)."""
-    from bench.flower_peer import missing_modules
-
     if missing_modules():
         print("  fleet.speedup_vs_flower skipped: Flower is not installed "
               "(pip install -e '.[peer]')", file=sys.stderr)  # fmt: skip
@@ -98,8 +95,6 @@ def _child(argv: list[str]) -> int:
         return 2
     workload = load_workload(Path(argv[1]))
     if argv[0] == "flower":
-        from bench.flower_peer import flower_fedavg_round_seconds
-
         seconds = flower_fedavg_round_seconds(workload, rounds=ROUNDS)
         if seconds is None:
             print("Flower's simulation engine is not installed", file=sys.stderr)

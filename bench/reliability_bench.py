@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from export import bundle as bundle_mod
+from fleet.data.digits5 import domain_data
 from fleet.transports.broker import BrokerAddress, MosquittoBroker, free_port
 from protocol import round_topic, update_filter, update_topic
 
@@ -161,9 +163,6 @@ def junk_drain_per_s(repeats: int = 3) -> tuple[float, float]:
 
 def flood_honest_lost(bundle: Path, clients: int = 3) -> int:
     """Run the junk flood of tests/test_hostile.py with ``clients`` real agents."""
-    from export import bundle as bundle_mod
-    from fleet.data.digits5 import domain_data
-
     bundle_id = bundle_mod.load(bundle).id
     rng = np.random.default_rng(7)
     junk = [rng.bytes(int(n)) for n in rng.integers(1, 400, size=20_000)]

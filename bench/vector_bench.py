@@ -25,34 +25,16 @@ import numpy as np
 
 from bench.export_bench import ensure_zoo
 from bench.fleet_bench import median_round_s
+from bench.one_backbone import ensure_one_backbone, pooled_features
+from bench.peer_bench import side_by_side
+from edge_agent.train_config import TrainConfig
+from export import bundle as bundle_mod
+from fleet.transports.collect import round_seconds
+from fleet.transports.procmem import peak_self_mb, reset_peak
+from fleet.transports.spec import RunSpec
+from fleet.transports.vector import train_vector
 
-ONE_BACKBONE = Path(__file__).resolve().parent / "zoo-fontdigits"
 TEN_K = {"clients": 10_000, "train": 100, "test": 20, "rounds": 3}
-
-
-def ensure_one_backbone() -> Path:
-    """The zoo's fontdigits CNN alone (192-d), built once (a few minutes)."""
-    from fleet.data.bundles import ensure_bundle
-
-    return ensure_bundle(ONE_BACKBONE, "full", backbone="zoo-fontdigits")
-
-
-def pooled_features(bundle_path: Path, *, clients: int, train: int, test: int,
-                    pool: int = 50) -> Any:  # fmt: skip
-    """digits-5 feature shift through the bundle's backbones: ``pool`` clients rendered
-    (twice the images each client draws), ``clients`` drawn from them
-    (``FleetFeatures.pooled``)."""
-    from export import bundle as bundle_mod
-    from fleet.data.partition import digits5
-    from fleet.transports.spec import RunSpec
-    from fleet.transports.vector import features_of
-
-    spec = RunSpec(method="fedpcl", rounds=1, bundle=bundle_path, out=bundle_path,
-                   transport="vector")  # fmt: skip
-    base = digits5(clients=pool, split="feature", seed=0, train=2 * train, test=2 * test)
-    return features_of(spec, base, bundle_mod.load(bundle_path)).pooled(
-        clients=clients, train=train, test=test, seed=0
-    )
 
 
 def vector_fleet(
@@ -61,13 +43,6 @@ def vector_fleet(
 ) -> dict[str, Any]:  # fmt: skip
     """One vector-engine run on digits-5 feature shift, its clients pooled from ``pool``
     rendered ones; its records, round times and this process's peak."""
-    from edge_agent.train_config import TrainConfig
-    from export import bundle as bundle_mod
-    from fleet.transports.collect import round_seconds
-    from fleet.transports.procmem import peak_self_mb, reset_peak
-    from fleet.transports.spec import RunSpec
-    from fleet.transports.vector import train_vector
-
     reset_peak()
     bundle = bundle_mod.load(bundle_path)
     spec = RunSpec(method=method, rounds=rounds, bundle=bundle_path,
@@ -123,8 +98,6 @@ def run() -> dict[str, float]:
     out |= ten_thousand()
     with tempfile.TemporaryDirectory(prefix="protofleet-vector-bench-") as tmp:
         out |= traffic(Path(tmp))
-    from bench.peer_bench import side_by_side
-
     out |= side_by_side()
     return out
 

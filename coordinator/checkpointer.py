@@ -8,7 +8,7 @@ about ``every_bytes`` since the last request, until the log is copied back whole
 writer goes on meanwhile: a passive checkpoint blocks no writer and no reader, and in WAL
 mode a commit is durable in the log whatever the checkpoint's progress, so a crash at any
 point loses nothing. The writer keeps SQLite's own checkpoint as a backstop
-(``coordinator.store``), should this thread fall behind a burst of commits.
+(``coordinator.schema``), should this thread fall behind a burst of commits.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator import config as config_mod
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.service import CoordinatorService
 from coordinator.store import StateError, StorageFault, Store
 from runtime.cliutil import (
     UsageError,
@@ -20,7 +23,9 @@ from runtime.cliutil import (
     print_example_config,
     run,
 )
+from runtime.lifecycle import CannotServe, serve
 from runtime.runlock import AlreadyRunning, RunLock, holder
+from runtime.transport import CredentialsError, load_credentials
 
 EXAMPLE = Path(__file__).resolve().parent / "coordinator.toml"
 
@@ -45,13 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # Imported here so `status` and `--help` work without paho or prometheus installed.
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.service import CoordinatorService
-    from runtime.lifecycle import CannotServe, serve
-    from runtime.transport import CredentialsError, load_credentials
-
     metrics = Metrics()
 
     def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:

@@ -4,7 +4,8 @@ way by the MQTT service, an in-memory fleet and the tests.
 
 The manager is the one object the service talks to; it hands the devices' statuses to
 :mod:`coordinator.presence`, checks updates with :mod:`coordinator.screening`, counts
-rejections with :mod:`coordinator.rejections` and builds and signs what it sends with
+rejections with :mod:`coordinator.rejections`, keeps the open round's arrivals and
+deadline in :mod:`coordinator.open_round` and builds and signs what it sends with
 :mod:`coordinator.announcements`."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
+from coordinator.open_round import OpenRound
 from coordinator.presence import Presence
 from coordinator.rejections import Rejections
 from coordinator.screening import Screening
@@ -57,7 +59,11 @@ class Decision:
 
 class RoundManager:
     """Owns the open round. Thread-safe: updates arrive on the transport's thread while the
-    service's loop calls :meth:`poll`."""
+    service's loop calls :meth:`poll`.
+
+    A driver with no devices awaiting receipts may override the two steps that serve
+    them: what is kept of an update just stored (:meth:`_stored`) and how the close reads
+    the round's updates back (:meth:`_stored_update`)."""
 
     def __init__(
         self,
@@ -103,10 +109,6 @@ class RoundManager:
                 len(store.arrival_times(latest.round)),
                 extra={"event": "resumed", "round": latest.round},
             )
-        self._round = latest.round
-        self._opened_at = latest.opened_at
-        self._extensions = latest.extensions
-        self._deadline = latest.deadline
         # Signed afresh: the key (or security.insecure) may have changed since it was stored.
         self._announcement = self.sign(
             RoundAnnouncement.from_wire(latest.announcement, max_bytes=1 << 62)
@@ -129,25 +131,18 @@ class RoundManager:
         self.screening.quarantine_failing(store, self.metrics, latest.round)
         # Digests of the open round's stored updates, by client, for receipts; the
         # statistics among them are the open round's again.
-        self._digests: dict[str, str | None] = {}
+        digests: dict[str, str | None] = {}
         for client, payload in store.updates(latest.round):
-            self._digests[client] = payload_digest(payload)
+            digests[client] = payload_digest(payload)
             if self._statistics is not None:
                 stored = PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
                 if stored.classes:
                     self._statistics.take(stored)
-        # The open round's updates as decoded when they arrived: the close takes a stored
-        # update from here instead of reading its payload back and decoding it again (most
-        # of a close's work for a FedAvg round). Only an update this manager stored in this
-        # round is here, and nothing rewrites a stored update (quarantine runs above, before
-        # any arrives), so each is what the store holds. Empty after a restart: the close
-        # then reads and decodes what the store holds.
-        self._decoded: dict[str, PrototypeUpdate] = {}
-        self._clients = set(self._digests)
-
-        # Kept in memory (and rebuilt from the store on restart) so deciding whether a
-        # round is due costs O(1) per update instead of a query over the whole round.
-        self._arrivals = store.arrival_times(latest.round)
+        self._open = OpenRound(
+            number=latest.round, opened_at=latest.opened_at, deadline=latest.deadline,
+            extensions=latest.extensions, arrivals=store.arrival_times(latest.round),
+            digests=digests,
+        )  # fmt: skip
         self.rejections = Rejections(store=store, metrics=self.metrics)
         # Clients whose statuses are stored: enrolled or allow-listed, or ever accepted.
         self.presence = Presence(
@@ -158,18 +153,20 @@ class RoundManager:
             known=set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors(),
             clock=clock,
         )
-        self.metrics.current_round.set(self._round)
-        self.metrics.round_opened.set(self._opened_at)
-        self.metrics.round_extensions.set(self._extensions)
-        have = len(self._arrivals)
-        stalled = config.stalled(round_=self._round, updates=have, extensions=self._extensions)
+        self.metrics.current_round.set(self._open.number)
+        self.metrics.round_opened.set(self._open.opened_at)
+        self.metrics.round_extensions.set(self._open.extensions)
+        have = len(self._open.arrivals)
+        stalled = config.stalled(
+            round_=self._open.number, updates=have, extensions=self._open.extensions
+        )
         self.metrics.round_stalled.set(1 if stalled else 0)
 
     # -- state -------------------------------------------------------------------------
 
     @property
     def round(self) -> int:
-        return self._round
+        return self._open.number
 
     @property
     def announcement(self) -> RoundAnnouncement:
@@ -182,13 +179,9 @@ class RoundManager:
 
     # -- updates -----------------------------------------------------------------------
 
-    def offer(
-        self, payload: bytes | bytearray, *, topic_client: str | None = None, receipt: bool = True
-    ) -> Decision:
-        """Validate and store one update payload, counting the outcome. ``receipt=False``
-        for a driver with no device awaiting a receipt (the simulator's vector run): the
-        payload's digest is not computed, and the decision (and a duplicate's) names none."""
-        decision = self._judge(payload, topic_client, receipt)
+    def offer(self, payload: bytes | bytearray, *, topic_client: str | None = None) -> Decision:
+        """Validate and store one update payload, counting the outcome."""
+        decision = self._judge(payload, topic_client)
         if decision.accepted:
             self.metrics.updates_accepted.inc()
             assert decision.client is not None and decision.round is not None
@@ -209,9 +202,7 @@ class RoundManager:
         service calls this every few seconds and when it stops."""
         return self.rejections.flush()
 
-    def _judge(
-        self, payload: bytes | bytearray, topic_client: str | None, receipt: bool
-    ) -> Decision:
+    def _judge(self, payload: bytes | bytearray, topic_client: str | None) -> Decision:
         try:
             update = PrototypeUpdate.from_wire(
                 payload, max_bytes=self.config.mqtt.max_payload_bytes
@@ -222,25 +213,28 @@ class RoundManager:
         if reject:
             return Decision(reject, update.round, update.client)
         with self._lock:
-            if self._done or update.round != self._round:
+            open_ = self._open
+            if self._done or update.round != open_.number:
                 return Decision("wrong_round", update.round, update.client)
             now = self._clock()
             if not self.store.add_update(
-                self._round, update.client, bytes(payload), received_at=now
+                open_.number, update.client, bytes(payload), received_at=now
             ):
-                stored = self._digests.get(update.client)
+                stored = open_.digests.get(update.client)
                 return Decision("duplicate", update.round, update.client, stored)
-            digest = self._digests[update.client] = payload_digest(payload) if receipt else None
+            digest = open_.digests[update.client] = self._stored(update, payload)
             if self._statistics is not None and update.classes:
                 # Added to the round's sum now and let go: a round of 10,000 clients'
                 # statistics is not held update by update.
                 self._statistics.take(update)
-            else:
-                self._decoded[update.client] = update
-            self._clients.add(update.client)
             self.presence.know(update.client)
-            self._arrivals.append(now)
+            open_.arrivals.append(now)
         return Decision(ACCEPTED, update.round, update.client, digest)
+
+    def _stored(self, update: PrototypeUpdate, payload: bytes | bytearray) -> str | None:
+        """``update``, received as ``payload``, is now stored in the open round (called
+        under the lock): the digest its receipt names."""
+        return payload_digest(payload)
 
     def sign(self, message: M) -> M:
         """``message`` signed by the coordinator for this run (as is, when insecure)."""
@@ -266,24 +260,13 @@ class RoundManager:
     def close_time(self) -> float | None:
         """When the open round may close, or None while it cannot (too few updates)."""
         with self._lock:
-            if self._done:
-                return None
-            rounds = self.config.rounds
-            arrivals = self._arrivals
-            if len(arrivals) < rounds.min_clients:
-                return None
-            allow = rounds.allow_list
-            if allow and set(allow) <= self._clients:
-                return arrivals[-1]  # everyone expected has answered
-            return min(
-                arrivals[rounds.min_clients - 1] + rounds.wait_after_quorum_s, self._deadline
-            )
+            return None if self._done else self._open.close_time(self.config.rounds)
 
     def seconds_until_due(self) -> float:
         """How long the driver may sleep before calling :meth:`poll` again."""
         now = self._clock()
         due = self.close_time()
-        target = self._deadline if due is None else due
+        target = self._open.deadline if due is None else due
         return max(0.0, target - now)
 
     def poll(self) -> RoundAnnouncement | None:
@@ -294,11 +277,11 @@ class RoundManager:
             now = self._clock()
             due = self.close_time()
             if due is None:
-                if now < self._deadline:
+                if now < self._open.deadline:
                     return None
                 rounds = self.config.rounds
-                have = len(self._arrivals)
-                if self._extensions >= rounds.max_extensions and have >= rounds.floor:
+                have = len(self._open.arrivals)
+                if self._open.extensions >= rounds.max_extensions and have >= rounds.floor:
                     return self._close(now)  # with what it has, below the quorum
                 self._extend(now)
                 return self._announcement
@@ -307,43 +290,42 @@ class RoundManager:
             return self._close(now)
 
     def _extend(self, now: float) -> None:
-        have = len(self._arrivals)
-        self._deadline = now + self.config.rounds.timeout_s
-        self._extensions += 1
-        stalled = self.config.stalled(round_=self._round, updates=have, extensions=self._extensions)
-        self.metrics.round_extensions.set(self._extensions)
+        open_ = self._open
+        have = len(open_.arrivals)
+        open_.extend(now=now, timeout_s=self.config.rounds.timeout_s)
+        stalled = self.config.stalled(
+            round_=open_.number, updates=have, extensions=open_.extensions
+        )
+        self.metrics.round_extensions.set(open_.extensions)
         self.metrics.round_stalled.set(1 if stalled else 0)
         log.warning(
             "round %d: deadline passed with %d of %d required updates; extended by %.0f s%s",
-            self._round,
+            open_.number,
             have,
             self.config.rounds.min_clients,
             self.config.rounds.timeout_s,
             f" ({stalled})" if stalled else "",
             extra={
                 "event": "deadline_extended",
-                "round": self._round,
+                "round": open_.number,
                 "updates": have,
                 "stalled": bool(stalled),
             },
         )
         self._announcement = self.sign(
-            dataclasses.replace(self._announcement, deadline=self._deadline)
+            dataclasses.replace(self._announcement, deadline=open_.deadline)
         )
-        self.store.extend_deadline(self._round, self._deadline, self._announcement.to_wire())
+        self.store.extend_deadline(open_.number, open_.deadline, self._announcement.to_wire())
 
     def _stored_update(self, client: str) -> PrototypeUpdate:
-        """The update the store holds for ``client`` in the open round: the one decoded on
-        arrival, else read and decoded now."""
-        held = self._decoded.get(client)
-        if held is not None:
-            return held
-        payload = self.store.update_payload(self._round, client)
+        """The update the store holds for ``client`` in the open round, decoded."""
+        payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
     def _close(self, now: float) -> RoundAnnouncement:
         started = time.perf_counter()
-        clients = self.store.update_clients(self._round)
+        closing = self._open
+        clients = self.store.update_clients(closing.number)
         model = self.config.model
         fresh: list[str] = []
         if self._statistics is not None:  # summed as they arrived
@@ -353,12 +335,12 @@ class RoundManager:
             updates = [self._stored_update(c) for c in clients]
             result = self.strategy.aggregate(updates, num_classes=len(model.classes), dim=model.dim)
         self.metrics.aggregation_seconds.observe(time.perf_counter() - started)
-        finished = self._round + 1
+        finished = closing.number + 1
         final = self.config.rounds.max_rounds > 0 and finished >= self.config.rounds.max_rounds
         deadline = now if final else now + self.config.rounds.timeout_s
         nxt = self.announcer.announce(finished, result, deadline=deadline, final=final)
         self.store.advance(
-            self._round,
+            closing.number,
             closed_at=now,
             announcement=nxt.to_wire(),
             deadline=deadline,
@@ -369,37 +351,34 @@ class RoundManager:
         if self._statistics is not None:
             self._statistics.committed()
         self.metrics.rounds_completed.inc()
-        self.metrics.round_duration.observe(now - self._opened_at)
+        self.metrics.round_duration.observe(now - closing.opened_at)
         if len(clients) < self.config.rounds.min_clients:
             log.warning(
                 "round %d: closing with %d update(s), below min_clients = %d, after %d "
                 "deadline extensions (rounds.max_extensions)",
-                self._round,
+                closing.number,
                 len(clients),
                 self.config.rounds.min_clients,
-                self._extensions,
+                closing.extensions,
             )
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",
-            self._round,
+            closing.number,
             len(clients),
             ",".join(clients),
             finished,
             " (final)" if final else "",
             extra={
                 "event": "round_closed",
-                "round": self._round,
+                "round": closing.number,
                 "updates": len(clients),
                 "final": final,
             },
         )
-        self._round, self._opened_at, self._deadline = finished, now, deadline
-        self._extensions = 0
+        self._open = OpenRound(number=finished, opened_at=now, deadline=deadline)
         self.metrics.round_extensions.set(0)
         self.metrics.round_stalled.set(0)
         self.metrics.round_opened.set(now)
-        self._announcement, self._done, self._clients, self._arrivals = nxt, final, set(), []
-        self._digests = {}
-        self._decoded = {}
+        self._announcement, self._done = nxt, final
         self.metrics.current_round.set(finished)
         return nxt

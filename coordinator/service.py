@@ -9,9 +9,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from typing import Any
-
-import paho.mqtt.client as mqtt
+from typing import TYPE_CHECKING
 
 from coordinator.rounds import Decision, RoundManager
 from coordinator.store import StorageFault
@@ -26,14 +24,10 @@ from protocol import (
 )
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
-from runtime.transport import (
-    TakeoverWatch,
-    close_with_last_word,
-    connect_failure,
-    make_client,
-    network_thread_alive,
-    start_network,
-)
+from runtime.mqtt_link import MqttLink, Reconnect
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as mqtt
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +39,7 @@ class CoordinatorService:
     """Subscribes to updates and statuses, publishes retained round announcements.
 
     paho delivers messages on its network thread; the accept decision (including the
-    SQLite commit) happens there before paho acknowledges the QoS 1 PUBLISH, so an update
+    SQLite commit) happens there before the link acknowledges the QoS 1 PUBLISH, so an update
     the broker considers delivered is always durable. Round closing runs on the caller's
     thread in :meth:`run`, woken by new updates or by the round's due time.
     """
@@ -60,46 +54,37 @@ class CoordinatorService:
         self.exit_when_done = exit_when_done
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._connected = threading.Event()
         self._last_tick: float | None = None
-        # A message is acknowledged once handled: one that could not be stored (a full
-        # disk) stays unacknowledged and the broker delivers it again after the restart.
-        self.client = make_client(self.config.mqtt, self.config.coordinator_id, manual_ack=True)
-        # paho doubles its reconnect delay up to the maximum: after a long broker outage a
-        # coordinator came back up to a minute after the broker. It is one client; trying
-        # every few seconds costs a broker nothing, and rounds resume within that time.
-        self.client.reconnect_delay_set(
-            min_delay=1,
-            max_delay=max(1, int(min(self.config.mqtt.reconnect_max_s, RECONNECT_MAX_S))),
-        )
         self._fault: BaseException | None = None
         self._flushed = time.monotonic()
         # Digests of the announcements this coordinator published lately, to tell its own
         # retained message from anything else published on the round topic.
         self._own: deque[str] = deque(maxlen=4)
         self._reasserted = -math.inf
-        self._takeover = TakeoverWatch(client_id=self.config.coordinator_id)
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_connect_fail = self._on_connect_fail
-        self.client.on_message = self._on_message
-
-    # -- paho callbacks (network thread) -----------------------------------------------
-
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if reason.is_failure:
-            log.error("broker refused the connection: %s", reason)
-            return
         fleet = self.config.fleet
-        client.subscribe(
-            [(update_filter(fleet), 1), (status_filter(fleet), 1), (round_topic(fleet), 1)]
+        self.link = MqttLink(
+            settings=self.config.mqtt,
+            client_id=self.config.coordinator_id,
+            subscriptions=(update_filter(fleet), status_filter(fleet), round_topic(fleet)),
+            on_connected=self._on_connected,
+            on_message=self._on_message,
+            # A message is acknowledged once handled: one that could not be stored (a full
+            # disk) stays unacknowledged and the broker delivers it again after the restart.
+            manual_ack=True,
+            # paho doubles its reconnect delay up to the maximum: after a long broker outage
+            # a coordinator came back up to a minute after the broker. It is one client;
+            # trying every few seconds costs a broker nothing, and rounds resume within
+            # that time.
+            reconnect=Reconnect(jittered=False, cap_s=RECONNECT_MAX_S),
+            stopping=self._stop.is_set,
+            logger=log,
         )
+
+    # -- the link's events (paho's network thread) -------------------------------------
+
+    def _on_connected(self) -> None:
         # Republish on every (re)connect: the broker may have lost its retained store.
         self._publish(self.manager.announcement)
-        self._connected.set()
-        self._takeover.connected()
         log.info(
             "connected to %s:%d; round %d announced",
             self.config.mqtt.host,
@@ -107,42 +92,30 @@ class CoordinatorService:
             self.manager.round,
         )
 
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        self._connected.clear()
-        if not self._stop.is_set():
-            if taken_over := self._takeover.dropped():
-                log.error("%s", taken_over)
-            log.warning("disconnected from broker (%s); paho will reconnect", reason)
-
-    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
-        # The broker is down or unreachable: paho retries, but says nothing on its own.
-        if not self._stop.is_set():
-            log.warning("%s; retrying", connect_failure(self.config.mqtt))
-
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+    def _on_message(self, message: mqtt.MQTTMessage) -> bool:
+        """Whether ``message`` is handled (an update stored, or judged and refused): only
+        then does the link acknowledge it."""
         # Nothing may escape into paho's network thread: an exception there ends the
         # thread, and with it every reconnect, leaving a coordinator up but deaf.
         if self._fault is not None:
-            return  # intake has stopped; unacknowledged, so delivered again later
+            return False  # intake has stopped; unacknowledged, so delivered again later
         try:
-            self._handle(client, message)
+            self._handle(message)
         except (sqlite3.Error, OSError) as exc:
             self._stop_intake(exc)
-            return
+            return False
         except Exception as exc:
             log.exception("unexpected error handling a message on %s", message.topic)
             self._stop_intake(exc)
-            return
-        client.ack(message.mid, message.qos)
+            return False
+        return True
 
     def _stop_intake(self, exc: BaseException) -> None:
         self._fault = exc
         self.manager.metrics.storage_errors.inc()
         self._wake.set()
 
-    def _handle(self, client: mqtt.Client, message: mqtt.MQTTMessage) -> None:
+    def _handle(self, message: mqtt.MQTTMessage) -> None:
         try:
             topic = parse_topic(message.topic)
         except TopicError:
@@ -156,7 +129,7 @@ class CoordinatorService:
             # close the round and publish the next announcement ahead of the receipt, and
             # the device would hear its round closed before hearing its update stored.
             if decision.digest is not None:
-                self._send_receipt(client, decision)
+                self._send_receipt(decision)
             if decision.accepted:
                 self._wake.set()
         elif topic.kind is TopicKind.STATUS:
@@ -177,7 +150,7 @@ class CoordinatorService:
             self._reasserted = now
             self._publish(self.manager.announcement)
 
-    def _send_receipt(self, client: mqtt.Client, decision: Decision) -> None:
+    def _send_receipt(self, decision: Decision) -> None:
         """Tell the device its update is stored (a duplicate gets the same answer): it
         re-sends until it hears this, since the broker's PUBACK does not mean stored."""
         assert decision.round is not None and decision.client is not None
@@ -190,14 +163,14 @@ class CoordinatorService:
                 digest=decision.digest,
             )
         )
-        client.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire(), qos=1)
+        self.link.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire())
 
     # -- driver ------------------------------------------------------------------------
 
     def _publish(self, announcement: RoundAnnouncement) -> None:
         payload = announcement.to_wire()
         self._own.append(payload_digest(payload))
-        self.client.publish(round_topic(self.config.fleet), payload, qos=1, retain=True)
+        self.link.publish(round_topic(self.config.fleet), payload, retain=True)
 
     def healthy(self) -> bool:
         """For the systemd watchdog: the main loop has ticked recently and paho's network
@@ -205,7 +178,7 @@ class CoordinatorService:
         if self._last_tick is None:
             return True
         recent = time.monotonic() - self._last_tick < 4 * self.TICK_S
-        return recent and network_thread_alive(self.client)
+        return recent and self.link.healthy()
 
     def stop(self) -> None:
         self._stop.set()
@@ -213,11 +186,11 @@ class CoordinatorService:
 
     def run(self, *, ready: threading.Event | None = None) -> None:
         """Serve until :meth:`stop` (or, with ``exit_when_done``, the final round)."""
-        start_network(self.client, self.config.mqtt)
+        self.link.start()
         self._last_tick = time.monotonic()
         try:
             if ready is not None:
-                self._connected.wait()
+                self.link.wait_connected()
                 ready.set()
             while not self._stop.is_set():
                 if self.manager.done and self.exit_when_done:
@@ -256,9 +229,6 @@ class CoordinatorService:
             with contextlib.suppress(sqlite3.Error, OSError):  # already stopping for it
                 self.manager.flush_rejections()
         # Let the last retained announcement reach the broker before disconnecting.
-        close_with_last_word(
-            self.client,
-            round_topic(self.config.fleet),
-            self.manager.announcement.to_wire(),
-            connected=self._connected.is_set(),
+        self.link.close(
+            last_word=(round_topic(self.config.fleet), self.manager.announcement.to_wire())
         )

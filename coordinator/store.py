@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpointer import Checkpointer
-from coordinator.schema import BACKFILL, CLIENT_FIELDS, SCHEMA
+from coordinator.schema import PAGE_SIZE, WAL_CHECKPOINT_BYTES, connect
+from coordinator.summary import read_summary
 from runtime.cliutil import CommandFailed
 
 
@@ -52,54 +53,13 @@ class RoundRow:
     extensions: int = 0
 
 
-#: Bytes per database page, and the write-ahead log's checkpoint size.
-PAGE_SIZE = 16_384
-WAL_CHECKPOINT_BYTES = 4 << 20
-#: Past this the writer checkpoints itself, as a backstop should the checkpointer (below)
-#: fall behind: the log of a 4 MB disk's database must not outgrow the disk unnoticed.
-WAL_BACKSTOP_BYTES = 64 << 20
-
-
 class Store:
     """A thread-safe handle on the coordinator database."""
 
-    def __init__(
-        self, path: Path, *, synchronous: str = "NORMAL", keep_payloads: bool = True
-    ) -> None:
-        """``keep_payloads=False``: an accepted update is stored as its row (round, client,
-        arrival, the client's tally) with an empty payload. For the simulator's vector run,
-        which cannot resume and aggregates what it decoded on arrival: it would otherwise
-        write every FedAvg model of every round to disk for nobody to read (0.2 GB a round
-        at 1,000 clients). Reading such an update back raises :class:`StateError`."""
+    def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.keep_payloads = keep_payloads
         try:
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            # Larger pages for a table of large BLOBs (an update is 5 kB to 1.3 MB): at the
-            # default 4 KiB a FedAvg update spans dozens of chained overflow pages, and a
-            # round of them wrote in 0.95 s against 0.53 s at 16 KiB (1,000 x 208 kB, WAL,
-            # development machine). Not larger: 64 KiB pages (0.43 s) made every small
-            # write cost a whole page, and a coordinator on a 4 MB disk ran out of it
-            # (tests/test_storage_faults.py). Takes effect on a new database only.
-            self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # The log is folded back past about 4 MiB, as with SQLite's default pages (its
-            # default, 1,000 pages, would let it reach 16 MiB on a small disk), by the
-            # checkpointer's thread; the writer's own checkpoint is only the backstop.
-            self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // PAGE_SIZE}")
-            # A log that a burst grew is cut back once it starts afresh: the file must not
-            # keep its largest size on a small disk.
-            self._db.execute(f"PRAGMA journal_size_limit={2 * WAL_CHECKPOINT_BYTES}")
-            # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
-            self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
-            self._db.executescript(SCHEMA)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(rounds)")}
-            if "extensions" not in columns:  # a database from before deadline extensions counted
-                self._db.execute(
-                    "ALTER TABLE rounds ADD COLUMN extensions INTEGER NOT NULL DEFAULT 0"
-                )
-            if self._db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
-                self._db.execute(BACKFILL)
+            self._db = connect(path, synchronous=synchronous)
             self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)
         except sqlite3.Error as exc:
             opened = getattr(self, "_db", None)
@@ -148,8 +108,8 @@ class Store:
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Every write inside in one transaction (one commit, not one per update): for a
-        driver that offers a thousand updates at once, the simulator's vector engine. An
-        error or a crash inside loses the whole batch, never part of it."""
+        driver that offers many updates at once. An error or a crash inside loses the
+        whole batch, never part of it."""
         with self._lock, self._transaction():
             self._batching = True
             try:
@@ -225,22 +185,20 @@ class Store:
         """Store an accepted update; False if (round, client) already has one. The client's
         running tally (last round, updates accepted) moves in the same transaction, and
         outlives the payloads that ``keep_rounds`` drops."""
-        with self._lock:
-            stored = payload if self.keep_payloads else b""
-            with self._transaction():
-                cursor = self._db.execute(
-                    "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
-                    (round_, client, received_at, stored),
+        with self._lock, self._transaction():
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO updates (round, client, received_at, payload) VALUES (?, ?, ?, ?)",
+                (round_, client, received_at, payload),
+            )
+            added = cursor.rowcount == 1
+            if added:
+                self._wrote(len(payload))
+                self._db.execute(
+                    "INSERT INTO contributions VALUES (?, ?, ?, 1) ON CONFLICT (client) DO UPDATE "
+                    "SET last_round = MAX(last_round, excluded.last_round), "
+                    "last_at = excluded.last_at, updates = updates + 1",
+                    (client, round_, received_at),
                 )
-                added = cursor.rowcount == 1
-                if added:
-                    self._wrote(len(stored))
-                    self._db.execute(
-                        "INSERT INTO contributions VALUES (?, ?, ?, 1) ON CONFLICT (client) DO UPDATE "
-                        "SET last_round = MAX(last_round, excluded.last_round), "
-                        "last_at = excluded.last_at, updates = updates + 1",
-                        (client, round_, received_at),
-                    )
             return added
 
     def quarantine(self, round_: int, client: str, reason: str) -> None:
@@ -268,7 +226,7 @@ class Store:
                 "SELECT client, payload FROM updates WHERE round = ? ORDER BY client",
                 (round_,),
             ).fetchall()
-        return [(client, _kept(payload, round_, client)) for client, payload in rows]
+        return [(client, bytes(payload)) for client, payload in rows]
 
     def update_clients(self, round_: int) -> list[str]:
         """The clients with a stored update in ``round_``, in client order (as :meth:`updates`)."""
@@ -285,7 +243,7 @@ class Store:
             )
         if payload is None:
             raise LookupError(f"no stored update of {client} in round {round_}")
-        return _kept(payload, round_, client)
+        return bytes(payload)
 
     def arrival_times(self, round_: int) -> list[float]:
         with self._lock:
@@ -349,12 +307,10 @@ class Store:
     def statistics_of(self, client: str) -> bytes:
         """``client``'s latest statistics-bearing update (LookupError if none)."""
         with self._lock:
-            row = self._db.execute(
-                "SELECT round, payload FROM statistics WHERE client = ?", (client,)
-            ).fetchone()
-        if row is None:
+            payload = self._one("SELECT payload FROM statistics WHERE client = ?", (client,))
+        if payload is None:
             raise LookupError(f"no statistics of {client}")
-        return _kept(row[1], row[0], client)
+        return bytes(payload)
 
     def record_status(
         self,
@@ -402,58 +358,4 @@ class Store:
         """Everything ``edge-coordinator status`` prints, read in one snapshot; a client
         counts as online if its last status says so and came after ``online_since``."""
         with self._lock:
-            db = self._db
-            latest = db.execute(
-                "SELECT round, opened_at, deadline, closed_at, extensions FROM rounds "
-                "ORDER BY round DESC LIMIT 1"
-            ).fetchone()
-            completed = self._one("SELECT COUNT(*) FROM rounds WHERE closed_at IS NOT NULL")
-            # Every client heard from: by its status messages, its updates, or both.
-            clients = db.execute(
-                "SELECT n.client, s.state, s.version, s.last_round, s.reason, s.updated_at, "
-                "c.last_round, c.updates, c.last_at FROM "
-                "(SELECT client FROM clients UNION SELECT client FROM contributions) AS n "
-                "LEFT JOIN clients AS s ON s.client = n.client "
-                "LEFT JOIN contributions AS c ON c.client = n.client ORDER BY n.client"
-            ).fetchall()
-            rejections = dict(
-                db.execute("SELECT reason, count FROM rejections ORDER BY reason").fetchall()
-            )
-            in_round = (
-                self._one("SELECT COUNT(*) FROM updates WHERE round = ?", (latest[0],))
-                if latest
-                else 0
-            )
-            identity = self._one("SELECT value FROM meta WHERE key = 'identity'")
-            quarantined = self._one("SELECT COUNT(*) FROM quarantine")
-        return {
-            "identity": json.loads(identity) if identity else None,
-            "round": None
-            if latest is None
-            else {
-                "number": latest[0],
-                "opened_at": latest[1],
-                "deadline": latest[2],
-                "closed_at": latest[3],
-                "updates": in_round,
-                "extensions": latest[4],
-            },
-            "rounds_completed": completed,
-            "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
-            "clients_online": sum(
-                1 for row in clients if row[1] == "online" and row[5] > online_since
-            ),
-            "rejections": rejections,
-            "quarantined": quarantined,
-        }
-
-
-def _kept(payload: bytes, round_: int, client: str) -> bytes:
-    """A stored payload, or StateError for one stored without it (``keep_payloads``): no
-    update's wire form is empty, so an empty one was left out, never lost."""
-    if not payload:
-        raise StateError(
-            f"the update of {client} in round {round_} was stored without its payload (a "
-            "vector run keeps no payloads): this database cannot be resumed or served"
-        )
-    return bytes(payload)
+            return read_summary(self._db, online_since=online_since)

@@ -5,48 +5,32 @@ simulated fleet drive the same class."""
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from edge_agent import data as data_mod
 from edge_agent import screening
-from edge_agent.anchored import AnchoredLearner, FitSplit
-from edge_agent.closed_form import (
-    ClosedFormDevice,
-    StatisticsRelease,
-    largest_dim,
-    statistics_bytes,
-)
+from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease, check_payload
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
 from edge_agent.extras import load_weights, update_extras
-from edge_agent.features import FeatureCache, cache_features, fingerprint, with_cache_dir
 from edge_agent.head import local_prototypes
+from edge_agent.ignored import IgnoredAnnouncements
 from edge_agent.inference import dense_globals, rule_of
 from edge_agent.keys import AgentKeys
 from edge_agent.methods import device_method
-from edge_agent.privacy.dpsgd import train_round_dp
-from edge_agent.privacy.ledger import Ledger
-from edge_agent.privacy.mechanisms import MECHANISMS, Release
-from edge_agent.privacy.randomness import NONE, NoiseSource
-from edge_agent.privacy.spending import Spending
+from edge_agent.privacy.modes import LocalTraining, make_mode
+from edge_agent.startup import load_training_data, new_head, open_runtime
 from edge_agent.state import StateDir
-from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
-from export import bundle as bundle_mod
+from edge_agent.train import LocalModel, embed, make_optimiser
 from export.runtime import BackboneRuntime
-from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two saves (and log lines) of the ignored-announcement counts.
-IGNORED_SAVE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -74,82 +58,33 @@ class Agent:
         self._params_noted: set[str] = set()  # announced settings already warned about
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, history=cfg.history)
         # Announcements ignored as implausible, by reason (edge-agent status shows them).
-        self.ignored: Counter[str] = Counter(
-            self.state.snapshot.extra.get("ignored_announcements", {})
-        )
-        self._ignored_saved = -math.inf
+        self.ignored = IgnoredAnnouncements(self.state)
         self.keys = AgentKeys.load(cfg.security)
-        if runtime is None:
-            bundle = bundle_mod.load(cfg.bundle)  # refuses files that do not match their hashes
-            runtime = BackboneRuntime(
-                bundle, settings=with_cache_dir(cfg.runtime, self.state.providers_dir)
-            )
         # A simulated fleet hands every agent of a worker the same runtime: one set of
         # ONNX Runtime sessions per process instead of one per agent.
-        self.runtime = runtime
-        self.state.reset_for_bundle(runtime.bundle.id)
+        self.runtime = open_runtime(cfg, self.state) if runtime is None else runtime
+        self.state.reset_for_bundle(self.runtime.bundle.id)
         self.bundle_id = self.runtime.bundle.id
-        cache = FeatureCache(
-            cfg.data.feature_cache or self.state.cache_dir, shared=cfg.data.shared_feature_cache
-        )
-        dim = self.runtime.feature_dim
-        # Only the labels outlive this: the backbones are done with the images once their
-        # features are cached, and a large data set's pixels (12 kB a sample at 32 x 32)
-        # would otherwise sit in a small device's memory for the agent's whole life.
-        train = data_mod.load(cfg.data.train, cfg.classes, size=cfg.data.image_size)
-        privacy = cfg.privacy
-        if privacy.dataset_size is not None and len(train) > privacy.dataset_size:
-            raise data_mod.DataError(
-                f"{cfg.data.train}: {len(train)} training samples, above privacy.dataset_size "
-                f"= {privacy.dataset_size}, the public bound the privacy plan is computed "
-                "from: raise dataset_size (and re-plan with `edge-agent privacy-plan`) or "
-                "hold fewer samples"
-            )
-        # The data version a feature-space release belongs to (dp-features).
-        self.data_version = fingerprint(train.images, train.labels)
-        self.features = cache_features(
-            cache, self.bundle_id, train, self.runtime, what="training data"
-        )
-        self.train_labels = train.labels
-        del train
-        # Scored after every round on a labelled test split, if the configuration names one.
-        self.evaluator = evaluator.for_test_split(
-            cfg, load=lambda d: cache_features(cache, self.bundle_id, d, self.runtime,
-                                               what="test data")
-        )  # fmt: skip
-        cache.prune(keep_bundle=self.bundle_id)
-        if not cache.shared:
-            # What the data was before it changed: its rows are copied by now.
-            for name in cache.drop_unserved():
-                log.info("feature cache: dropped %s (superseded data)", name)
+        data = load_training_data(cfg, self.runtime, self.state, evaluator=evaluator)
+        self.features, self.train_labels = data.features, data.labels
+        self.data_version, self.evaluator = data.version, data.evaluator
         self.num_classes = len(cfg.classes)
-        with torch.random.fork_rng():
-            torch.manual_seed(cfg.seed if cfg.init_seed is None else cfg.init_seed)
-            self.model = LocalModel(
-                in_dim=dim,
-                num_classes=self.num_classes,
-                cfg=cfg.train,
-                dual=device_method(cfg.method).dual,
-            )
+        self.record = device_method(cfg.method)
+        self.model = new_head(cfg, in_dim=self.runtime.feature_dim, dual=self.record.dual)
         self.resumed = self.state.load_model(self.model)
-        self.ledger = Ledger(
-            cfg.state_dir,
-            epsilon_budget=privacy.epsilon,
-            delta=privacy.delta,
-            accountant=privacy.accountant,
-        )
-        # Secret unless the configuration asks for replayable noise (experiments only).
-        self.noise = NoiseSource.create(privacy.reproducible_noise_seed)
-        self.spending = Spending(
-            settings=privacy, train=cfg.train, ledger=self.ledger, noise=self.noise
-        )
         self.optimiser = make_optimiser(self.model, cfg.train)
         # Public randomness (data order): the run's seed.
         self.generator = torch.Generator().manual_seed(
             cfg.seed + (self.state.snapshot.last_round or 0)
         )
-        self.learner: AnchoredLearner | None = None
-        self.record = device_method(cfg.method)
+        local = LocalTraining(
+            model=self.model, optimiser=self.optimiser, features=self.features,
+            labels=self.train_labels, num_classes=self.num_classes, generator=self.generator,
+            method=cfg.method, client=cfg.agent_id, cfg=cfg.train, seed=cfg.seed,
+        )  # fmt: skip
+        # The privacy mechanism at work, chosen once: admit, train, release.
+        self.mode = make_mode(cfg.privacy, local=local, state=self.state,
+                              data_version=self.data_version)  # fmt: skip
         # A closed-form method trains nothing: its statistics leave, a linear head returns.
         self.closed: ClosedFormDevice | None = None
         if not self.record.trains_head:
@@ -158,25 +93,8 @@ class Agent:
                 labels=self.train_labels, num_classes=self.num_classes,
                 settings=cfg.closed_form, seed=cfg.seed, state_dir=cfg.state_dir,
             )  # fmt: skip
-            gram, cap = self.record.wire.gram, cfg.mqtt.max_payload_bytes
-            size = statistics_bytes(self.closed.dim, classes=self.num_classes, gram=gram)
-            if size > cap:
-                # Refused here, not by the coordinator round after round: an update above
-                # the cap would be sent again every resend_s and never stored.
-                raise ValueError(
-                    f"{cfg.method}'s statistics at {self.closed.dim} dimensions take up to "
-                    f"{size:,} bytes, above mqtt.max_payload_bytes = {cap:,}: set "
-                    f"[closed_form] dim to at most "
-                    f"{largest_dim(cap, classes=self.num_classes, gram=gram)}"
-                )
-        elif MECHANISMS[privacy.mechanism].space == "features":
-            split = FitSplit.stratified(self.train_labels, share=privacy.validation_share,
-                                        seed=cfg.seed)  # fmt: skip
-            self.learner = AnchoredLearner(
-                model=self.model, method=cfg.method, weights=privacy.anchor_weights,
-                cfg=cfg.train, features=self.features, labels=self.train_labels,
-                split=split, seed=cfg.seed, state_dir=cfg.state_dir,
-            )  # fmt: skip
+            check_payload(self.closed.dim, method=self.record, classes=self.num_classes,
+                          limit=cfg.mqtt.max_payload_bytes)  # fmt: skip
         log.info(
             "agent %s: %d training samples, bundle %s, %s",
             cfg.agent_id,
@@ -229,137 +147,61 @@ class Agent:
         return self._answer(announcement, received_bytes)
 
     def _ignore(self, reason: str, why: str) -> Decision:
-        """Count an announcement no coordinator of this fleet sends (persisted at most every
-        ``IGNORED_SAVE_S``: a flood of them must not become a flood of disk writes)."""
-        self.ignored[reason] += 1
-        now = time.monotonic()
-        if now - self._ignored_saved >= IGNORED_SAVE_S:
-            self._ignored_saved = now
-            self.state.record(ignored_announcements=dict(self.ignored))
-            log.warning("announcement ignored: %s (%d so far)", why, sum(self.ignored.values()))
+        """An announcement no coordinator of this fleet sends: counted, not answered."""
+        self.ignored.add(reason, why)
         return Decision(reason)
 
     @property
     def prototype_dim(self) -> int:
-        """What the fleet's prototypes are: head embeddings, or under dp-features the
-        backbone features the releases are made of."""
+        """What the fleet's prototypes are: head embeddings, a closed-form method's
+        statistics, or under dp-features the backbone features the releases are made of."""
         if self.closed is not None:
             return self.closed.dim
-        return self.runtime.feature_dim if self.learner is not None else self.cfg.train.out_dim
+        return self.mode.prototype_dim(feature_dim=self.runtime.feature_dim)
 
     @property
     def predictor(self) -> LocalModel:
         """The model the device predicts with: its own, or (dp-features) the one its
         validation split chose."""
-        return self.learner.model if self.learner is not None else self.model
+        return self.mode.predictor
 
     def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
-        cfg = self.cfg
-        if self.ignored != Counter(self.state.snapshot.extra.get("ignored_announcements", {})):
-            self.state.record(ignored_announcements=dict(self.ignored))  # unsaved counts
+        cfg, mode, round_ = self.cfg, self.mode, announcement.round
+        self.ignored.flush()
         self._adopt_global(announcement)
         if self.closed is not None:
             return self._answer_with_statistics(announcement, received_bytes)
-        privacy = cfg.privacy
-        dp = privacy.mechanism == "dp"
-        if dp and not self.ledger.allows(self.spending.dp_events()):
-            # Checked before training: the round's DP-SGD steps are paid for by its release.
-            return self._exhausted(announcement.round)
-        feature_release: tuple[Release, float] | None = None
-        if self.learner is not None:
-            feature_release = self.spending.feature_release(
-                announcement.round, state=self.state, data_version=self.data_version,
-                features=self.features, labels=self.train_labels, num_classes=self.num_classes,
-            )  # fmt: skip
-            if feature_release is None:
-                return self._exhausted(announcement.round)
-        log.info("round %d: training on %d samples", announcement.round, len(self.train_labels))
-        guidance = Guidance.from_announcement(
-            announcement, client=cfg.agent_id, dim=cfg.train.out_dim
-        )
-        args = (self.model, self.optimiser, self.features, self.train_labels)
-        common: dict[str, Any] = {"method": cfg.method, "guidance": guidance, "cfg": cfg.train}
-        record: dict[str, Any] = {}
-        if dp:
-            metrics = train_round_dp(
-                *args,
-                **common,
-                schedule=self.spending.schedule(),
-                noise=self.noise.torch,
-                noise_multiplier=privacy.sgd_noise_multiplier,
-                max_grad_norm=privacy.max_grad_norm,
-            )
-        elif self.learner is not None:
-            metrics, choice = self.learner.train_round(
-                self.features, self.train_labels, announcement, client=cfg.agent_id,
-                generator=self.generator, optimiser=self.optimiser,
-            )  # fmt: skip
-            record |= {
-                "anchor_weight": choice.weight,
-                "predict_rule": choice.rule,
-                "val_accuracies": [list(v) for v in choice.val_accuracies],
-            }
-        else:
-            metrics = train_round(*args, **common, generator=self.generator)
+        if not mode.admit(round_):
+            return self._exhausted(round_)
+        log.info("round %d: training on %d samples", round_, len(self.train_labels))
+        trained = mode.train(announcement)
         # Trained, nothing of the round written or sent yet: where a kill during training
         # lands, reached on purpose instead of by timing.
-        crash_point(f"after_training:{announcement.round}")
+        crash_point(f"after_training:{round_}")
         # One pass over the cached features gives the prototypes (Eq. 5) and, for
         # FedDBP, the embeddings its Fisher scores need.
-        z, _ = embed(self.predictor, self.features)
+        z, _ = embed(mode.predictor, self.features)
         labels = torch.from_numpy(self.train_labels)
         protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
         # The exact local prototypes stay on the device for inference; what leaves it is
-        # the mechanism's release.
+        # the mode's release.
         protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
-        spent = None
-        if feature_release is not None:
-            release, spent = feature_release  # the data version's release, sent again
-        else:
-            release = MECHANISMS[privacy.mechanism].release(
-                z,
-                self.train_labels,
-                self.num_classes,
-                self.spending.mechanism_params(),
-                self.noise.numpy,
-            )
-        if dp:
-            # Durable before the update exists anywhere: a crash from here on can only
-            # over-count this release, never forget it.
-            spent = self.ledger.record(
-                announcement.round, self.spending.dp_events(), reproducible=self.noise.reproducible
-            )
-            crash_point("after_ledger_write")
-        formal = MECHANISMS[privacy.mechanism].formal
+        release, spent = mode.release(round_, z, self.train_labels)
         extras = update_extras(
             method=cfg.method, model=self.model, held=held, z=z, labels=self.train_labels,
             num_classes=self.num_classes,
         )  # fmt: skip
-        update = PrototypeUpdate(
-            fleet=cfg.fleet,
-            round=announcement.round,
-            client=cfg.agent_id,
-            bundle=self.bundle_id,
-            method=cfg.method,
-            classes=tuple(int(c) for c in release.classes),
-            # Noisy counts as 64-bit floats: an update's size must not depend on them.
-            counts=tuple((float if formal else int)(c) for c in release.counts),
-            prototypes=release.prototypes.astype(np.float16),
-            extras=extras,
-            privacy=PrivacyMeta(
-                mechanism=privacy.mechanism,
-                epsilon=spent,
-                delta=privacy.delta if formal else None,
-                guarantee=self.ledger.guarantee if formal else NONE,
-            ),
-        )
-        run = announcement.auth.run if announcement.auth is not None else None
-        update = self.keys.sign(update, run=run)
-        payload = update.to_wire()
-        record |= {
-            "loss": metrics.loss,
-            "train_seconds": metrics.seconds,
+        update, payload = self._signed(announcement, PrototypeUpdate(
+            fleet=cfg.fleet, round=round_, client=cfg.agent_id, bundle=self.bundle_id,
+            method=cfg.method, classes=tuple(int(c) for c in release.classes),
+            counts=mode.wire_counts(release.counts),
+            prototypes=release.prototypes.astype(np.float16), extras=extras,
+            privacy=mode.meta(spent),
+        ))  # fmt: skip
+        record = trained.record | {
+            "loss": trained.metrics.loss,
+            "train_seconds": trained.metrics.seconds,
             "time": time.time(),
             "bytes_up": len(payload),
             "bytes_down": received_bytes,
@@ -369,22 +211,23 @@ class Agent:
             # coordinator returns is scored when that arrives (_adopt_global). A
             # dp-features device predicts by the rule its validation split chose
             # (edge_agent.anchored), with the model it chose.
-            rule = self.learner.predict_rule if self.learner is not None else None
-            record.update(self.evaluator.after_training(self.predictor, protos, counts, rule=rule))
-        if self.learner is not None:
-            self.learner.save()
-        self.state.save_round(
-            announcement.round,
-            model=self.predictor,
-            prototypes=protos,
-            counts=counts,
-            update=payload,
-            metrics=record,
-        )
+            record.update(self.evaluator.after_training(mode.predictor, protos, counts,
+                                                        rule=mode.predict_rule))  # fmt: skip
+        mode.save()
+        self.state.save_round(round_, model=mode.predictor, prototypes=protos, counts=counts,
+                              update=payload, metrics=record)  # fmt: skip
         log.info(
-            "round %d answered: loss %.4f, %d classes", announcement.round, metrics.loss, len(held)
+            "round %d answered: loss %.4f, %d classes", round_, trained.metrics.loss, len(held)
         )
         return Decision("answered", update=update, payload=payload)
+
+    def _signed(
+        self, announcement: RoundAnnouncement, update: PrototypeUpdate
+    ) -> tuple[PrototypeUpdate, bytes]:
+        """``update`` signed for the announcement's run, and its bytes on the wire."""
+        run = announcement.auth.run if announcement.auth is not None else None
+        update = self.keys.sign(update, run=run)
+        return update, update.to_wire()
 
     def _answer_with_statistics(
         self, announcement: RoundAnnouncement, received_bytes: int | None
@@ -393,39 +236,25 @@ class Agent:
         them for this data version (a receipt says so, :meth:`confirmed`), an update with
         no rows after that, so a run costs the statistics once and a few hundred bytes a
         round."""
-        closed, cfg, privacy = self.closed, self.cfg, self.cfg.privacy
+        closed, cfg = self.closed, self.cfg
         assert closed is not None
         round_ = announcement.round
         # What the statistics are of: the data, and the method and size they are taken in
         # (another [closed_form] dim or method over the same data is another release).
         version = f"{self.data_version}:{cfg.method}:{closed.dim}"
         sent = self.state.snapshot.extra.get("statistics_stored") == version
-        formal = MECHANISMS[privacy.mechanism].formal
-        spent = self.ledger.spent() if formal else None
-        if sent:
-            release = StatisticsRelease.nothing(closed.dim)
-        elif not formal:
-            release = closed.release()
-        else:
-            made = self.spending.statistics_release(
-                round_, state=self.state, data_version=version,
-                make=lambda z, rng: closed.noisy_release(z, rng).arrays(),
-            )  # fmt: skip
-            if made is None:
-                return self._exhausted(round_)
-            release, spent = StatisticsRelease.from_arrays(made[0]), made[1]
-        update = release.update(
+        made = (
+            (StatisticsRelease.nothing(closed.dim), self.mode.spent())
+            if sent
+            else self.mode.release_statistics(round_, version=version, closed=closed)
+        )
+        if made is None:
+            return self._exhausted(round_)
+        release, spent = made
+        update, payload = self._signed(announcement, release.update(
             fleet=cfg.fleet, round_=round_, client=cfg.agent_id, bundle=self.bundle_id,
-            method=cfg.method,
-            privacy=PrivacyMeta(
-                mechanism=privacy.mechanism, epsilon=spent,
-                delta=privacy.delta if formal else None,
-                guarantee=self.ledger.guarantee if formal else NONE,
-            ),
-        )  # fmt: skip
-        run = announcement.auth.run if announcement.auth is not None else None
-        update = self.keys.sign(update, run=run)
-        payload = update.to_wire()
+            method=cfg.method, privacy=self.mode.meta(spent),
+        ))  # fmt: skip
         if not sent:
             self.state.record(statistics_sent={"round": round_, "version": version})
         record: dict[str, Any] = {
@@ -481,7 +310,7 @@ class Agent:
 
     @property
     def epsilon_spent(self) -> float:
-        return self.ledger.spent()
+        return self.mode.ledger.spent()
 
     def _adopt_global(self, announcement: RoundAnnouncement) -> None:
         """Take what the coordinator returned for the previous round: FedAvg's and FPL's
@@ -508,7 +337,7 @@ class Agent:
             self.state.save_globals(*dense)
         if (
             self.evaluator is not None
-            and self.learner is None  # dp-features: scored by its own rule, after training
+            and self.mode.predict_rule is None  # dp-features: its own rule, after training
             and rule_of(method).from_server
             and announcement.round >= 1
         ):

@@ -39,8 +39,10 @@ from torch import nn
 
 from edge_agent import inference as inf
 from edge_agent import losses
+from edge_agent.fit_split import FitSplit
 from edge_agent.head import local_prototypes
 from edge_agent.methods import device_method
+from edge_agent.state import npz_bytes
 from edge_agent.train import (
     Guidance,
     LocalModel,
@@ -54,27 +56,6 @@ from protocol import RoundAnnouncement
 from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FitSplit:
-    """Indices of the samples the probes train on and of those that score them."""
-
-    fit: np.ndarray
-    val: np.ndarray
-
-    @classmethod
-    def stratified(cls, labels: np.ndarray, *, share: float, seed: int) -> FitSplit:
-        """About ``share`` of every class with at least two samples goes to validation
-        (at least one, never all); a class with one sample stays in the fit split."""
-        rng = np.random.default_rng(seed)
-        val: list[np.ndarray] = []
-        for c in np.unique(labels):
-            idx = rng.permutation(np.flatnonzero(labels == c))
-            if len(idx) >= 2:
-                val.append(idx[: min(len(idx) - 1, max(1, round(share * len(idx))))])
-        held = np.sort(np.concatenate(val)) if val else np.zeros(0, np.int64)
-        return cls(np.setdiff1d(np.arange(len(labels)), held), held)
 
 
 def project(model: LocalModel, means: torch.Tensor, *, scale: float) -> torch.Tensor:
@@ -281,8 +262,6 @@ class AnchoredLearner:
         return self.fulls[self.chosen]
 
     def save(self) -> None:
-        from edge_agent.state import _npz_bytes
-
         arrays: dict[str, np.ndarray] = {
             "chosen": np.array(self.chosen),
             "rule": np.array(self.rule),
@@ -294,7 +273,7 @@ class AnchoredLearner:
             for k, m in enumerate(models):
                 for name, v in m.state_dict().items():
                     arrays[f"{kind}{k}/{name}"] = v.detach().cpu().numpy()
-        atomic_write(self.path, _npz_bytes(arrays))
+        atomic_write(self.path, npz_bytes(arrays))
 
     def _load(self) -> bool:
         if not self.path.exists():

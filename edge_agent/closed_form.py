@@ -4,7 +4,7 @@ linear head it predicts with.
 The device trains nothing by gradient. Its frozen backbone features are made unit-norm,
 passed through a public random projection to ``k`` dimensions when the fleet sets one
 (seeded from the fleet id: every device and the coordinator agree on it without a
-message) and clipped to norm <= 1. Their class statistics (``runtime/closed_form.py``)
+message) and clipped to norm <= 1. Their class statistics (``runtime.closed_form``)
 leave the device once per data version; the coordinator sums every device's and
 announces the solved linear head.
 
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.anchored import FitSplit
 from edge_agent.config import ClosedFormSettings
+from edge_agent.fit_split import FitSplit
 from edge_agent.methods import DeviceMethod
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 from protocol.methods import BIAS, COUNTS, GRAM
@@ -124,6 +124,21 @@ def largest_dim(limit: int, *, classes: int, gram: bool) -> int:
     while statistics_bytes(k + 1, classes=classes, gram=gram) <= limit:
         k += 1
     return k
+
+
+def check_payload(dim: int, *, method: DeviceMethod, classes: int, limit: int) -> None:
+    """Refuse statistics of ``dim`` dimensions that may not fit ``limit`` bytes (the
+    broker's ``mqtt.max_payload_bytes``): here, at start, and not by the coordinator round
+    after round (an update above the cap would be sent again every resend_s and never
+    stored)."""
+    gram = method.wire.gram
+    size = statistics_bytes(dim, classes=classes, gram=gram)
+    if size > limit:
+        raise ValueError(
+            f"{method.name}'s statistics at {dim} dimensions take up to {size:,} bytes, "
+            f"above mqtt.max_payload_bytes = {limit:,}: set [closed_form] dim to at most "
+            f"{largest_dim(limit, classes=classes, gram=gram)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -263,7 +278,7 @@ class ClosedFormDevice:
         """The statistics through one Gaussian mechanism of multiplier ``noise_multiplier``
         (noise std over the release's joint L2 sensitivity under adding or removing one
         example of norm <= 1). With a second moment: (G, s, n), sensitivity sqrt(3)
-        (``runtime/closed_form.py``). Without (fedcof): the sums and counts, sqrt(2). Every
+        (``runtime.closed_form``). Without (fedcof): the sums and counts, sqrt(2). Every
         class is sent, present or not, so the set sent reveals nothing."""
         exact = self.statistics()
         if self.method.wire.gram:

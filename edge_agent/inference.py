@@ -175,7 +175,7 @@ def rule_of(method: str) -> MethodRule:
 
 def outputs_of(model: object, features: np.ndarray, *, batch: int = 512) -> Outputs:
     """The outputs of a ``LocalModel`` (eval mode) on cached features ``(N, K*d_e)``."""
-    from edge_agent.train import LocalModel, embed, in_batches
+    from edge_agent.train import LocalModel, embed, in_batches  # torch: not for --help, reports
 
     assert isinstance(model, LocalModel)
     z, logits = embed(model, features, batch=batch)

@@ -1,22 +1,19 @@
 """The agent's MQTT loop: presence, announcements in, updates out.
 
-paho runs the network on its own thread; training runs on the caller's thread so a long
-round never starves keepalives. Only the newest announcement is kept: a device that was
-offline for three rounds answers the current one, not the backlog.
+paho runs the network on its own thread (behind :class:`runtime.mqtt_link.MqttLink`);
+training runs on the caller's thread so a long round never starves keepalives. Only the
+newest announcement is kept: a device that was offline for three rounds answers the
+current one, not the backlog.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import paho.mqtt.client as mqtt
-
-from edge_agent.agent import Agent
 from edge_agent.screening import IGNORED
 from protocol import (
     FINISHED,
@@ -30,17 +27,16 @@ from protocol import (
 )
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
-from runtime.transport import (
-    TakeoverWatch,
-    backoff_delay,
-    close_with_last_word,
-    connect_failure,
-    make_client,
-    network_thread_alive,
-    start_network,
-    wait_acknowledged,
-)
+from runtime.mqtt_link import MqttLink, Reconnect
+from runtime.transport import wait_acknowledged
 from runtime.version import package_version
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as mqtt
+
+    # Only named here: the service drives the agent it is handed, so importing it (as
+    # `edge-agent --help` does) does not pay for torch, which the agent's module imports.
+    from edge_agent.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +75,24 @@ class AgentService:
         self._pending: _Pending | None = None
         self._open_round: int | None = None  # the newest round announced
         self._stop = False
-        self._rng = random.Random()
-        self._attempt = 0
-        self._started = False
         self.malformed = 0
         # The reason of the retained online status, when it says why rounds are ignored.
         self._mismatch_said = ""
         self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
         self._receipt_topic = receipt_topic(self.cfg.fleet, self.cfg.agent_id)
         offline = self._status(AgentState.OFFLINE, "connection lost")
-        self.client = make_client(
-            self.cfg.mqtt, self.cfg.agent_id, will=(self._status_topic, offline)
+        self.link = MqttLink(
+            settings=self.cfg.mqtt,
+            client_id=self.cfg.agent_id,
+            subscriptions=(round_topic(self.cfg.fleet), self._receipt_topic),
+            on_connected=self._on_connected,
+            on_message=self._on_message,
+            # A fleet's devices spread their reconnects after a broker restart.
+            reconnect=Reconnect(jittered=True),
+            will=(self._status_topic, offline),
+            stopping=lambda: self._stop,
+            logger=log,
         )
-        self._takeover = TakeoverWatch(client_id=self.cfg.agent_id)
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_connect_fail = self._on_connect_fail
-        self.client.on_message = self._on_message
 
     def _status(self, state: AgentState, reason: str = "") -> bytes:
         return Status(
@@ -107,55 +104,18 @@ class AgentService:
             reason=reason,
         ).to_wire()
 
-    # -- paho callbacks (network thread) -----------------------------------------------
+    # -- the link's events (paho's network thread) -------------------------------------
 
-    def _on_connect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if reason.is_failure:
-            log.error("broker refused the connection: %s", reason)
-            return
-        self._attempt = 0
-        self._takeover.connected()
-        client.subscribe([(round_topic(self.cfg.fleet), 1), (self._receipt_topic, 1)])
+    def _on_connected(self) -> None:
         self._mismatch_said = ""  # said afresh when the retained announcement comes again
-        client.publish(self._status_topic, self._status(AgentState.ONLINE), qos=1, retain=True)
+        self._say_online("")
         log.info(
             "connected to %s:%d as %s", self.cfg.mqtt.host, self.cfg.mqtt.port, self.cfg.agent_id
         )
 
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any
-    ) -> None:
-        if not self._stop:
-            if taken_over := self._takeover.dropped():
-                log.error("%s", taken_over)
-            self._retry(client, f"disconnected ({reason})")
-
-    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
-        # The broker is down or unreachable: paho retries, but says nothing on its own.
-        if not self._stop:
-            self._retry(client, connect_failure(self.cfg.mqtt))
-
-    def _retry(self, client: mqtt.Client, why: str) -> None:
-        # paho backs off exponentially but in lock-step across a fleet; a random base per
-        # attempt spreads the reconnects of many devices after a broker restart.
-        self._attempt += 1
-        mqtt_cfg = self.cfg.mqtt
-        delay = backoff_delay(
-            self._attempt,
-            low=mqtt_cfg.reconnect_min_s,
-            high=mqtt_cfg.reconnect_max_s,
-            rng=self._rng,
-        )
-        # paho waits whole seconds, at least one: the next wait is exactly ``wait``.
-        wait = max(1, round(delay))
-        client.reconnect_delay_set(min_delay=wait, max_delay=max(1, int(mqtt_cfg.reconnect_max_s)))
-        log.warning("%s; reconnecting in %d s", why, wait)
-
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+    def _on_message(self, message: mqtt.MQTTMessage) -> bool:
         if not message.payload:
-            return  # a cleared retained message
+            return True  # a cleared retained message
         with self._cond:
             if message.topic == self._receipt_topic:
                 if len(self._receipts) < 64:  # a flood of them waits for the main thread
@@ -163,14 +123,13 @@ class AgentService:
             else:
                 self._latest = bytes(message.payload)
             self._cond.notify_all()
+        return True
 
     # -- driver ------------------------------------------------------------------------
 
     def healthy(self) -> bool:
         """For the systemd watchdog: paho's network thread must be alive once started."""
-        if not self._started:
-            return True
-        return network_thread_alive(self.client)
+        return self.link.healthy()
 
     def stop(self) -> None:
         with self._cond:
@@ -192,8 +151,7 @@ class AgentService:
             return payload, receipts
 
     def run(self) -> None:
-        start_network(self.client, self.cfg.mqtt)
-        self._started = True
+        self.link.start()
         try:
             while not self._stop:
                 payload, receipts = self._next()
@@ -270,13 +228,11 @@ class AgentService:
         pending.wait = min(self.resend_max_s, pending.wait * 2)
         pending.resend_at = time.monotonic() + pending.wait
         log.info("round %d: no receipt yet; sending the update again", pending.round)
-        self.client.publish(update_topic(self.cfg.fleet, self.cfg.agent_id), pending.payload, qos=1)
+        self.link.publish(update_topic(self.cfg.fleet, self.cfg.agent_id), pending.payload)
 
     def _say_online(self, reason: str) -> None:
         """The retained status: where the coordinator and operators look."""
-        self.client.publish(
-            self._status_topic, self._status(AgentState.ONLINE, reason), qos=1, retain=True
-        )
+        self.link.publish(self._status_topic, self._status(AgentState.ONLINE, reason), retain=True)
 
     def _process(self, payload: bytes) -> None:
         try:
@@ -317,9 +273,7 @@ class AgentService:
             if decision.reason == "budget_exhausted":
                 self._say_online("privacy budget exhausted; not publishing")
             return
-        info = self.client.publish(
-            update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload, qos=1
-        )
+        info = self.link.publish(update_topic(self.cfg.fleet, self.cfg.agent_id), decision.payload)
         try:
             acknowledged = wait_acknowledged(
                 info, timeout=self.publish_timeout, stopping=lambda: self._stop
@@ -341,9 +295,6 @@ class AgentService:
 
     def _shutdown(self) -> None:
         self._stop = True
-        close_with_last_word(
-            self.client,
-            self._status_topic,
-            self._status(AgentState.OFFLINE, "shutdown"),
-            connected=self.client.is_connected(),
+        self.link.close(
+            last_word=(self._status_topic, self._status(AgentState.OFFLINE, "shutdown"))
         )

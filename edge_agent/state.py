@@ -20,6 +20,7 @@ Layout::
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -28,17 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edge_agent.privacy.mechanisms import Release
+from runtime.files import atomic_write
+
 if TYPE_CHECKING:
     from torch import nn
-
-from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 
 
-def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    import io
-
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """``arrays`` as the bytes of an .npz (no pickle), to be written atomically."""
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     return buffer.getvalue()
@@ -145,7 +146,7 @@ class StateDir:
         if model is not None:
             self.save_model(model)
         atomic_write(
-            self.root / "prototypes.npz", _npz_bytes({"prototypes": prototypes, "counts": counts})
+            self.root / "prototypes.npz", npz_bytes({"prototypes": prototypes, "counts": counts})
         )
         atomic_write(self.root / f"update-{round_}.bin", update)
         history = (*self.snapshot.history, {"round": round_, **metrics})[-self.history_limit :]
@@ -158,12 +159,12 @@ class StateDir:
         crash before the next commit resumes from a model the device would adopt again."""
         atomic_write(
             self.root / "head.npz",
-            _npz_bytes({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
+            npz_bytes({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
         )
 
     def save_globals(self, prototypes: np.ndarray, present: np.ndarray) -> None:
         atomic_write(
-            self.root / "globals.npz", _npz_bytes({"prototypes": prototypes, "present": present})
+            self.root / "globals.npz", npz_bytes({"prototypes": prototypes, "present": present})
         )
 
     def load_globals(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -215,19 +216,17 @@ class StateDir:
             return False
         return True
 
-    def save_feature_release(self, version: str, release: Any) -> None:
+    def save_feature_release(self, version: str, release: Release) -> None:
         """Keep a dp-features release for the data version it was made from."""
         atomic_write(
             self.root / "feature_release.npz",
-            _npz_bytes({"version": np.array(version), "classes": release.classes,
+            npz_bytes({"version": np.array(version), "classes": release.classes,
                         "prototypes": release.prototypes, "counts": release.counts}),
         )  # fmt: skip
 
-    def load_feature_release(self, version: str) -> Any:
+    def load_feature_release(self, version: str) -> Release | None:
         """The stored release of data version ``version``; None if there is none (or only
         one of another version: new data is a new release)."""
-        from edge_agent.privacy.mechanisms import Release
-
         path = self.root / "feature_release.npz"
         if not path.exists():
             return None
@@ -241,7 +240,7 @@ class StateDir:
         the data version it was made from."""
         atomic_write(
             self.root / "statistics_release.npz",
-            _npz_bytes({"version": np.array(version), **arrays}),
+            npz_bytes({"version": np.array(version), **arrays}),
         )
 
     def load_statistics_release(self, version: str) -> dict[str, np.ndarray] | None:

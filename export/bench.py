@@ -16,6 +16,7 @@ from export import architectures, quantize, render
 from export.bundle import INPUT_NAME, Bundle
 from export.onnx_io import export_onnx
 from export.runtime import CPU, choose_providers, quiet_threads
+from export.sources import PRETRAINED
 from export.timing import seconds_per_call
 
 
@@ -34,8 +35,6 @@ class Target:
 
 def targets_for_bundle(bundle: Bundle) -> list[Target]:
     """Rebuild each member's architecture from its provenance (same compute, any weights)."""
-    from export.sources import PRETRAINED
-
     out = []
     for m in bundle.members:
         arch = m.provenance.get("architecture")

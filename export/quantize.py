@@ -11,6 +11,7 @@ from typing import Literal
 import numpy as np
 import onnx
 
+from export import rounding
 from export.bundle import INPUT_NAME
 
 Precision = Literal["fp32", "fp16", "int8"]
@@ -80,8 +81,6 @@ def to_int8(
         quantize_static,
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from export import rounding
 
     class Reader(_Calibration, CalibrationDataReader):
         pass

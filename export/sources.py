@@ -18,6 +18,7 @@ from torch import nn
 
 from export import architectures
 from export.errors import ExportError
+from export.onnx_io import onnx_info
 from protocol import validate_id
 
 KINDS = ("arch", "torchscript", "factory", "onnx")
@@ -240,8 +241,6 @@ class Loaded:
 def load(source: Source) -> Loaded:
     prov: dict[str, Any] = dict(source.provenance)
     if source.onnx is not None:
-        from export.onnx_io import onnx_info
-
         if not source.onnx.is_file():
             raise ExportError(f"backbone {source.name!r}: no such ONNX file {source.onnx}")
         shape, _, _ = onnx_info(source.onnx)

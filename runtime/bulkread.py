@@ -3,16 +3,18 @@
 paho reads one packet per ``select()``, in three or more ``recv()`` calls (the first
 byte, the length a byte at a time, the rest), and sends every PUBACK on its own, waking
 its loop through a socket pair each time: about 100 microseconds a message here, which
-caps a paho consumer at about 10,000 messages a second. A coordinator under a junk flood must reject faster than
-that, or the broker's queue for it overflows and drops honest updates with the junk.
+caps a paho consumer at about 10,000 messages a second. A coordinator under a junk flood
+must reject faster than that, or the broker's queue for it overflows and drops honest
+updates with the junk.
 
 :class:`BulkReadClient` replaces only the reading: one ``recv()`` of up to
 ``READ_BYTES`` per call, every complete packet in it handled, QoS 0/1 PUBLISH packets
 of MQTT 3.1.1 decoded here (paho's own handler takes every other packet, unchanged), and
 the PUBACKs of a batch sent as one write. Callbacks, acknowledgement rules (automatic or
 ``manual_ack``), reconnects, TLS and keep-alive stay paho's. It reaches into a few of
-paho's private members: :func:`supported` checks them, and :func:`make_client` falls
-back to the plain client (saying so once) should a paho release rename them.
+paho's private members: :func:`supported` checks them, and
+:func:`runtime.mqtt_link.make_client` falls back to the plain client (saying so once)
+should a paho release rename them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""MQTT connection settings and the one place a paho client is configured.
+"""MQTT connection settings and the parts of a connection that need no paho: credentials,
+reconnect backoff, takeover detection, failure messages, waiting for an acknowledgement.
 
-paho-mqtt is imported lazily, so reading settings costs nothing for a command that never
-connects; the agent and the coordinator both call :func:`make_client`.
+Nothing here imports paho, so reading settings costs nothing for a command that never
+connects; :mod:`runtime.mqtt_link` makes the client and wires its callbacks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import ssl
 import sys
@@ -77,8 +77,8 @@ class TakeoverWatch:
     coordinator started twice). An MQTT 3.1.1 broker drops the older of two such sessions
     without saying why, and each side's reconnect then drops the other, for ever.
 
-    Call :meth:`connected` and :meth:`dropped` from the client's callbacks; ``dropped``
-    returns the warning to log, once per run of quick drops.
+    :class:`runtime.mqtt_link.MqttLink` calls :meth:`connected` and :meth:`dropped` from
+    paho's callbacks; ``dropped`` returns the warning to log, once per run of quick drops.
     """
 
     def __init__(
@@ -112,30 +112,6 @@ class TakeoverWatch:
             "drops the older of two connections with one client id; every device needs its "
             "own id)"
         )
-
-
-def start_network(client: mqtt.Client, settings: MqttSettings) -> None:
-    """Connect to the broker and start paho's network thread, which reconnects from then on.
-
-    The first attempt is made here, not by that thread: after a failed *first* attempt
-    paho's thread waits the reconnect delay twice (d, then 2d) before trying again, so a
-    service that had logged "reconnecting in 2 s" tried again after 6. A failure here goes
-    to ``client.on_connect_fail`` as one in the thread would, with the error in hand
-    (see :func:`connect_failure`).
-    """
-    try:
-        client.connect(settings.host, settings.port, keepalive=settings.keepalive)
-    except OSError:
-        if client.on_connect_fail is not None:
-            client.on_connect_fail(client, None)
-    client.loop_start()
-
-
-def network_thread_alive(client: mqtt.Client) -> bool:
-    """Whether paho's loop_start() thread runs: the one that reconnects. paho keeps it in a
-    private attribute; its death leaves a client that will never reconnect."""
-    thread = getattr(client, "_thread", None)
-    return thread is not None and thread.is_alive()
 
 
 class CredentialsError(ValueError):
@@ -225,46 +201,6 @@ def connect_failure(settings: MqttSettings) -> str:
     return where
 
 
-def make_client(
-    settings: MqttSettings,
-    client_id: str,
-    *,
-    will: tuple[str, bytes] | None = None,
-    manual_ack: bool = False,
-) -> mqtt.Client:
-    """A paho client with QoS-1-friendly defaults: persistent session, TLS, credentials,
-    and an optional retained Last Will. With ``manual_ack`` a received QoS 1 message is
-    acknowledged only by ``client.ack``: one left unacknowledged is delivered again after
-    a reconnect. Raises :class:`CredentialsError` for an unusable password or TLS file."""
-    import paho.mqtt.client as mqtt
-
-    from runtime.bulkread import client_class
-
-    credentials = load_credentials(settings)
-    # clean_session=False keeps subscriptions and queued QoS 1 messages across reconnects.
-    client = client_class()(
-        mqtt.CallbackAPIVersion.VERSION2,
-        client_id=client_id,
-        clean_session=False,
-        protocol=mqtt.MQTTv311,
-        manual_ack=manual_ack,
-    )
-    # paho's default of 20 in-flight QoS 1 messages throttles a burst of updates.
-    client.max_inflight_messages_set(1000)
-    client.max_queued_messages_set(0)
-    client.reconnect_delay_set(
-        min_delay=max(1, int(settings.reconnect_min_s)),
-        max_delay=max(1, int(settings.reconnect_max_s)),
-    )
-    if settings.username is not None:
-        client.username_pw_set(settings.username, credentials.password)
-    if credentials.tls is not None:
-        client.tls_set_context(credentials.tls)
-    if will is not None:
-        client.will_set(will[0], will[1], qos=1, retain=True)
-    return client
-
-
 def wait_acknowledged(
     info: mqtt.MQTTMessageInfo, *, timeout: float, stopping: Callable[[], bool]
 ) -> bool:
@@ -282,25 +218,3 @@ def wait_acknowledged(
             break
         info.wait_for_publish(timeout=min(0.25, remaining))
     return info.is_published()
-
-
-def close_with_last_word(
-    client: mqtt.Client, topic: str, payload: bytes, *, connected: bool, timeout: float = 5.0
-) -> None:
-    """Publish a last retained message if ``connected``, wait for the broker to take it,
-    then disconnect and stop the network thread.
-
-    The wait ends early once the connection is gone: a broker stopping together with the
-    client (a fleet's Ctrl-C) never answers, and what is lost is restated anyway (the
-    agent's will says "offline", the coordinator republishes its round at the next start).
-    """
-    if connected:
-        info = client.publish(topic, payload, qos=1, retain=True)
-        with contextlib.suppress(RuntimeError, ValueError):
-            wait_acknowledged(info, timeout=timeout, stopping=lambda: not client.is_connected())
-    client.disconnect()
-    # paho's loop_stop checks its thread, then joins it; the thread clears that reference
-    # as it ends, and a disconnect can end it in between (paho issue #872): one agent of a
-    # thousand stopping at once died on AttributeError. It has ended then, as asked.
-    with contextlib.suppress(AttributeError):
-        client.loop_stop()

@@ -14,6 +14,8 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
 from coordinator.strategies import available
+from edge_agent.train import LocalModel
+from edge_agent.train_config import TrainConfig
 from protocol import PrivacyMeta
 from protocol.methods import wire_method
 from protocol.weights import averaged_weight_shapes
@@ -30,9 +32,6 @@ class Clock:
 
 @pytest.mark.parametrize("norm", ["batch", "group"])
 def test_the_configured_weight_table_is_what_a_device_sends(norm):
-    from edge_agent.train import LocalModel
-    from edge_agent.train_config import TrainConfig
-
     model = LocalModel(in_dim=24, num_classes=5, cfg=TrainConfig(out_dim=32, norm=norm))
     sent = {
         k: tuple(v.shape)

@@ -16,11 +16,19 @@ from edge_agent.closed_form import (
     ClosedFormDevice,
     StatisticsRelease,
     StoredHead,
+    choose,
+    largest_dim,
     prepare,
     projection,
+    statistics_bytes,
 )
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import device_method
+from edge_agent.privacy.accounting import plan_features
+from edge_agent.privacy.settings import PrivacySettings
+from fleet.data import partition as part
+from fleet.transports.runner import run
+from fleet.transports.spec import RunSpec
 from protocol import PrototypeUpdate, RoundAnnouncement
 from protocol.methods import BIAS, GRAM
 from runtime import closed_form as cf
@@ -168,9 +176,6 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lda", "fedcof"])
 def test_a_noisy_release_is_paid_for_once_and_sent_again_unchanged(small_zoo, tmp_path, method):
-    from edge_agent.config import PrivacySettings
-    from edge_agent.privacy.accounting import plan_features
-
     z = plan_features(epsilon_target=4.0, delta=1e-5).release_noise_multiplier
     cfg = agent_config(tmp_path / "a", small_zoo, agent_id="dev-a", domain="clean",
                        method=method)  # fmt: skip
@@ -196,7 +201,7 @@ def test_a_noisy_release_is_paid_for_once_and_sent_again_unchanged(small_zoo, tm
     again = PrototypeUpdate.from_wire(agent.handle(dataclasses.replace(start, round=1)).payload)
     assert np.array_equal(again.prototypes, sent.prototypes)
     assert again.counts == sent.counts and again.privacy.epsilon == sent.privacy.epsilon
-    assert len(agent.ledger.history) == 1
+    assert len(agent.mode.ledger.history) == 1
     # A restart (the ledger and the stored release survive it) changes nothing either.
     restarted = Agent(cfg)
     third = PrototypeUpdate.from_wire(restarted.handle(dataclasses.replace(start, round=2)).payload)
@@ -232,8 +237,6 @@ def test_a_noisy_release_adds_the_mechanisms_noise_to_everything_it_sends(tmp_pa
 
 
 def test_an_update_that_would_not_fit_the_payload_cap_names_the_largest_dim():
-    from edge_agent.closed_form import largest_dim, statistics_bytes
-
     k = largest_dim(4 << 20, classes=10, gram=True)
     assert statistics_bytes(k, classes=10, gram=True) <= 4 << 20
     assert statistics_bytes(k + 1, classes=10, gram=True) > 4 << 20
@@ -247,8 +250,6 @@ def test_an_update_that_would_not_fit_the_payload_cap_names_the_largest_dim():
 
 
 def test_the_device_keeps_its_own_head_unless_another_earns_its_place():
-    from edge_agent.closed_form import choose
-
     # 20 validation samples: one more right is 0.05.
     assert choose({"global": 0.80, "personalised": 0.70, "own": 0.70}, validation=20) == "global"
     assert choose({"global": 0.74, "personalised": 0.70, "own": 0.70}, validation=20) == "own"
@@ -265,10 +266,6 @@ def test_over_mosquitto_the_statistics_travel_once_and_score_as_in_memory(small_
     """The agents' services over a real Mosquitto: the statistics leave each device in
     round 0 and, once the coordinator's receipt came, never again; every device's scores
     are those of the in-process fleet."""
-    from fleet.data import partition as part
-    from fleet.transports.runner import run
-    from fleet.transports.spec import RunSpec
-
     partition = part.digits5(clients=2, split="feature", seed=3, train=40, test=30)
     results = {}
     for transport in ("mqtt", "memory"):

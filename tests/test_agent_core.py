@@ -1,14 +1,31 @@
+"""The agent's round logic: answering once and resuming, its state folder, ignoring what
+no coordinator of its fleet sends, its configuration file, `edge-agent status` and
+`edge-agent predict`, and how each method's device is scored."""
+
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 
+from coordinator.strategies import make_strategy
 from edge_agent import data as data_mod
 from edge_agent.agent import Agent
+from edge_agent.cli import EXAMPLE
+from edge_agent.config import load
 from edge_agent.extras import model_weights
+from edge_agent.state import StateDir
+from edge_agent.train import LocalModel, embed
+from fleet.data.digits5 import domain_data
 from fleet.engine.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
-from tests.agent_helpers import agent_config
+from runtime.settings import ConfigError
+from tests.agent_helpers import agent_config, digits_npz
 
 
 def announcement(bundle_id: str, round_: int, **kw) -> RoundAnnouncement:
@@ -80,8 +97,6 @@ def test_state_keeps_the_configured_number_of_rounds_of_history(small_zoo, tmp_p
     ],
 )
 def test_a_damaged_state_file_is_named_and_never_overwritten(tmp_path, content, why):
-    from edge_agent.state import StateDir
-
     (tmp_path / "state.json").write_bytes(content)
     with pytest.raises(ValueError, match=why) as caught:
         StateDir(tmp_path, agent_id="dev-s")
@@ -92,8 +107,6 @@ def test_a_damaged_state_file_is_named_and_never_overwritten(tmp_path, content, 
 
 
 def test_reading_a_state_folder_creates_nothing(tmp_path):
-    from edge_agent.state import StateDir
-
     state = StateDir(tmp_path / "typo", agent_id="dev-s", create=False)
     assert state.snapshot.last_round is None and state.load_prototypes() is None
     assert not (tmp_path / "typo").exists()
@@ -111,8 +124,6 @@ def test_a_saved_head_that_no_longer_fits_is_replaced_with_a_warning(small_zoo, 
 
 
 def test_a_restart_on_grown_data_runs_the_backbones_on_the_new_samples_only(small_zoo, tmp_path):
-    from tests.agent_helpers import digits_npz
-
     cfg = agent_config(tmp_path / "g", small_zoo, agent_id="dev-g", domain="clean")
     Agent(cfg)
     old = np.load(cfg.data.train)
@@ -180,8 +191,6 @@ def test_announced_settings_that_differ_from_the_device_are_warned_about_once(
 
 
 def test_feddbp_agent_uploads_fisher_scores_the_coordinator_fuses(small_zoo, tmp_path):
-    from coordinator.strategies import make_strategy
-
     agent = Agent(
         agent_config(tmp_path / "d", small_zoo, agent_id="dev-d", domain="photo", method="feddbp")
     )
@@ -194,9 +203,6 @@ def test_feddbp_agent_uploads_fisher_scores_the_coordinator_fuses(small_zoo, tmp
 
 
 def test_documented_agent_config_loads():
-    from edge_agent.cli import EXAMPLE
-    from edge_agent.config import load
-
     cfg = load(EXAMPLE)
     assert cfg.agent_id == "jetson-01" and cfg.train.tau == 0.07 and cfg.train.batch_size == 32
     assert cfg.mqtt.reconnect_max_s == 60.0
@@ -214,9 +220,6 @@ def test_documented_agent_config_loads():
 def test_values_found_only_at_run_time_before_are_refused_as_the_file_is_read(
     tmp_path, table, line, message
 ):
-    from edge_agent.config import load
-    from runtime.settings import ConfigError
-
     path = tmp_path / "agent.toml"
     body = f"[{table}]\n{line}\n" if table != "data" else line + "\n"
     path.write_text(
@@ -229,13 +232,6 @@ def test_values_found_only_at_run_time_before_are_refused_as_the_file_is_read(
 
 @pytest.mark.slow
 def test_status_and_predict_commands(small_zoo, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from fleet.data.digits5 import domain_data
-
     root = tmp_path / "e"
     cfg = agent_config(root, small_zoo, agent_id="dev-e", domain="clean")
     agent = Agent(cfg)
@@ -269,8 +265,6 @@ def test_status_and_predict_commands(small_zoo, tmp_path):
         r["class"] in [str(i) for i in range(10)] and r["latency_ms"] > 0 for r in rows
     )
     # A tree of class folders: every image below it, an unreadable one reported in place.
-    from PIL import Image
-
     for i, cls in enumerate(("3", "7", "7/more")):
         (root / "tree" / cls).mkdir(parents=True)
         Image.fromarray((x[i].transpose(1, 2, 0) * 255).astype(np.uint8)).save(
@@ -303,10 +297,6 @@ def test_averaging_methods_are_scored_by_the_global_model_of_each_round(
 ):
     """FedAvg's and FPL's accuracy is their global model's on the device's test split
     (not the device's locally trained copy), filed under the round that produced it."""
-    import torch
-
-    from coordinator.strategies import make_strategy
-    from edge_agent.train import LocalModel, embed
 
     def config(domain: str):  # enough local training that the heads learn something
         cfg = agent_config(tmp_path / domain, small_zoo, agent_id=f"dev-{domain}",
@@ -369,8 +359,6 @@ def test_feddbp_is_scored_by_its_decision_branch_against_its_own_global_prototyp
     """FedDBP 3.1: prototype-based inference on the decision branch's features, against
     the personalised global prototypes the coordinator sent this client; scored when they
     arrive, under the round whose prototypes built them."""
-    import torch
-
     cfg = agent_config(tmp_path / "d", small_zoo, agent_id="dev-d", domain="clean",
                        method="feddbp")  # fmt: skip
     # On this tiny set the figures stay near chance; what is checked is the rule.
@@ -429,7 +417,7 @@ def test_implausible_announcements_are_ignored_counted_and_never_recorded(small_
     near = dataclasses.replace(far, round=10_000)  # max_round_jump past round 0: plausible
     assert agent.last_round == 0
     assert agent.handle(dataclasses.replace(real, round=1)).reason == "answered"
-    assert agent.ignored == {"wrong_dim": 1, "implausible_round": 1}
+    assert agent.ignored.counts == {"wrong_dim": 1, "implausible_round": 1}
     # Across a restart the device still answers the real fleet's next round.
     again = Agent(cfg)
     assert again.last_round == 1

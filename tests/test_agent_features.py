@@ -1,7 +1,9 @@
+import logging
+
 import numpy as np
 import pytest
 
-from edge_agent.features import FeatureCache, fingerprint
+from edge_agent.features import FeatureCache, LoggedProgress, fingerprint
 from export.runtime import BackboneRuntime
 
 
@@ -170,10 +172,6 @@ def test_drop_unserved_clears_what_a_crash_left(tmp_path):
 
 
 def test_progress_is_logged_for_a_long_backbone_pass(caplog):
-    import logging
-
-    from edge_agent.features import LoggedProgress
-
     progress = LoggedProgress(logging.getLogger("t"), what="training data", total=10, every_s=0)
     with caplog.at_level(logging.INFO, logger="t"):
         progress.update(4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -10,8 +11,11 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
+from export import bundle as bundle_mod
+from fleet.transports.broker import MosquittoBroker, free_port
 from protocol import (
     AgentState,
     PrototypeUpdate,
@@ -26,6 +30,7 @@ from protocol import (
 )
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
+from runtime.transport import wait_acknowledged
 from tests.agent_helpers import digits_npz
 from tests.mqtt_helpers import connected
 from tests.process_helpers import agent_process, status
@@ -124,8 +129,6 @@ class StandInCoordinator:
 
 @pytest.mark.slow
 def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zoo, tmp_path):
-    from export import bundle as bundle_mod
-
     bundle_id = bundle_mod.load(small_zoo).id
     port = mosquitto.address.port
     cfg_a, labels_a = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=150)
@@ -185,8 +188,6 @@ def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zo
 @pytest.mark.slow
 @pytest.mark.broker
 def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(small_zoo, tmp_path):
-    from fleet.transports.broker import MosquittoBroker, free_port
-
     port = free_port()
     config, _ = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)
     agent = agent_process(config)
@@ -210,10 +211,6 @@ def test_an_agent_started_before_its_broker_says_so_and_comes_online_with_it(sma
 
 
 def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
-    import paho.mqtt.client as mqtt
-
-    from runtime.transport import wait_acknowledged
-
     asked = Counter[str]()
 
     def stop_on_third_question() -> bool:
@@ -240,8 +237,6 @@ def test_waiting_for_an_acknowledgement_ends_with_it_or_with_a_stop():
 
 @pytest.mark.slow
 def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_zoo, tmp_path):
-    from export import bundle as bundle_mod
-
     bundle_id = bundle_mod.load(small_zoo).id
     config, _ = write_config(
         tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
@@ -292,8 +287,6 @@ def test_a_second_agent_on_the_same_state_or_cache_is_refused_and_a_reload_keeps
 ):
     # Two copies on one state folder would both write its privacy ledger and fight over
     # one MQTT client id.
-    import signal
-
     cache = tmp_path / "cache"
     configs = []
     for name in ("a", "b"):

@@ -1,9 +1,11 @@
 import numpy as np
 import pytest
 import torch
+from opacus import GradSampleModule
 
 from edge_agent.head import InputMajorLinear
 from edge_agent.inference import nearest_by_cosine
+from edge_agent.privacy.dpsgd import _register_grad_samplers
 from edge_agent.train import (
     LOSSES,
     Guidance,
@@ -143,10 +145,6 @@ def test_input_major_linear_is_nn_linear_with_a_transposed_weight():
 
 
 def test_input_major_linear_per_sample_gradients_match_one_backward_per_sample():
-    from opacus import GradSampleModule
-
-    from edge_agent.privacy.dpsgd import _register_grad_samplers
-
     _register_grad_samplers()
     assert GradSampleModule.GRAD_SAMPLERS.get(InputMajorLinear) is not None  # not vmap's
     torch.manual_seed(0)

@@ -1,8 +1,15 @@
 """Protocol messages through a real Mosquitto: retained rounds, QoS 1 updates."""
 
+from pathlib import Path
+
 import pytest
 
-from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
+from fleet.transports.broker import (
+    PRODUCTION_LIMITS,
+    BrokerError,
+    MosquittoBroker,
+    find_mosquitto,
+)
 from protocol import (
     PrototypeUpdate,
     RoundAnnouncement,
@@ -23,10 +30,6 @@ def test_mosquitto_is_installed():
 
 
 def test_a_private_broker_has_the_limits_of_the_shipped_production_config():
-    from pathlib import Path
-
-    from fleet.transports.broker import PRODUCTION_LIMITS
-
     shipped = Path(__file__).resolve().parent.parent / "systemd" / "mosquitto" / "protofleet.conf"
     settings = dict(
         line.split(None, 1) for line in shipped.read_text().splitlines() if line.strip()

@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_agent.config import load as load_agent_config
+from export import bundle as bundle_mod
+from fleet.data.bundles import ensure_bundle
 from runtime import cliutil
 from runtime.cliutil import make_parser
 
@@ -261,8 +264,6 @@ def test_demo_compares_methods_over_mqtt_and_reports(small_zoo, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     # --train-param reaches every agent's configuration and the report.
-    from edge_agent.config import load as load_agent_config
-
     configs = list(tmp_path.glob("runs/*/*/clients/*/agent.toml"))
     assert len(configs) == 4  # two methods, two clients
     for path in configs:
@@ -343,9 +344,6 @@ def test_a_file_error_is_one_line_naming_the_file_and_exit_1(root_logging, capsy
 
 @pytest.mark.slow
 def test_the_zoo_is_built_aside_and_moved_into_place_whole(tmp_path):
-    from export import bundle as bundle_mod
-    from fleet.data.bundles import ensure_bundle
-
     target = tmp_path / "zoo"
     staging = tmp_path / ".zoo.building"
     staging.mkdir()

@@ -5,6 +5,8 @@ restarts."""
 
 from __future__ import annotations
 
+import dataclasses
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
-from coordinator.strategies import make_strategy
+from coordinator.strategies import RobustOptions, make_strategy
 from coordinator.strategies.closed_form import fleet_statistics
 from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
@@ -206,8 +208,6 @@ def _two_devices_stored(tmp_path: Path, *, seed: int) -> list[tuple[np.ndarray, 
 
 
 def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(tmp_path, caplog):
-    import sqlite3
-
     (x0, y0), _ = _two_devices_stored(tmp_path, seed=8)
     with sqlite3.connect(tmp_path / "coordinator.sqlite3") as db:
         db.execute("UPDATE statistics SET payload = ? WHERE client = 'd1'", (b"junk",))
@@ -223,8 +223,6 @@ def test_a_stored_statistics_row_that_no_longer_decodes_is_left_out_on_restart(t
 
 
 def test_exact_statistics_no_device_can_hold_are_refused(tmp_path):
-    import dataclasses
-
     checks = _config(tmp_path).admission_checks()
     x, y = devices(9, count=1)[0]
     good = update_of(x, y, "d0", method="lda")
@@ -269,8 +267,6 @@ def test_the_running_sum_over_rounds_gives_the_pooled_lda(tmp_path, seed):
 
 
 def test_statistics_kept_under_another_dimension_are_left_out_on_restart(tmp_path, caplog):
-    import dataclasses
-
     _two_devices_stored(tmp_path, seed=12)
     cfg = _config(tmp_path)
     smaller = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=K - 1))
@@ -281,10 +277,6 @@ def test_statistics_kept_under_another_dimension_are_left_out_on_restart(tmp_pat
 
 
 def test_robust_options_are_refused_for_a_closed_form_fleet(tmp_path):
-    import dataclasses
-
-    from coordinator.strategies import RobustOptions
-
     with pytest.raises(ValueError, match=r"\[robust\] does not apply to lda"):
         dataclasses.replace(_config(tmp_path), robust=RobustOptions(rule="median"))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from coordinator import downlink
 from coordinator.announcements import Announcer
@@ -18,6 +19,7 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, make_strategy
+from edge_agent.train import Guidance
 from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.keyfiles import generate_ed25519, load_signer
 from runtime.security import CoordinatorSecurity
@@ -177,9 +179,6 @@ def test_a_thousand_clients_get_a_sample_within_the_budget(tmp_path, signer_key,
 
 
 def test_the_device_averages_over_the_sets_it_receives(tmp_path, signer_key) -> None:
-    torch = pytest.importorskip("torch")
-    from edge_agent.train import Guidance
-
     ann = announcer(tmp_path, signer_key, announce_dtype="f2").announce(
         3, aggregate(100), deadline=9.0
     )

@@ -1,5 +1,7 @@
 import dataclasses
+import hashlib
 import logging
+import sqlite3
 
 import numpy as np
 import pytest
@@ -89,8 +91,6 @@ def test_deadline_without_quorum_extends(tmp_path):
     ],
 )
 def test_mismatched_updates_are_rejected_and_counted(tmp_path, change, reason):
-    import dataclasses
-
     m = manager(tmp_path, Clock())
     bad = dataclasses.replace(stand_in_update(0, 0), **change)
     assert m.offer(bad.to_wire()).reason == reason
@@ -137,8 +137,6 @@ def test_restart_resumes_the_open_round_without_double_counting(tmp_path):
 
 
 def test_payloads_of_rounds_older_than_keep_rounds_are_dropped_their_times_kept(tmp_path):
-    import sqlite3
-
     clock = Clock()
     m = manager(tmp_path, clock, min_clients=2, wait_after_quorum_s=0.0, keep_rounds=2)
     for r in range(5):
@@ -172,8 +170,6 @@ def test_payloads_of_rounds_older_than_keep_rounds_are_dropped_their_times_kept(
 
 
 def test_a_database_from_before_the_tally_is_filled_from_its_updates(tmp_path):
-    import sqlite3
-
     clock = Clock()
     m = manager(tmp_path, clock, min_clients=1, wait_after_quorum_s=0.0)
     for r in range(3):
@@ -357,53 +353,12 @@ def test_the_final_round_is_stored_closed_by_the_transaction_that_opens_it(tmp_p
     store.close()
 
 
-def receipts_only_manager(tmp_path, clock, **rounds):
-    cfg = config(tmp_path, **rounds)
-    store = Store(cfg.database, keep_payloads=False)
-    return RoundManager(config=cfg, store=store, metrics=Metrics(), clock=clock)
-
-
-def test_a_store_without_payloads_closes_rounds_alike_and_refuses_to_resume(tmp_path):
-    """The vector run's store: each update's row and tally, no payload. The round closes on
-    what the manager decoded on arrival, to the globals a full store gives; reopening it
-    mid-round is refused (nothing to aggregate from), and reading a payload says why."""
-    clock = Clock()
-    ups = [stand_in_update(i, 0) for i in range(3)]
-    full = manager(tmp_path / "full", clock, min_clients=3, wait_after_quorum_s=0.0)
-    bare = receipts_only_manager(tmp_path / "bare", clock, min_clients=3, wait_after_quorum_s=0.0)
-    for m in (full, bare):
-        for u in ups:
-            assert m.offer(u.to_wire(), topic_client=u.client, receipt=m is full).accepted
-    assert bare.store.update_clients(0) == ["dev-0", "dev-1", "dev-2"]
-    tallies = [
-        {c["client"]: c["updates_accepted"] for c in m.store.summary()["clients"]}
-        for m in (full, bare)
-    ]
-    assert tallies[0] == tallies[1] == {"dev-0": 1, "dev-1": 1, "dev-2": 1}
-    with pytest.raises(StateError, match="without its payload"):
-        bare.store.update_payload(0, "dev-1")
-    a, b = full.poll(), bare.poll()
-    assert a is not None and b is not None
-    assert a.global_classes == b.global_classes
-    assert np.array_equal(a.global_prototypes, b.global_prototypes)
-
-    half = receipts_only_manager(tmp_path / "half", clock, min_clients=3)
-    half.offer(ups[0].to_wire(), receipt=False)
-    half.store.close()
-    with pytest.raises(StateError, match="cannot be resumed"):
-        receipts_only_manager(tmp_path / "half", clock, min_clients=3)
-
-
-def test_an_offer_without_a_receipt_computes_no_digest(tmp_path):
-    import hashlib
-
+def test_an_accepted_update_names_its_digest_and_a_duplicate_the_first_copys(tmp_path):
+    # What the device's receipt names: the SHA-256 of the update the store holds.
     m = manager(tmp_path, Clock(), min_clients=5)
-    u0, u1 = stand_in_update(0, 0), stand_in_update(1, 0)
-    with_receipt = m.offer(u0.to_wire())
-    assert with_receipt.digest == hashlib.sha256(u0.to_wire()).hexdigest()
-    without = m.offer(u1.to_wire(), receipt=False)
-    assert without.accepted and without.digest is None
-    # A duplicate names the stored update's digest, when one was computed.
-    assert m.offer(u0.to_wire()).digest == with_receipt.digest
-    again = m.offer(u1.to_wire())
-    assert again.reason == "duplicate" and again.digest is None
+    u0 = stand_in_update(0, 0)
+    first = m.offer(u0.to_wire())
+    assert first.accepted and first.digest == hashlib.sha256(u0.to_wire()).hexdigest()
+    again = m.offer(u0.to_wire())
+    assert again.reason == "duplicate" and again.digest == first.digest
+    assert m.store.update_payload(0, "dev-0") == u0.to_wire()

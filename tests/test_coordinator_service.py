@@ -9,11 +9,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.service import RECONNECT_MAX_S, CoordinatorService
+from coordinator.store import Store
+from fleet.transports.broker import MosquittoBroker, free_port
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
+from protocol.topics import receipt_topic
 from tests.coordinator_helpers import (
     Fleet,
     coordinator_toml,
@@ -22,6 +30,7 @@ from tests.coordinator_helpers import (
     stand_ins,
     start,
 )
+from tests.coordinator_helpers import config as service_config
 from tests.fuzz_corpus import payloads
 from tests.mqtt_helpers import connected
 from tests.process_helpers import coordinator_process, status
@@ -169,9 +178,6 @@ def test_malformed_updates_over_mqtt_are_rejected_and_counted(mosquitto, tmp_pat
 
 @pytest.mark.slow
 def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_is_up(tmp_path):
-    from fleet.transports.broker import MosquittoBroker, free_port
-    from tests.process_helpers import coordinator_process
-
     port = free_port()
     coordinator = coordinator_process(write_config(tmp_path, port, rounds=1))
     try:
@@ -193,8 +199,6 @@ def test_a_coordinator_started_before_its_broker_says_so_and_announces_once_it_i
 @pytest.mark.slow
 def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
     # No broker is needed: the first holds the lock from before its first connection.
-    from fleet.transports.broker import free_port
-
     config = write_config(tmp_path, free_port(), rounds=3)
     first = coordinator_process(config)
     try:
@@ -225,50 +229,57 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
         again.close()
 
 
+def service(tmp_path: Path, **rounds: Any) -> CoordinatorService:
+    """A coordinator service on a fresh database, never started (no broker needed)."""
+    cfg = service_config(tmp_path, **rounds)
+    return CoordinatorService(
+        manager=RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    )
+
+
+def update_message(update: PrototypeUpdate) -> mqtt.MQTTMessage:
+    """An update as paho hands it to the link: on its device's topic, QoS 1."""
+    message = mqtt.MQTTMessage(mid=7, topic=update_topic("lab", update.client).encode())
+    message.qos, message.payload = 1, update.to_wire()
+    return message
+
+
 def test_the_coordinator_retries_a_lost_broker_every_few_seconds_at_most(tmp_path):
     # paho doubles its delay up to mqtt.reconnect_max_s (60 s by default): after a long
     # outage the coordinator came back up to a minute after the broker.
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.service import RECONNECT_MAX_S, CoordinatorService
-    from coordinator.store import Store
-    from tests.coordinator_helpers import config
-
-    cfg = config(tmp_path)
-    assert cfg.mqtt.reconnect_max_s == 60.0
-    manager = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
-    service = CoordinatorService(manager=manager)
-    assert service.client._reconnect_max_delay == RECONNECT_MAX_S == 5.0
+    coordinator = service(tmp_path)
+    assert coordinator.config.mqtt.reconnect_max_s == 60.0
+    client = coordinator.link.client
+    assert (client._reconnect_min_delay, client._reconnect_max_delay) == (1, RECONNECT_MAX_S)
+    assert RECONNECT_MAX_S == 5.0
+    coordinator.manager.store.close()
 
 
-def test_an_updates_receipt_is_queued_before_the_round_loop_is_woken(tmp_path):
+def test_an_updates_receipt_is_queued_before_the_round_loop_is_woken(tmp_path, monkeypatch):
     """Woken first, the loop could close the round and announce the next one before the
     receipt left, and the device would hear its round closed before its update stored
     (seen in tests/test_deploy.py on a loaded machine). The order is pinned here by
     recording, for each publish, whether the loop had been woken yet."""
-    import paho.mqtt.client as mqtt
-
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.service import CoordinatorService
-    from coordinator.store import Store
-    from protocol.topics import receipt_topic, update_topic
-    from tests.coordinator_helpers import config, stand_in_update
-
-    cfg = config(tmp_path, min_clients=1, wait_after_quorum_s=0.0)
-    service = CoordinatorService(
-        manager=RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
-    )
+    coordinator = service(tmp_path, min_clients=1, wait_after_quorum_s=0.0)
     published: list[tuple[str, bool]] = []
 
-    class Recorder:  # paho's publish, as the handler calls it, noting the loop's state
-        def publish(self, topic: str, payload: bytes, qos: int = 0) -> None:
-            published.append((topic, service._wake.is_set()))
+    def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
+        published.append((topic, coordinator._wake.is_set()))
 
+    monkeypatch.setattr(coordinator.link, "publish", publish)
     update = stand_in_update(0, 0)
-    message = mqtt.MQTTMessage(topic=update_topic("lab", update.client).encode())
-    message.payload = update.to_wire()
-    service._handle(Recorder(), message)  # type: ignore[arg-type]
+    assert coordinator._on_message(update_message(update))  # stored: the link acknowledges
     assert published == [(receipt_topic("lab", update.client), False)]
-    assert service._wake.is_set()
-    service.manager.store.close()
+    assert coordinator._wake.is_set()
+    coordinator.manager.store.close()
+
+
+def test_an_update_that_cannot_be_stored_is_left_unacknowledged(tmp_path):
+    # Acknowledged only once committed: the broker delivers it again after the restart
+    # that the storage fault brings (runtime/mqtt_link.py acknowledges a True only).
+    coordinator = service(tmp_path, min_clients=1)
+    coordinator.manager.store.close()  # every write now fails, as on a full disk
+    assert not coordinator._on_message(update_message(stand_in_update(0, 0)))
+    assert coordinator._fault is not None and coordinator._wake.is_set()
+    # Intake has stopped: later messages are left for the next start, unread.
+    assert not coordinator._on_message(update_message(stand_in_update(1, 0)))

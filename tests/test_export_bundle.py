@@ -1,5 +1,6 @@
 """The zoo bundle through the CLI: build, verify, tamper, and the runtime on it."""
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -10,8 +11,12 @@ import numpy as np
 import pytest
 
 from export import bundle as bundle_mod
+from export.cli import COMMANDS, build_parser
+from export.commands import HANDLERS
 from export.errors import BundleError
 from export.runtime import BackboneRuntime, RuntimeSettings
+from export.zoo import build_zoo
+from fleet.data.bundles import bundle_kind
 
 BIN = Path(sys.executable).parent
 
@@ -20,6 +25,13 @@ def edge_export(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "edge-export"), *argv], capture_output=True, text=True, timeout=300
     )
+
+
+def test_every_command_of_the_parser_has_its_handler():
+    # export/cli.py imports the handlers only once a command runs: a command added to the
+    # parser alone would fail there, not here, unless this holds.
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == list(COMMANDS) == list(HANDLERS)
 
 
 def test_zoo_bundle_manifest(small_zoo):
@@ -113,8 +125,6 @@ def test_bench_input_side_applies_to_architectures_only(small_zoo):
 
 @pytest.mark.slow
 def test_the_same_seed_gives_the_same_bundle(small_zoo, tmp_path):
-    from export.zoo import build_zoo
-
     again, _ = build_zoo(tmp_path / "again", size="small", seed=0)
     assert again.id == bundle_mod.load(small_zoo).id
 
@@ -128,8 +138,6 @@ def test_zoo_members_names_the_ones_that_exist(tmp_path):
 
 @pytest.mark.slow
 def test_a_one_member_zoo_holds_the_same_network_as_the_whole_zoo(small_zoo, tmp_path):
-    from fleet.data.bundles import bundle_kind
-
     out = tmp_path / "one"
     result = edge_export("zoo", "--out", str(out), "--size", "small", "--members", "fontdigits")
     assert result.returncode == 0, result.stderr

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from export import architectures, builder, photos
+from export import architectures, bench, builder, photos
 from export import bundle as bundle_mod
 from export.backbones.efficientnet import _same_padding
 from export.errors import ExportError
@@ -103,8 +105,6 @@ def fake_package(root: Path, name: str, files: dict[str, bytes]) -> None:
 
 
 def state_bytes(model: torch.nn.Module) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     return buffer.getvalue()
@@ -202,8 +202,6 @@ def test_the_installed_wheel_holds_the_pinned_weights():
 def published_classifier() -> architectures.EfficientNetLite0:
     data, _ = package_file(WEIGHTS, name="effnet")
     model = architectures.EfficientNetLite0(num_classes=1000)
-    import io
-
     model.load_state_dict(
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), strict=True
     )
@@ -295,16 +293,12 @@ def test_effnet_bundle_records_its_input_and_weights_and_verifies(effnet_bundle)
     report = builder.verify(effnet_bundle)
     assert report["ok"], report["problems"]
     # `edge-export bench` quantizes it as its own int8 export does.
-    from export import bench
-
     assert bench.targets_for_bundle(bundle)[0].seven_bit_weights
     assert report["backbones"]["effnet-lite0"]["parity"]["max_abs_error"] <= builder.FP32_MAX_ABS
 
 
 @pytest.mark.slow
 def test_verify_catches_effnet_features_that_drift_from_torch(effnet_bundle, tmp_path):
-    import shutil
-
     copy = tmp_path / "b"
     shutil.copytree(effnet_bundle, copy)
     member = bundle_mod.load(copy).members[0]

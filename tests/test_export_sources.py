@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from export import architectures, builder
+from export.cli import build_parser
 from export.errors import ExportError
 from export.runtime import CPU, CUDA, TENSORRT, choose_providers
-from export.sources import Source, load
+from export.sources import SPEC_KEYS, Source, load
 
 
 def images(n=16, size=32):
@@ -129,9 +130,6 @@ def test_bad_backbone_specs_are_explained(spec, message):
 
 
 def test_bundle_help_lists_every_spec_key(capsys):
-    from export.cli import build_parser
-    from export.sources import SPEC_KEYS
-
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bundle", "--help"])
     text = capsys.readouterr().out

@@ -9,9 +9,9 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.downlink import DEFAULT_BUDGET
-from fleet.cli.commands import spec_for
 from fleet.cli.main import build_parser
-from fleet.report.summary import settings
+from fleet.cli.options import sweep_options
+from fleet.report.notes import settings
 from fleet.transports.configs import coordinator_tables
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES
 from runtime.settings import build
@@ -31,10 +31,10 @@ def test_run_help_documents_the_downlink_budget(capsys: pytest.CaptureFixture[st
 def test_the_budget_reaches_the_coordinators_model_table(
     tmp_path: Path, given: str | None, budget: int
 ) -> None:
-    argv = ["run"] + ([] if given is None else ["--downlink-budget", given])
-    args = build_parser().parse_args(argv)
-    args.workers = 2  # what check_options fills in before a sweep
-    spec = spec_for(args, method="fedpcl", bundle=tmp_path, seed=0, out=tmp_path)
+    argv = ["run", "--bundle", str(tmp_path), "--out", str(tmp_path / "out")]
+    argv += [] if given is None else ["--downlink-budget", given]
+    options = sweep_options(build_parser().parse_args(argv), method="fedpcl")
+    spec = options.spec(method="fedpcl", seed=0, out=tmp_path)
     assert spec.downlink_budget == budget
     tables = coordinator_tables(spec, "b" * 64, tuple("abc"), 5, dim=256, feature_dim=8)
     tables["security"] = {"insecure": True}

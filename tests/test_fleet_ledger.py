@@ -1,6 +1,6 @@
 """The check that a coordinator stored every update of every round exactly once, on
 databases written by the real Store (the fleet over Mosquitto is checked in
-tests/test_fleet.py)."""
+tests/test_fleet_runs.py)."""
 
 import sqlite3
 from pathlib import Path

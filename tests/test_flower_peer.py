@@ -3,13 +3,18 @@ installed: the optional ``peer`` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from bench.peer_workload import Workload, make_workload
+from bench import flower_peer
+from bench.flower_peer import flower_fedavg_round_seconds, ray_processes, wait_for_ray_to_exit
+from bench.peer_workload import Workload, load_workload, make_workload, save_workload
 from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from edge_agent.train_config import TrainConfig
 
@@ -28,8 +33,6 @@ def test_the_workload_is_the_same_for_a_seed_and_differs_across_seeds() -> None:
 
 def test_a_saved_workload_loads_back_the_same(tmp_path) -> None:
     """The two halves of the benchmark each load the workload in a process of their own."""
-    from bench.peer_workload import load_workload, save_workload
-
     w = make_workload(clients=4, per_client=7, dim=5, classes=3, seed=2, epochs=2, batch_size=4)
     save_workload(w, tmp_path / "w.npz")
     back = load_workload(tmp_path / "w.npz")
@@ -85,25 +88,16 @@ def test_the_head_learns_one_client_and_carries_over_to_another() -> None:
 def test_flower_runs_the_workload_and_times_its_rounds() -> None:
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
-    from bench.flower_peer import flower_fedavg_round_seconds
-
     w = make_workload(clients=4, per_client=20, dim=16, classes=3, seed=0)
     seconds = flower_fedavg_round_seconds(w, rounds=2)
     assert seconds is not None and math.isfinite(seconds) and seconds > 0
     # Flower returned with its actors still exiting; the benchmark waited for them.
-    from bench.flower_peer import ray_processes
-
     assert ray_processes() == []
 
 
 def test_the_wait_for_ray_sees_a_process_of_this_group_named_as_rays_until_it_ends() -> None:
     """A child renamed ``ray::probe`` (as Ray names its actors) is found, and the wait
     returns once it has ended, not before."""
-    import subprocess
-    import sys
-
-    from bench.flower_peer import ray_processes, wait_for_ray_to_exit
-
     code = (
         "import sys; open('/proc/self/comm', 'w').write('ray::probe'); "
         "print('named', flush=True); sys.stdin.read()"
@@ -124,10 +118,6 @@ def test_the_wait_for_ray_sees_a_process_of_this_group_named_as_rays_until_it_en
 def test_without_flower_the_figure_is_none_not_an_import_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import importlib.util
-
-    from bench import flower_peer
-
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,

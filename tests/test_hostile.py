@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from bench.reliability_bench import publish_burst
-from protocol import RoundAnnouncement, round_topic
+from export import bundle as bundle_mod
+from protocol import (
+    AgentState,
+    RoundAnnouncement,
+    Status,
+    round_topic,
+    status_topic,
+    update_filter,
+    update_topic,
+)
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import (
     coordinator_toml,
@@ -21,7 +30,8 @@ from tests.coordinator_helpers import (
     start,
 )
 from tests.mqtt_helpers import connected
-from tests.process_helpers import status
+from tests.process_helpers import agent_process, status
+from tests.test_agent_service import StandInCoordinator, write_config
 
 pytestmark = pytest.mark.broker
 
@@ -92,11 +102,6 @@ def test_a_wrongly_shaped_fedavg_update_is_rejected_and_the_honest_average_annou
 def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fleet(
     mosquitto, small_zoo, tmp_path
 ):
-    from export import bundle as bundle_mod
-    from protocol import update_filter
-    from tests.process_helpers import agent_process
-    from tests.test_agent_service import StandInCoordinator, write_config
-
     bundle_id = bundle_mod.load(small_zoo).id
     cfg, _ = write_config(
         tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1
@@ -143,8 +148,6 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
 
 @pytest.mark.slow
 def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, tmp_path):
-    from protocol import AgentState, Status, status_topic
-
     config = coordinator_toml(tmp_path, mosquitto.address.port, feature_dim=FEATURE_DIM, clients=4)
     proc = start(config)
     try:
@@ -180,11 +183,6 @@ def test_a_flood_of_ghost_statuses_leaves_the_clients_table_bounded(mosquitto, t
 
 @pytest.mark.slow
 def test_20000_junk_messages_during_a_round_lose_no_honest_update(mosquitto, small_zoo, tmp_path):
-    from export import bundle as bundle_mod
-    from protocol import update_topic
-    from tests.process_helpers import agent_process
-    from tests.test_agent_service import write_config
-
     bundle_id = bundle_mod.load(small_zoo).id
     port = mosquitto.address.port
     config = tmp_path / "coordinator.toml"

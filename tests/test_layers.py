@@ -169,3 +169,71 @@ def test_the_room_reader_sees_absolute_and_package_imports(tmp_path: Path) -> No
         "def f():\n    from fleet import data\n    from fleet.engine.batch import x\n"
     )
     assert fleet_rooms_imported(sample) == {"report", "cli", "data", "engine"}
+
+
+#: The most imports of the project's own modules that may sit inside functions: each one
+#: keeps --help or a light install from paying for torch, onnx, matplotlib or an optional
+#: extra, and says so in a comment just above it (docs/architecture.md).
+MAX_DEFERRED_IMPORTS = 30
+OWN = set(ALLOWED) | {"tests"}
+LAYERED = [*sorted(ALLOWED), "tests"]
+
+
+def deferred_imports(path: Path) -> list[int]:
+    """Line numbers of the own-module imports inside functions of ``path`` (each once,
+    however deeply nested)."""
+    lines: set[int] = set()
+    for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom):
+                modules = ["." if node.level else node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            if any(m == "." or m.split(".")[0] in OWN for m in modules):
+                lines.add(node.lineno)
+    return sorted(lines)
+
+
+def _explained(text: list[str], line: int) -> bool:
+    """A comment on the import's line or in the lines just above it (blank lines and other
+    imports of the same block between them allowed)."""
+    if "#" in text[line - 1]:
+        return True
+    for above in reversed(text[max(0, line - 5) : line - 1]):
+        stripped = above.strip()
+        if stripped.startswith("#"):
+            return True
+        if stripped and not stripped.startswith(("import ", "from ")):
+            return False
+    return False
+
+
+def test_imports_inside_functions_are_few_and_explained() -> None:
+    found = {
+        str(path.relative_to(ROOT)): deferred_imports(path)
+        for package in LAYERED
+        for path in sources(package)
+        if deferred_imports(path)
+    }
+    assert sum(len(lines) for lines in found.values()) <= MAX_DEFERRED_IMPORTS, found
+    unexplained = {
+        name: [n for n in lines if not _explained((ROOT / name).read_text().splitlines(), n)]
+        for name, lines in found.items()
+    }
+    assert {k: v for k, v in unexplained.items() if v} == {}
+
+
+def test_the_deferred_import_finder_sees_nested_and_relative_imports(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import numpy\nfrom fleet import x\n"
+        "def f():\n    import os\n    # torch: not for --help\n    from edge_agent import train\n"
+        "    def g():\n        from . import y\n"
+    )
+    assert deferred_imports(sample) == [6, 8]
+    text = sample.read_text().splitlines()
+    assert _explained(text, 6) and not _explained(text, 8)

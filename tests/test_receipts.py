@@ -8,12 +8,14 @@ import time
 
 import pytest
 
+from export import bundle as bundle_mod
 from protocol import PrototypeUpdate, TopicKind, parse_topic, update_filter
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from tests.coordinator_helpers import coordinator_toml, finish, stand_in_update, stand_ins, start
 from tests.mqtt_helpers import connected
 from tests.process_helpers import agent_process, status
+from tests.test_agent_service import StandInCoordinator, write_config
 
 pytestmark = pytest.mark.broker
 
@@ -60,9 +62,6 @@ def test_an_update_and_its_duplicate_are_answered_with_the_stored_updates_receip
 
 @pytest.mark.slow
 def test_an_agent_sends_its_update_again_until_a_receipt_names_it(mosquitto, small_zoo, tmp_path):
-    from export import bundle as bundle_mod
-    from tests.test_agent_service import StandInCoordinator, write_config
-
     bundle_id = bundle_mod.load(small_zoo).id
     cfg, _ = write_config(
         tmp_path / "a", small_zoo, "dev-a", "clean", mosquitto.address.port, epochs=1

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from edge_agent.keys import AgentKeys
 from protocol import PrototypeUpdate, RoundAnnouncement
-from protocol.auth import KeyFileError, sign, signature_problem
+from protocol.auth import KeyFileError, Signer, sign, signature_problem
 from runtime.keyfiles import generate_ed25519, load_enrolled, load_signer, load_verifier
 from runtime.security import AgentSecurity, CoordinatorSecurity
 from tests import factories
@@ -89,10 +90,6 @@ def test_unsigned_messages_keep_their_encoding():
 
 
 def load_signer_for_test():
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    from protocol.auth import Signer
-
     return Signer(ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
 
 

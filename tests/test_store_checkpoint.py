@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from coordinator.store import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES, Store
+from coordinator.schema import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
+from coordinator.store import Store
 
 BATCH_BYTES = 5 << 20  # past the checkpoint size, far below the writer's own backstop
 

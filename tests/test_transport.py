@@ -1,51 +1,25 @@
-"""The MQTT client helpers every service shares (``runtime/transport.py``)."""
+"""The paho-free parts of a connection every service shares (``runtime/transport.py``);
+the connection itself is tested in tests/test_mqtt_link.py."""
 
 from __future__ import annotations
 
-import threading
-import time
+import random
 
-import pytest
-
-from fleet.transports.broker import free_port
-from runtime.transport import (
-    MqttSettings,
-    TakeoverWatch,
-    connect_failure,
-    make_client,
-    start_network,
-)
+from runtime.transport import TakeoverWatch, backoff_delay
 
 
-@pytest.mark.slow
-def test_the_first_retry_comes_after_the_delay_the_service_set():
-    # After a failed first attempt paho's own thread waited the delay twice (1 s, then
-    # 2 s): an agent that logged "reconnecting in 1 s" tried again after 3.
-    settings = MqttSettings(host="127.0.0.1", port=free_port())
-    client = make_client(settings, "early")
-    failures: list[tuple[float, str]] = []
-    twice = threading.Event()
+def test_backoff_waits_are_drawn_below_a_doubling_cap():
+    # Full jitter: uniform in [low, min(high, low * 2^n)]; by hand, with low 1.5 and
+    # high 10 the caps are 3, 6, 10 for attempts 1, 2, 3, and 10 from then on.
+    class Top(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            return b
 
-    def failed(c, userdata):
-        failures.append((time.monotonic(), connect_failure(settings)))
-        c.reconnect_delay_set(min_delay=1, max_delay=60)  # as the services' retry does
-        if len(failures) == 2:
-            twice.set()
-
-    client.on_connect_fail = failed
-    start_network(client, settings)
-    try:
-        assert twice.wait(timeout=30)
-    finally:
-        client.loop_stop()
-    (first, why_first), (second, why_second) = failures[:2]
-    assert 0.9 < second - first < 2.5
-    # The first failure, made outside paho's thread, still says why.
-    assert (
-        why_first
-        == why_second
-        == (f"cannot reach the broker at 127.0.0.1:{settings.port} (Connection refused)")
-    )
+    caps = [backoff_delay(n, low=1.5, high=10.0, rng=Top()) for n in (1, 2, 3, 4, 1000)]
+    assert caps == [3.0, 6.0, 10.0, 10.0, 10.0]
+    rng = random.Random(5)
+    draws = [backoff_delay(2, low=1.5, high=10.0, rng=rng) for _ in range(200)]
+    assert min(draws) >= 1.5 and max(draws) <= 6.0 and max(draws) - min(draws) > 3
 
 
 def test_quick_drops_in_a_row_are_told_once_as_a_likely_takeover():

@@ -1,10 +1,12 @@
 """The vector engine against the agent: the same fleet run through ``Agent`` objects
 (--transport memory) and as one batched computation (--transport vector) gives every
-client the same scores, round after round; and its pieces against the agent's own."""
+client the same scores, round after round; its pieces against the agent's own; and the
+coordinator's store and round manager as a vector run drives them."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -12,14 +14,21 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.store import StateError, Store
 from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
 from edge_agent.train_config import TrainConfig
+from fleet.cli.commands import cmd_run
+from fleet.cli.main import build_parser
 from fleet.data import partition as part
 from fleet.engine.batch import VECTOR_METHODS, FleetFeatures, VectorEngine
 from fleet.engine.heads import HeadStack, Rows
 from fleet.transports import runner
 from fleet.transports.spec import RunSpec
+from fleet.transports.vector_coordinator import VectorRoundManager, VectorStore
 from runtime.cliutil import UsageError
+from tests.coordinator_helpers import config, stand_in_update
 
 
 def _scores(result: runner.RunResult) -> list[tuple[float | None, ...]]:
@@ -219,11 +228,6 @@ def test_methods_the_engine_lacks_are_refused_with_a_reason(
 def test_edge_fleet_run_on_the_vector_transport_writes_its_report(
     small_zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import json
-
-    from fleet.cli.commands import cmd_run
-    from fleet.cli.main import build_parser
-
     out = tmp_path / "out"
     argv = ["run", "--transport", "vector", "--method", "fedpcl", "--bundle", str(small_zoo),
             "--rounds", "2", "--clients", "3", "--train", "20", "--test", "10",
@@ -234,3 +238,59 @@ def test_edge_fleet_run_on_the_vector_transport_writes_its_report(
     assert 0.0 <= report["methods"]["fedpcl"]["final_mean"] <= 1.0
     assert not (out / "backbone_contribution.png").exists()
     assert "report.json" in capsys.readouterr().out
+
+
+def _vector_manager(
+    state_dir: Path, *, min_clients: int, wait_after_quorum_s: float = 5.0
+) -> VectorRoundManager:
+    cfg = config(state_dir, min_clients=min_clients, wait_after_quorum_s=wait_after_quorum_s)
+    store = VectorStore(cfg.database, synchronous=cfg.sqlite_synchronous)
+    return VectorRoundManager(config=cfg, store=store, metrics=Metrics())
+
+
+def test_the_vector_coordinator_closes_rounds_as_the_service_and_refuses_to_resume(
+    tmp_path: Path,
+) -> None:
+    """The vector run's store keeps each update's row and tally, not its payload; the
+    round closes on what the manager decoded on arrival, to the globals the service's
+    store and manager give. Reopening it mid-round is refused (nothing to aggregate
+    from), reading a payload says why, and the service refuses its database."""
+    ups = [stand_in_update(i, 0) for i in range(3)]
+    cfg = config(tmp_path / "full", min_clients=3, wait_after_quorum_s=0.0)
+    full = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    bare = _vector_manager(tmp_path / "bare", min_clients=3, wait_after_quorum_s=0.0)
+    for m in (full, bare):
+        for u in ups:
+            assert m.offer(u.to_wire(), topic_client=u.client).accepted
+    assert bare.store.update_clients(0) == ["dev-0", "dev-1", "dev-2"]
+    tallies = [
+        {c["client"]: c["updates_accepted"] for c in m.store.summary()["clients"]}
+        for m in (full, bare)
+    ]
+    assert tallies[0] == tallies[1] == {"dev-0": 1, "dev-1": 1, "dev-2": 1}
+    with pytest.raises(StateError, match="without its payload"):
+        bare.store.update_payload(0, "dev-1")
+    a, b = full.poll(), bare.poll()
+    assert a is not None and b is not None
+    assert a.global_classes == b.global_classes
+    assert np.array_equal(a.global_prototypes, b.global_prototypes)
+    assert a.local_sets.keys() == b.local_sets.keys()
+
+    half = _vector_manager(tmp_path / "half", min_clients=3)
+    half.offer(ups[0].to_wire())
+    half.store.close()
+    with pytest.raises(StateError, match="cannot be resumed"):
+        _vector_manager(tmp_path / "half", min_clients=3)
+    served = config(tmp_path / "half", min_clients=3)
+    with pytest.raises(StateError, match="payloads"):
+        RoundManager(config=served, store=Store(served.database), metrics=Metrics())
+
+
+def test_the_vector_coordinator_computes_no_receipt_digest(tmp_path: Path) -> None:
+    # No device awaits a receipt; the service's manager names one (test_coordinator_rounds.py).
+    m = _vector_manager(tmp_path, min_clients=5)
+    u0 = stand_in_update(0, 0)
+    first = m.offer(u0.to_wire())
+    assert first.accepted and first.digest is None
+    again = m.offer(u0.to_wire())
+    assert again.reason == "duplicate" and again.digest is None

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 from pathlib import Path
 
+from export.errors import BundleError
+from export.probe import probe_providers
+from export.runtime import CPU, BackboneRuntime, RuntimeSettings
 from runtime.cliutil import UsageError
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    import platform
-
+    # Lazy: ONNX Runtime takes a while to load, and `edge-agent --help` never needs it.
     import onnxruntime as ort
-
-    from export.probe import probe_providers
-    from export.runtime import CPU
 
     probes = probe_providers(ort.get_available_providers())
     accelerated = [p.provider for p in probes if p.works and p.provider != CPU]
@@ -47,9 +47,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _serving(path: Path, engine_cache: Path | None) -> dict[str, object]:
     """Which provider serves each backbone of the bundle at ``path``, after one real
     inference (a provider can fall back at the first run, e.g. when an engine fails)."""
-    from export.errors import BundleError
-    from export.runtime import BackboneRuntime, RuntimeSettings
-
     try:
         runtime = BackboneRuntime(path, settings=RuntimeSettings(cache_dir=engine_cache))
     except BundleError as exc:

@@ -6,22 +6,28 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
+from edge_agent import inference
+from edge_agent.closed_form import ClosedFormDevice
 from edge_agent.config import load as load_config
+from edge_agent.data import IMAGE_SUFFIXES, to_nchw_float
 from edge_agent.methods import device_method
+from edge_agent.state import StateDir
+from export.errors import BundleError
+from export.runtime import BackboneRuntime
 from runtime.cliutil import UsageError
+from runtime.npz import read_npz
 
 
-def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
+def _images(path: Path, size: int) -> Iterator[tuple[str, np.ndarray]]:
     """(name, image as 1 x 3 x H x W float) for each input image, read one at a time so
     that a folder of any size needs the memory of one image; an unreadable file is
     reported as a JSON line in its place."""
-    import numpy as np
-    from PIL import Image, UnidentifiedImageError
-
-    from edge_agent.data import IMAGE_SUFFIXES, to_nchw_float
-    from runtime.npz import read_npz
+    from PIL import Image, UnidentifiedImageError  # as in edge_agent.data: not for --help
 
     try:
         if path.is_file() and path.suffix == ".npz":
@@ -50,10 +56,10 @@ def _images(path: Path, size: int):  # type: ignore[no-untyped-def]
         raise UsageError(str(exc)) from None
 
 
-def _batches(images, size: int):  # type: ignore[no-untyped-def]
+def _batches(
+    images: Iterable[tuple[str, np.ndarray]], size: int
+) -> Iterator[tuple[list[str], np.ndarray]]:
     """(names, images as B x 3 x H x W) of up to ``size`` consecutive images of one shape."""
-    import numpy as np
-
     names: list[str] = []
     parts: list[np.ndarray] = []
     for name, image in images:
@@ -67,12 +73,8 @@ def _batches(images, size: int):  # type: ignore[no-untyped-def]
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from edge_agent import inference
-    from edge_agent.closed_form import ClosedFormDevice, StoredHead
-    from edge_agent.state import StateDir
-    from edge_agent.train import LocalModel
-    from export.errors import BundleError
-    from export.runtime import BackboneRuntime
+    # Here, not at the top: the model is torch's, and `edge-agent --help` must not load it.
+    from edge_agent import predictor
 
     cfg = load_config(args.config)
     if not args.input.exists():
@@ -83,7 +85,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    rule = inference.rule_of(cfg.method)
     refs = inference.stored_references(state)
     closed = not device_method(cfg.method).trains_head
     if closed and not (cfg.state_dir / ClosedFormDevice.FILE).exists():
@@ -94,43 +95,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(
             f"no prototypes in {cfg.state_dir} yet: the agent has not answered a round"
         )
-    rule_name = rule.rule
-    if cfg.privacy.mechanism == "dp-features":
-        # The rule this device's own validation split chose (edge_agent.anchored), with
-        # the model it chose (the head checkpoint): what its rounds were scored by.
-        rule_name = next((h["predict_rule"] for h in reversed(state.snapshot.history)
-                          if "predict_rule" in h), "classifier")  # fmt: skip
-    else:
-        try:
-            inference.check_references(cfg.method, refs)
-        except inference.MissingReference as exc:
-            raise UsageError(f"{cfg.method} predicts by {rule.summary}: {exc}") from None
     try:
+        rule_name = predictor.rule_for(cfg, state, refs)
         runtime = BackboneRuntime(cfg.bundle, settings=cfg.runtime)
-    except BundleError as exc:
+        outputs_of = predictor.outputs_for(cfg, state, feature_dim=runtime.feature_dim)
+    except (predictor.PredictorError, BundleError) as exc:
         raise UsageError(str(exc)) from exc
-    model = LocalModel(
-        in_dim=runtime.feature_dim, num_classes=len(cfg.classes), cfg=cfg.train,
-        dual=device_method(cfg.method).dual,
-    )  # fmt: skip
-    stored = None
-    if closed:
-        stored = StoredHead.load(cfg.state_dir / ClosedFormDevice.FILE, fleet=cfg.fleet,
-                                 feature_dim=runtime.feature_dim, settings=cfg.closed_form,
-                                 num_classes=len(cfg.classes))  # fmt: skip
-        if stored is None:
-            raise UsageError(f"the closed-form head in {cfg.state_dir} does not fit this bundle")
-        rule_name = rule.rule
-    elif not state.load_model(model):
-        raise UsageError(f"no head checkpoint in {cfg.state_dir} that fits this bundle")
     answered = 0
     for names, images in _batches(_images(args.input, cfg.data.image_size), args.batch):
         start = time.perf_counter()
-        features = runtime.extract(images)
-        if stored is not None:  # a closed-form head: its scores are the logits
-            outputs = inference.Outputs(z=features, logits=stored.scores(features))
-        else:
-            outputs = inference.outputs_of(model, features)
+        outputs = outputs_of(runtime.extract(images))
         # The function the simulated fleet scores this device with.
         chosen = inference.RULES[rule_name](outputs, refs)
         latency = (time.perf_counter() - start) * 1e3 / len(names)

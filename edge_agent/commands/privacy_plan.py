@@ -7,12 +7,11 @@ import argparse
 import json
 import sys
 
+from edge_agent.privacy.accounting import plan, plan_features
 from runtime.cliutil import UsageError
 
 
 def cmd_privacy_plan(args: argparse.Namespace) -> int:
-    from edge_agent.privacy.accounting import plan, plan_features
-
     try:
         if args.mechanism == "dp-features":
             chosen = plan_features(epsilon_target=args.epsilon, delta=args.delta,

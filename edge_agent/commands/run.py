@@ -6,28 +6,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
+from edge_agent.data import DataError
+from edge_agent.service import AgentService
+from export.errors import BundleError
 from runtime.cliutil import UsageError
+from runtime.lifecycle import CannotServe, serve
 from runtime.runlock import AlreadyRunning, RunLock
-
-if TYPE_CHECKING:
-    from edge_agent.service import AgentService
+from runtime.transport import load_credentials
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runtime.lifecycle import CannotServe, serve
-
     def make(cfg: AgentConfig) -> AgentService:
-        # Imported once the configuration has loaded: torch takes seconds to import, and a
-        # mistake in the file should be reported without that wait.
+        # Lazy: the agent's module imports torch, seconds to load; `--help` and a mistake
+        # in the configuration file are told without that wait.
         from edge_agent.agent import Agent
-        from edge_agent.data import DataError
-        from edge_agent.service import AgentService
-        from export.errors import BundleError
-        from runtime.transport import load_credentials
 
         with contextlib.ExitStack() as taken:  # released again if the start fails
             try:

@@ -9,14 +9,14 @@ import sys
 
 from edge_agent.config import AgentConfig
 from edge_agent.config import load as load_config
+from edge_agent.features import FeatureCache
+from edge_agent.privacy.ledger import Ledger, LedgerError
+from edge_agent.state import StateDir
 from runtime.cliutil import UsageError
 from runtime.runlock import holder
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from edge_agent.features import FeatureCache
-    from edge_agent.state import StateDir
-
     cfg = load_config(args.config)
     try:
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
@@ -46,8 +46,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _privacy_status(cfg: AgentConfig, extra: dict[str, object]) -> dict[str, object]:
-    from edge_agent.privacy.ledger import Ledger, LedgerError
-
     p = cfg.privacy
     out: dict[str, object] = {"mechanism": p.mechanism, "epsilon_spent": None,
                               "guarantee": p.guarantee}  # fmt: skip

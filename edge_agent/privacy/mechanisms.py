@@ -99,17 +99,21 @@ def release_dp(z: np.ndarray, labels: np.ndarray, num_classes: int,
 class MechanismSpec:
     """A mechanism and what it is applied to: ``embeddings`` (the head's ``z``, every
     round) or ``features`` (the frozen backbone features, once per data version).
-    ``formal``: it makes an (epsilon, delta) claim, accounted in the ledger."""
+    ``formal``: it makes an (epsilon, delta) claim, accounted in the ledger. ``dp_sgd``:
+    the head trains by DP-SGD, whose per-sample clipping needs ``train.norm = 'group'``
+    and whose sampling rate needs a public ``privacy.dataset_size``. How a device runs
+    each mechanism's rounds: ``edge_agent/privacy/modes.py::MODES``."""
 
     release: Mechanism
     space: str = "embeddings"
     formal: bool = False
+    dp_sgd: bool = False
 
 
 #: The release mechanisms by name (``[privacy] mechanism``).
 MECHANISMS: dict[str, MechanismSpec] = {
     "none": MechanismSpec(release_none),
     "paper": MechanismSpec(release_paper),
-    "dp": MechanismSpec(release_dp, formal=True),
+    "dp": MechanismSpec(release_dp, formal=True, dp_sgd=True),
     "dp-features": MechanismSpec(release_dp, space="features", formal=True),
 }

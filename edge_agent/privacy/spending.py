@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edge_agent.config import PrivacySettings
 from edge_agent.privacy.accounting import (
     Event,
     gaussian_release,
@@ -19,8 +18,9 @@ from edge_agent.privacy.accounting import (
     sgd_schedule,
 )
 from edge_agent.privacy.ledger import Ledger
-from edge_agent.privacy.mechanisms import MECHANISMS, MechanismParams, Release
+from edge_agent.privacy.mechanisms import MechanismParams, Release
 from edge_agent.privacy.randomness import NoiseSource
+from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.state import StateDir
 from edge_agent.train_config import TrainConfig
 from runtime.faults import crash_point
@@ -59,7 +59,7 @@ class Spending:
             round_,
             stored=state.load_feature_release(data_version),
             event=self.release_event(),
-            make=lambda: MECHANISMS["dp-features"].release(
+            make=lambda: self.settings.spec.release(
                 features, labels, num_classes, self.mechanism_params(), self.noise.numpy
             ),
             save=lambda release: state.save_feature_release(data_version, release),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fleet.cli import commands, options, privacy
+from fleet.cli import commands, parsers, privacy
 from fleet.data import glyphs
 from runtime.cliutil import make_parser, run
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Hundreds of agents log a few lines per round each: warnings only unless asked.
     parser.set_defaults(log_level="WARNING")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    options.add_parsers(sub)
+    parsers.add_parsers(sub)
     privacy.add_parser(sub)
     glyphs.add_parser(sub)
     return parser

@@ -1,176 +1,244 @@
-"""The options ``edge-fleet run``, ``compare``, ``demo`` and ``privacy`` share, and their
-parsing: data, federation, backbone, transport, output."""
+"""What ``edge-fleet run``, ``compare``, ``demo`` and ``privacy`` were asked, resolved once
+from the parsed command line into frozen options and checked before anything starts (the
+zoo build takes minutes the first time): the data, the runs' settings, the transport, the
+output. Nothing downstream reads the argparse namespace, and nothing writes to it."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.downlink import DEFAULT_BUDGET
-from edge_agent.methods import CORE, METHODS
-from fleet.data.bundles import BACKBONES
-from fleet.data.partition import SPLITS
-from fleet.transports.protocols import PROTOCOLS
-from fleet.transports.spec import DEFAULT_STATS_DIM, TRANSPORTS
-from runtime.cliutil import UsageError
-from runtime.settings import parse_value
+from fleet.data.bundles import resolve_bundle
+from fleet.data.partition import Partition, digits5, from_directory, from_npz
+from fleet.transports.mqtt import parse_broker_url
+from fleet.transports.protocols import protocol_train
+from fleet.transports.runner import vector_refusal
+from fleet.transports.spec import RunSpec
+from runtime.cliutil import UsageError, check_output_folder
 
-DATA_HELP = """data:
-  digits-5 (default) is built locally from scikit-learn's bundled digits and photos.
-  --data FILE.npz   train_x_<i>, train_y_<i>, test_x_<i>, test_y_<i> (x uint8 or float32
-                    in N,3,H,W; y integers) and optionally domain_<i>, for clients 0..N-1
-  --data DIR        DIR/<client>/train/<class>/*, DIR/<client>/test/<class>/* (one
-                    client per folder), or DIR/<domain>/<class>/* (Digit-5, Office-10,
-                    DomainNet laid out as folders: one client per domain, 30% for testing)
-"""
+#: The parsed names that belong to the entry point or the parser, not to a sweep.
+_NOT_REPORTED = frozenset({"command", "log_format", "log_level", "digits5_defaults"})
 
 
-def downlink_budget(text: str) -> int:
-    """``--downlink-budget``: bytes, or ``exact`` (0) for every local set."""
-    if text.strip().lower() == "exact":
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes or 'exact', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 bytes (0: exact), got {value}")
-    return value
+@dataclass(frozen=True, kw_only=True)
+class Digits5Options:
+    """How the built-in digits-5 data is made (fleet/data/partition.py::digits5)."""
+
+    split: str
+    clients: int
+    alpha: float
+    domain: str
+    train: int
+    test: int
 
 
-class TrainParams(argparse.Action):
-    """``--train-param KEY=VALUE``, repeatable, gathered into one dict."""
+@dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """The clients of a sweep: ``path`` (``--data``: an .npz or a folder), or with no path
+    the built-in digits-5 data as ``digits5`` says."""
 
-    def __call__(
+    path: Path | None
+    digits5: Digits5Options | None  # None with a path
+    image_size: int  # the side --data folder images are resized to
+
+    def with_split(self, split: str) -> DataOptions:
+        """The same data in another digits-5 setting (a sweep over several)."""
+        assert self.digits5 is not None
+        return replace(self, digits5=replace(self.digits5, split=split))
+
+    def partition(self, seed: int) -> Partition:
+        if self.digits5 is not None:
+            return digits5(seed=seed, **asdict(self.digits5))
+        assert self.path is not None
+        if not self.path.exists():
+            raise UsageError(f"--data {self.path} does not exist")
+        if self.path.suffix == ".npz":
+            return from_npz(self.path)
+        return from_directory(self.path, image_size=self.image_size, seed=seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """The options every sweep shares, resolved: each run of the sweep is
+    :meth:`spec` of them."""
+
+    data: DataOptions
+    rounds: int
+    epochs: int
+    out_dim: int
+    protocol: str
+    train_param: Mapping[str, Any]  # --train-param, over the protocol's [train] settings
+    downlink_budget: int
+    stats_dim: int
+    bundle: Path
+    backbone: str  # what a missing bundle is built as
+    zoo_size: str
+    transport: str
+    broker: str | None
+    workers: int
+    out: Path  # the sweep's report folder
+    progress: bool
+    resume: bool
+    #: The command line as the report records it: every parsed option in the parser's
+    #: order, as resolved, paths as text.
+    config: Mapping[str, Any]
+
+    def spec(
         self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        key, sep, raw = str(values).partition("=")
-        key = key.strip()
-        if not sep or not key:
-            parser.error(f"{option_string} expects KEY=VALUE, got {values!r}")
-        if key in ("out_dim", "epochs"):
-            parser.error(f"{option_string} {key}: use --{key.replace('_', '-')}")
-        # A copy: argparse hands every parse the same default dict.
-        params = {**getattr(namespace, self.dest), key: parse_value(raw.strip())}
-        setattr(namespace, self.dest, params)
+        *,
+        method: str,
+        seed: int,
+        out: Path,
+        extra_train: Mapping[str, Any] | None = None,
+        privacy: Mapping[str, Any] | None = None,
+        reproducible_noise: bool = False,
+    ) -> RunSpec:
+        """One run of the sweep, into ``out``. Every run of a sweep shares one feature
+        cache under ``--out``: the backbones see each image once, whatever the method. The
+        [train] table layers, each over the one before: what ``--protocol`` gives the
+        method (:mod:`fleet.transports.protocols`), ``--train-param``, and the sweep's own
+        settings (``extra_train``: DP-SGD's GroupNorm, the ceiling's classifier)."""
+        base = protocol_train(self.protocol, method)
+        return RunSpec(
+            method=method,
+            rounds=self.rounds,
+            bundle=self.bundle,
+            out=out,
+            seed=seed,
+            transport=self.transport,
+            broker=self.broker,
+            workers=self.workers,
+            out_dim=self.out_dim,
+            epochs=self.epochs,
+            downlink_budget=self.downlink_budget,
+            stats_dim=self.stats_dim,
+            progress=self.progress,
+            feature_cache=self.out / "feature-cache",
+            extra_train={**base, **self.train_param, **(extra_train or {})},
+            privacy=dict(privacy or {}),
+            reproducible_noise=reproducible_noise,
+        )
 
 
-def add_common_options(
-    parser: argparse.ArgumentParser,
+def sweep_options(
+    args: argparse.Namespace,
     *,
-    rounds: int,
-    clients: int,
-    out: str,
-    one_split: bool = True,
-) -> None:
-    """The data, federation and output options. ``one_split=False`` hides ``--split`` from
-    the help of a command that sweeps several (it still parses, to be refused by name)."""
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
-    # The digits-5 options default to None so that one given with --data, where it would
-    # be ignored, can be told from a default (see resolve_data_options).
-    data.add_argument("--split", choices=SPLITS,
-                      help="digits-5 non-IID setting (default feature)" if one_split
-                      else argparse.SUPPRESS)  # fmt: skip
-    data.add_argument("--clients", type=int,
-                      help=f"digits-5 clients (default {clients})")  # fmt: skip
-    data.add_argument("--alpha", type=float,
-                      help="Dirichlet alpha of the label splits (default 0.5)")  # fmt: skip
-    data.add_argument("--domain",
-                      help="digits-5 domain of the label split (default clean)")  # fmt: skip
-    data.add_argument("--train", type=int,
-                      help="digits-5 training images per client (default 100)")  # fmt: skip
-    data.add_argument("--test", type=int,
-                      help="digits-5 test images per client (default 100)")  # fmt: skip
-    parser.set_defaults(digits5_defaults={"split": "feature", "clients": clients, "alpha": 0.5,
-                                          "domain": "clean", "train": 100, "test": 100})  # fmt: skip
-    data.add_argument("--image-size", type=int,
-                      help="side that --data folder images are resized to (default 32; 224 "
-                           "with --backbone effnet-lite0)")  # fmt: skip
-    fl = parser.add_argument_group("federation")
-    fl.add_argument("--rounds", type=int, default=rounds, help=f"rounds (default {rounds})")
-    fl.add_argument("--epochs", type=int, default=1, help="local epochs per round (default 1)")
-    fl.add_argument("--out-dim", type=int, default=256, help="projection head size (default 256)")
-    fl.add_argument("--protocol", choices=list(PROTOCOLS), default="fair",
-                    help="fair (default): every method with a classifier has a plain linear "
-                         "one; paper: the bounded classifier of FedPCL's released code for "
-                         "every method that has one (docs/fleet.md)")  # fmt: skip
-    fl.add_argument("--train-param", action=TrainParams, default={}, metavar="KEY=VALUE",
-                    help="any other key of the agents' [train] table (edge-agent example-config) "
-                         "for every method, over the protocol's settings, e.g. tau=0.2, "
-                         "fpl_tau=0.07, lr=1e-4, norm=group; repeatable")  # fmt: skip
-    fl.add_argument("--downlink-budget", type=downlink_budget, default=DEFAULT_BUDGET,
-                    metavar="BYTES",
-                    help="the coordinator's [model] downlink_budget: the most bytes of a round "
-                         "announcement; past it FedPCL sends a seeded uniform sample of the "
-                         "clients' local sets, as many as fit (docs/fleet.md). 0 or 'exact': "
-                         f"every set, however large (default {DEFAULT_BUDGET})")  # fmt: skip
-    fl.add_argument("--stats-dim", type=int, default=DEFAULT_STATS_DIM, metavar="K",
-                    help="lda, ridge, fedcof: the public random projection of the backbone "
-                         "features their statistics are taken in (the agents' [closed_form] "
-                         "dim); 0 keeps every feature, whose second moment grows as the "
-                         f"square (docs/fleet.md) (default {DEFAULT_STATS_DIM})")  # fmt: skip
-    fl.add_argument("--bundle", type=Path,
-                    help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
-    fl.add_argument("--backbone", choices=list(BACKBONES),
-                    help="what a missing --bundle is built as: zoo (three glyph-pretrained "
-                         "backbones, 32x32, 896-d), zoo-fontdigits (its 192-d digit CNN "
-                         "alone: heads a quarter the size, for fleets of 10,000) or "
-                         "effnet-lite0 (ImageNet EfficientNet-Lite0, images resized to 224; the "
-                         "imagenet extra) (default zoo)")  # fmt: skip
-    fl.add_argument("--zoo-size", choices=["small", "full"], default="full",
-                    help="zoo to build when --bundle is missing (default full, ~5 min once)")  # fmt: skip
-    tr = parser.add_argument_group("transport")
-    tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
-                    help="mqtt: broker + processes; memory: one process, no broker; vector: every "
-                         "client trained as one batched computation (fedpcl, fedproto, solo, "
-                         "fedavg without a privacy mechanism; lda, ridge, fedcof also with "
-                         "dp-features; no --resume), for fleets of thousands "
-                         "(default mqtt)")  # fmt: skip
-    tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
-    tr.add_argument("--workers", type=int,
-                    help="worker processes hosting the agents over mqtt (default 2)")  # fmt: skip
-    parser.add_argument(
-        "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
+    method: str,
+    split: str | None = None,
+    swept_splits: Sequence[str] = (),
+) -> SweepOptions:
+    """The shared options of ``args``, checked (bundle, data, output folder, transport,
+    broker URL, every run setting) before the zoo is built. ``method`` is the sweep's first;
+    ``split`` and ``swept_splits`` are the digits-5 settings of a sweep over several
+    (``privacy``), in place of ``--split``."""
+    backbone = args.backbone or "zoo"
+    bundle = resolve_bundle(args.bundle, backbone=args.backbone)
+    data = resolve_data(args, split=split, swept_splits=swept_splits)
+    check_output_folder(args.out, option="--out")
+    if args.transport != "mqtt":
+        name = args.transport
+        if args.broker:
+            raise UsageError(f"--broker applies to --transport mqtt; the {name} transport has none")
+        if args.workers is not None:
+            raise UsageError(
+                f"--workers applies to --transport mqtt; the {name} transport runs every "
+                "client in this one process"
+            )
+    if args.transport == "vector":
+        refuse_vector(method, resume=args.resume)
+    workers = 2 if args.workers is None else args.workers
+    if args.broker:
+        parse_broker_url(args.broker)
+    resolved = {"bundle": bundle, "image_size": data.image_size, "workers": workers}
+    if data.digits5 is not None:
+        resolved |= asdict(data.digits5)
+    options = SweepOptions(
+        data=data,
+        rounds=args.rounds,
+        epochs=args.epochs,
+        out_dim=args.out_dim,
+        protocol=args.protocol,
+        train_param=dict(args.train_param),
+        downlink_budget=args.downlink_budget,
+        stats_dim=args.stats_dim,
+        bundle=bundle,
+        backbone=backbone,
+        zoo_size=args.zoo_size,
+        transport=args.transport,
+        broker=args.broker,
+        workers=workers,
+        out=args.out,
+        progress=not args.no_progress,
+        resume=args.resume,
+        config=_config(args, resolved),
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the newest sweep under --out after a crash or Ctrl-C: runs that "
-        "finished are read back, the others run again from round 0",
-    )
+    options.spec(method=method, seed=0, out=args.out)  # the run settings, checked by RunSpec
+    return options
 
 
-def add_parsers(sub: Any) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p_run = sub.add_parser("run", help="run one method over a simulated fleet and report",
-                           description="Run R rounds of one method over N agents.",
-                           epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
-    p_run.add_argument("--method", choices=METHODS, default=CORE, help=f"default {CORE}")
-    p_run.add_argument("--seed", type=int, default=0)
-    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet")
+def _config(args: argparse.Namespace, resolved: Mapping[str, Any]) -> dict[str, Any]:
+    values = {k: resolved.get(k, v) for k, v in vars(args).items() if k not in _NOT_REPORTED}
+    return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
 
-    p_cmp = sub.add_parser("compare", help="several methods x seeds on the same partitions",
-                           description="Every method and seed on the same bundle and partitions.",
-                           epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
-    p_cmp.add_argument("--methods", default=",".join(METHODS),
-                       help=f"comma-separated (default {','.join(METHODS)})")  # fmt: skip
-    p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
-    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare")
 
-    p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto, "
-                            "fedpcl and lda on 5 feature-shifted devices over MQTT",
-                            description="The feature-shift comparison of solo, fedavg, fedproto, "
-                            "fedpcl and lda with 5 devices over a private Mosquitto.")  # fmt: skip
-    p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
-    p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl,lda")
-    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo")
+def refuse_vector(method: str, *, resume: bool) -> None:
+    """What the vector engine does not implement, refused before anything starts."""
+    refusal = vector_refusal(method)
+    if refusal is not None:
+        raise UsageError(refusal)
+    if resume:
+        raise UsageError(
+            "--resume needs --transport memory or mqtt: the vector engine keeps no "
+            "per-device state to resume from"
+        )
+
+
+def resolve_data(
+    args: argparse.Namespace, *, split: str | None = None, swept_splits: Sequence[str] = ()
+) -> DataOptions:
+    """The digits-5 options with their defaults filled in, or, with --data, refused if any
+    was given: the clients of an .npz or a folder are what they hold, and a --clients 20
+    that quietly ran the file's 5 would mislead."""
+    defaults: dict[str, Any] = args.digits5_defaults
+    values = {name: getattr(args, name) for name in defaults}
+    if split is not None:
+        values["split"] = split
+    given = [f"--{name}" for name, value in values.items() if value is not None]
+    path: Path | None = args.data
+    folders = path is not None and path.is_dir()
+    if args.image_size is not None and not folders:
+        raise UsageError("--image-size applies to --data image folders only")
+    # The backbones' input side: no detail lost before they resize.
+    image_size = args.image_size
+    if image_size is None:
+        image_size = 224 if args.backbone == "effnet-lite0" else 32
+    if image_size < 1:
+        raise UsageError(f"--image-size must be positive, got {image_size}")
+    if path is not None:
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the built-in "
+                f"digits-5 data and do{'es' if len(given) == 1 else ''} not apply to "
+                f"--data: its clients are those {path} holds"
+            )
+        return DataOptions(path=path, digits5=None, image_size=image_size)
+    values = {name: defaults[name] if value is None else value for name, value in values.items()}
+    # An option no chosen split reads would be dropped without a word.
+    splits = list(swept_splits) or [values["split"]]
+    readers_of = {
+        "--alpha": ("label", "feature-label"),
+        "--domain": ("label",),
+    }
+    for option, readers in readers_of.items():
+        if option in given and not set(readers) & set(splits):
+            raise UsageError(
+                f"{option} applies to --split {' and '.join(readers)} only, "
+                f"not to {', '.join(splits)}"
+            )
+    return DataOptions(path=None, digits5=Digits5Options(**values), image_size=image_size)
 
 
 def split_list(text: str, *, what: str, allowed: tuple[str, ...] | None = None) -> list[str]:
@@ -192,43 +260,3 @@ def parse_seeds(text: str) -> list[int]:
         return [int(s) for s in split_list(text, what="seeds")]
     except ValueError as exc:
         raise UsageError(f"--seeds must be integers: {exc}") from exc
-
-
-def resolve_data_options(args: argparse.Namespace) -> None:
-    """Fill in the digits-5 options' defaults, or, with --data, refuse any that was given:
-    the clients of an .npz or a folder are what they hold, and a --clients 20 that quietly
-    ran the file's 5 would mislead."""
-    defaults = args.__dict__.pop("digits5_defaults", None)
-    if defaults is None:
-        return  # resolved already
-    given = [f"--{name}" for name in defaults if getattr(args, name) is not None]
-    folders = args.data is not None and args.data.is_dir()
-    if args.image_size is not None and not folders:
-        raise UsageError("--image-size applies to --data image folders only")
-    if args.image_size is None:  # the backbones' input side: no detail lost before they resize
-        args.image_size = 224 if args.backbone == "effnet-lite0" else 32
-    if args.image_size < 1:
-        raise UsageError(f"--image-size must be positive, got {args.image_size}")
-    if args.data is not None:
-        if given:
-            raise UsageError(
-                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} the built-in "
-                f"digits-5 data and do{'es' if len(given) == 1 else ''} not apply to "
-                f"--data: its clients are those {args.data} holds"
-            )
-        return
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    # An option no chosen split reads would be dropped without a word.
-    splits = getattr(args, "swept_splits", None) or [args.split]
-    readers_of = {
-        "--alpha": ("label", "feature-label"),
-        "--domain": ("label",),
-    }
-    for option, readers in readers_of.items():
-        if option in given and not set(readers) & set(splits):
-            raise UsageError(
-                f"{option} applies to --split {' and '.join(readers)} only, "
-                f"not to {', '.join(splits)}"
-            )

@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from edge_agent.privacy.accounting import Plan, plan, plan_features
+from edge_agent.privacy.mechanisms import MechanismParams, release_dp
 from edge_agent.privacy.randomness import guarantee
-from fleet.cli import commands, options
+from fleet.cli import commands, options, parsers
 from fleet.cli.resume import run_or_resume, sweep_dir
 from fleet.data.bundles import ensure_bundle
 from fleet.data.partition import SPLITS, Partition
-from fleet.report.summary import arm_settings, protocol_line, run_summary, settings, to_json
+from fleet.report.privacy_audit import label_inference_error
+from fleet.report.privacy_report import FORMAL, markdown, plot_accuracy_vs_epsilon
+from fleet.report.summary import arm_settings, run_summary, to_json
 from fleet.transports.runner import run as run_fleet
 from runtime.cliutil import UsageError
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
-FORMAL = ("dp", "dp-features")
 
 
 def add_parser(sub: Any) -> None:
@@ -61,8 +65,32 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
-    options.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
+    parsers.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
     parser.set_defaults(transport="memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyOptions:
+    """What a privacy sweep was asked, resolved: the arms' settings beside the options
+    every sweep shares."""
+
+    sweep: options.SweepOptions
+    splits: tuple[str, ...]  # digits-5 settings, or the --data file's name alone
+    epsilons: tuple[float, ...]
+    delta: float
+    mechanisms: tuple[str, ...]
+    paper: tuple[tuple[str, float, float], ...]  # (noise, scale, p) of each paper arm
+    seeds: tuple[int, ...]
+    dataset_size: int | None  # --dataset-size: the declared bound, if given
+    release_share: float
+    reproducible_noise: bool
+
+    def config(self) -> dict[str, Any]:
+        """The command line as the report records it."""
+        if self.sweep.data.digits5 is None:
+            return dict(self.sweep.config)
+        # As the report has always had it: the last setting swept, then all of them.
+        return {**self.sweep.config, "split": self.splits[-1], "swept_splits": list(self.splits)}
 
 
 def _paper_settings(text: str) -> list[tuple[str, float, float]]:
@@ -80,44 +108,45 @@ def _paper_settings(text: str) -> list[tuple[str, float, float]]:
     return out
 
 
-def _plan(mechanism: str, epsilon: float, args: argparse.Namespace, *, dataset_size: int) -> Plan:
+def _plan(mechanism: str, epsilon: float, opts: PrivacyOptions, *, dataset_size: int) -> Plan:
     """The noise multipliers that spend ``epsilon`` over the sweep's rounds (dp), or over
     one release (dp-features: the simulated devices' data never changes)."""
     try:
         if mechanism == "dp-features":
-            return plan_features(epsilon_target=epsilon, delta=args.delta, releases=1)
-        return plan(epsilon_target=epsilon, delta=args.delta, rounds=args.rounds,
-                    epochs=args.epochs, dataset_size=dataset_size, batch=32,
-                    release_share=args.release_share)  # fmt: skip
+            return plan_features(epsilon_target=epsilon, delta=opts.delta, releases=1)
+        return plan(epsilon_target=epsilon, delta=opts.delta, rounds=opts.sweep.rounds,
+                    epochs=opts.sweep.epochs, dataset_size=dataset_size, batch=32,
+                    release_share=opts.release_share)  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"no {mechanism} plan for epsilon {epsilon:g}: {exc}") from exc
 
 
-def _privacy_table(mechanism: str, epsilon: float, chosen: Plan, args: argparse.Namespace,
+def _privacy_table(mechanism: str, epsilon: float, chosen: Plan, opts: PrivacyOptions,
                    dataset_size: int) -> dict[str, Any]:  # fmt: skip
     """The agents' [privacy] table of one arm."""
-    table: dict[str, Any] = {"mechanism": mechanism, "epsilon": epsilon, "delta": args.delta,
+    table: dict[str, Any] = {"mechanism": mechanism, "epsilon": epsilon, "delta": opts.delta,
                              "release_noise_multiplier": chosen.release_noise_multiplier}  # fmt: skip
     if mechanism == "dp":
         table |= {"sgd_noise_multiplier": chosen.sgd_noise_multiplier, "dataset_size": dataset_size}
     return table
 
 
-def _dataset_size(args: argparse.Namespace, partition: Partition) -> int:
+def _dataset_size(opts: PrivacyOptions, partition: Partition) -> int:
     """The declared bound: --dataset-size, else the largest client's training set."""
     largest = max(len(c.train_y) for c in partition.clients)
-    if args.dataset_size is None:
+    if opts.dataset_size is None:
         return largest
-    if args.dataset_size < largest:
+    if opts.dataset_size < largest:
         raise UsageError(
-            f"--dataset-size {args.dataset_size} is below the largest client's "
+            f"--dataset-size {opts.dataset_size} is below the largest client's "
             f"{largest} training samples: it must bound every device's data"
         )
-    return int(args.dataset_size)
+    return int(opts.dataset_size)
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.split is not None:  # it would be overwritten by each of --splits in turn
+def privacy_options(args: argparse.Namespace) -> PrivacyOptions:
+    """The options of ``args``, checked before the zoo is built."""
+    if args.split is not None:  # each of --splits in turn would override it
         raise UsageError(
             "privacy runs every setting in --splits (default feature,label), not --split: "
             f"for this one alone give --splits {args.split}"
@@ -132,115 +161,126 @@ def main(args: argparse.Namespace) -> int:
         splits = [args.data.name]  # one "setting": the clients the data holds
     else:
         splits = options.split_list(args.splits or "feature,label", what="splits", allowed=SPLITS)
-        args.split, args.swept_splits = splits[0], splits
+    swept = splits if args.data is None else []  # the digits-5 settings, in place of --split
     paper = _paper_settings(args.paper)
     mechanisms = options.split_list(args.mechanisms, what="mechanisms", allowed=FORMAL)
     seeds = options.parse_seeds(args.seeds)
-    first = commands.check_options(args, method="fedpcl", seed=seeds[0])
-    size = _dataset_size(args, first)
-    for mechanism in mechanisms:  # an impossible plan fails now, not after the zoo is built
-        for eps in epsilons:
-            _plan(mechanism, eps, args, dataset_size=size)
-    with commands.hold_output_folder(args.out):
-        return _sweep(args, splits, seeds, epsilons, paper, mechanisms, first)
+    return PrivacyOptions(
+        sweep=options.sweep_options(
+            args, method="fedpcl", split=swept[0] if swept else None, swept_splits=swept
+        ),
+        splits=tuple(splits),
+        epsilons=tuple(epsilons),
+        delta=args.delta,
+        mechanisms=tuple(mechanisms),
+        paper=tuple(paper),
+        seeds=tuple(seeds),
+        dataset_size=args.dataset_size,
+        release_share=args.release_share,
+        reproducible_noise=args.reproducible_noise,
+    )
 
 
-def _sweep(
-    args: argparse.Namespace,
-    splits: list[str],
-    seeds: list[int],
-    epsilons: list[float],
-    paper: list[tuple[str, float, float]],
-    mechanisms: list[str],
-    first: Partition,
-) -> int:
-    bundle = ensure_bundle(args.bundle, args.zoo_size, backbone=args.backbone or "zoo")
-    sweep = sweep_dir(args.out, resume=args.resume)
+def main(args: argparse.Namespace) -> int:
+    opts = privacy_options(args)
+    first = opts.sweep.data.partition(opts.seeds[0])
+    size = _dataset_size(opts, first)
+    for mechanism in opts.mechanisms:  # an impossible plan fails now, not after the zoo is built
+        for eps in opts.epsilons:
+            _plan(mechanism, eps, opts, dataset_size=size)
+    with commands.hold_output_folder(opts.sweep.out):
+        return _sweep(opts, first)
+
+
+def _arms(opts: PrivacyOptions, size: int) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(name, method, [privacy] table, the arm's own [train] settings) of every arm, for
+    a partition whose declared bound is ``size``."""
+    arms: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+        ("solo (no privacy)", "solo", {}, {}),
+        ("fedpcl (no privacy)", "fedpcl", {}, {}),
+    ]
+    for noise, scale, p in opts.paper:
+        arms.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
+                     {"mechanism": "paper", "paper_noise": noise,
+                      "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
+    for mechanism in opts.mechanisms:
+        for eps in opts.epsilons:
+            chosen = _plan(mechanism, eps, opts, dataset_size=size)
+            arms.append((f"fedpcl {mechanism} eps={eps:g}", "fedpcl",
+                         _privacy_table(mechanism, eps, chosen, opts, size),
+                         {"norm": "group"} if mechanism == "dp" else {}))  # fmt: skip
+    return arms
+
+
+def _sweep(opts: PrivacyOptions, first: Partition) -> int:
+    sweep_opts = opts.sweep
+    ensure_bundle(sweep_opts.bundle, sweep_opts.zoo_size, backbone=sweep_opts.backbone)
+    sweep = sweep_dir(sweep_opts.out, resume=sweep_opts.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}
     arm_train: dict[str, dict[str, Any]] = {}  # each arm's [train] settings beyond defaults
     arm_full: dict[str, dict[str, Any]] = {}  # and everything that shaped it, in full
     arm_privacy: dict[str, dict[str, Any]] = {}  # each arm's [privacy] table and guarantee
-    for split in splits:
-        if args.data is None:
-            args.split = split
+    partition = first
+    for split in opts.splits:
+        data = sweep_opts.data
+        if data.digits5 is not None:
+            data = data.with_split(split)
         rows: dict[str, list[float]] = {}
-        for seed in seeds:
-            first_run = split == splits[0] and seed == seeds[0]
-            partition = first if first_run else commands.partition_for(args, seed)
-            size = _dataset_size(args, partition)
-            arms: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
-                ("solo (no privacy)", "solo", {}, {}),
-                ("fedpcl (no privacy)", "fedpcl", {}, {}),
-            ]
-            for noise, scale, p in paper:
-                arms.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
-                             {"mechanism": "paper", "paper_noise": noise,
-                              "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
-            for mechanism in mechanisms:
-                for eps in epsilons:
-                    chosen = _plan(mechanism, eps, args, dataset_size=size)
-                    arms.append((f"fedpcl {mechanism} eps={eps:g}", "fedpcl",
-                                 _privacy_table(mechanism, eps, chosen, args, size),
-                                 {"norm": "group"} if mechanism == "dp" else {}))  # fmt: skip
-            for name, method, privacy, train in arms:
+        for seed in opts.seeds:
+            first_run = split == opts.splits[0] and seed == opts.seeds[0]
+            partition = first if first_run else data.partition(seed)
+            for name, method, privacy, train in _arms(opts, _dataset_size(opts, partition)):
                 slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-                spec = commands.spec_for(
-                    args, method=method, bundle=bundle, seed=seed,
-                    out=sweep / split / f"{slug}-seed{seed}",
+                spec = sweep_opts.spec(
+                    method=method, seed=seed, out=sweep / split / f"{slug}-seed{seed}",
                     extra_train=train, privacy=privacy,
-                    reproducible_noise=args.reproducible_noise,
+                    reproducible_noise=opts.reproducible_noise,
                 )  # fmt: skip
                 result, _ = run_or_resume(spec, partition, run=run_fleet)
                 arm_train.setdefault(name, dict(spec.extra_train))
-                arm_full.setdefault(name, arm_settings(spec, protocol=args.protocol))
+                arm_full.setdefault(name, arm_settings(spec, protocol=sweep_opts.protocol))
                 formal = privacy.get("mechanism") in FORMAL
                 arm_privacy.setdefault(name, {**privacy, "guarantee": guarantee(
-                    formal=formal, reproducible=args.reproducible_noise)})  # fmt: skip
+                    formal=formal, reproducible=opts.reproducible_noise)})  # fmt: skip
                 final = run_summary(result)["final_mean"]
                 rows.setdefault(name, []).append(final)
                 print(
                     f"{split:>13} seed {seed}: {name:<34} {final:.3f}", file=sys.stderr, flush=True
                 )
         results[split] = {name: sum(v) / len(v) for name, v in rows.items()}
-        attacks[split] = label_attack(partition, epsilons, mechanisms, args)
-    document = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                           if k not in ("command", "log_format", "log_level")},
-                "epsilons": epsilons, "delta": args.delta, "mechanisms": mechanisms,
+        attacks[split] = label_attack(partition, opts)
+    document = {"config": opts.config(),
+                "epsilons": list(opts.epsilons), "delta": opts.delta,
+                "mechanisms": list(opts.mechanisms),
                 "results": results, "train": arm_train, "settings": arm_full,
                 "privacy": arm_privacy,
                 "label_inference_tv": attacks}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.json").write_text(to_json(document))
+    out = sweep_opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(to_json(document))
     table = markdown(document)
-    (args.out / "report.md").write_text(table)
-    plot = plot_accuracy_vs_epsilon(document, args.out / "accuracy_vs_epsilon.png")
+    (out / "report.md").write_text(table)
+    plot = plot_accuracy_vs_epsilon(document, out / "accuracy_vs_epsilon.png")
     print(table)
-    print(f"report.json: {args.out / 'report.json'}\nplot: {plot}")
+    print(f"report.json: {out / 'report.json'}\nplot: {plot}")
     return 0
 
 
-def label_attack(
-    partition: Any, epsilons: list[float], mechanisms: list[str], args: argparse.Namespace
-) -> dict[str, float]:
+def label_attack(partition: Partition, opts: PrivacyOptions) -> dict[str, float]:
     """Mean total variation distance between each client's label distribution and what an
     observer reads off its released counts: exact counts (no noise) and each formal
     mechanism's release at each epsilon (the multipliers the sweep used; 200 draws per
     client). dp releases counts every round (one round's are read here); dp-features once."""
-    import numpy as np
-
-    from edge_agent.privacy.mechanisms import MechanismParams, release_dp
-    from fleet.report.privacy_audit import label_inference_error
-
     rng = np.random.default_rng(0)
     num_classes = len(partition.classes)
     out: dict[str, float] = {}
     true = [np.bincount(c.train_y, minlength=num_classes) for c in partition.clients]
     out["no noise"] = float(np.mean([label_inference_error(t, t) for t in true]))
-    size = _dataset_size(args, partition)
-    for mechanism in mechanisms:
-        for eps in epsilons:
-            sigma = _plan(mechanism, eps, args, dataset_size=size).release_sum_sigma
+    size = _dataset_size(opts, partition)
+    for mechanism in opts.mechanisms:
+        for eps in opts.epsilons:
+            sigma = _plan(mechanism, eps, opts, dataset_size=size).release_sum_sigma
             params = MechanismParams(sum_sigma=sigma, count_sigma=sigma)
             errors = []
             for c, t in zip(partition.clients, true, strict=True):
@@ -250,77 +290,3 @@ def label_attack(
                            for _ in range(200)]  # fmt: skip
             out[f"{mechanism} eps={eps:g}"] = float(np.mean(errors))
     return out
-
-
-def _label(split: str, document: dict[str, Any]) -> str:
-    """A column's name: a digits-5 setting ('feature shift') or the --data file's name."""
-    return split if document.get("config", {}).get("data") else f"{split} shift"
-
-
-def markdown(document: dict[str, Any]) -> str:
-    splits = list(document["results"])
-    names = list(next(iter(document["results"].values())))
-    config = document.get("config", {})
-    data = Path(config.get("data") or "digits-5").name
-    protocol = f"; {config['protocol']} protocol" if config.get("protocol") else ""
-    lines = [
-        f"# Privacy on {data} (delta {document['delta']:g} for the whole run{protocol})",
-        "",
-        *([line, ""] if (line := protocol_line(config)) else []),
-        "Final mean test accuracy (%) over the clients.",
-        *_guarantee_lines(document),
-        *([f"Settings: {line}."] if (line := settings(document.get("config", {}))) else []),
-        "",
-        "| setting | " + " | ".join(_label(s, document) for s in splits) + " |",
-        "|---|" + "---:|" * len(splits),
-    ]
-    for name in names:
-        cells = [f"{100 * document['results'][s][name]:.1f}" for s in splits]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    attacks = document.get("label_inference_tv", {})
-    if attacks:
-        lines += ["", "Label-distribution inference from one round's released counts: mean "
-                  "total variation distance to the truth (0 = given away exactly).", "",
-                  "| release | " + " | ".join(_label(s, document) for s in attacks) + " |",
-                  "|---|" + "---:|" * len(attacks)]  # fmt: skip
-        for name in next(iter(attacks.values())):
-            lines.append(
-                f"| {name} | " + " | ".join(f"{attacks[s][name]:.3f}" for s in attacks) + " |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _guarantee_lines(document: dict[str, Any]) -> list[str]:
-    """What each formal arm's epsilon is worth, said once for the table."""
-    claims = {v.get("guarantee") for k, v in document.get("privacy", {}).items()
-              if v.get("mechanism") in FORMAL}  # fmt: skip
-    return [f"Formal arms' guarantee: {c}." for c in sorted(c for c in claims if c)]
-
-
-LINE_STYLES = {"dp": ("o", "-"), "dp-features": ("s", "-.")}
-LABELS = {"dp": "DP FedPCL (DP-SGD)", "dp-features": "FedPCL, dp-features release"}
-
-
-def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
-    from fleet.report.plots import finish, pyplot
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    epsilons = document["epsilons"]
-    for i, (split, rows) in enumerate(document["results"].items()):
-        colour = f"C{i}"
-        for mechanism in document.get("mechanisms", ["dp"]):
-            marker, style = LINE_STYLES[mechanism]
-            ys = [100 * rows[f"fedpcl {mechanism} eps={e:g}"] for e in epsilons]
-            ax.plot(epsilons, ys, marker=marker, linestyle=style, color=colour,
-                    label=f"{LABELS[mechanism]}, {_label(split, document)}")  # fmt: skip
-        ax.axhline(100 * rows["fedpcl (no privacy)"], color=colour, linestyle=":",
-                   label=f"FedPCL without privacy, {split}")  # fmt: skip
-        ax.axhline(100 * rows["solo (no privacy)"], color=colour, linestyle="--",
-                   label=f"Solo (shares nothing), {split}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
-    ax.set_xlabel(f"epsilon (delta {document['delta']:g}, whole run)")
-    ax.set_ylabel("final mean test accuracy (%)")
-    ax.set_ylim(0, 100)
-    return finish(plt, fig, ax, path, legend_size=7)

@@ -31,7 +31,6 @@ from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
 
-RESULT = "result.json"
 # Settings that change how a run is carried out but not what it computes.
 _NOT_IN_KEY = frozenset({"out", "progress", "workers", "broker", "feature_cache"})
 
@@ -78,7 +77,7 @@ def save(result: RunResult, key: str) -> Path:
         "wall_seconds": result.wall_seconds,
         "backbone_samples": result.backbone_samples,
     }
-    path = result.spec.out / RESULT
+    path = result.spec.layout.result
     atomic_write(path, json.dumps(document).encode())  # a crash leaves none or all of it
     return path
 
@@ -86,7 +85,7 @@ def save(result: RunResult, key: str) -> Path:
 def load(spec: RunSpec, key: str) -> RunResult | None:
     """The finished run in ``spec.out`` if it was made with ``key``; otherwise None."""
     try:
-        document = json.loads((spec.out / RESULT).read_text())
+        document = json.loads(spec.layout.result.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(document, dict) or document.get("key") != key:
@@ -118,7 +117,7 @@ def run_or_resume(
     key = fingerprint(spec, partition)
     earlier = load(spec, key)
     if earlier is not None:
-        log.info("%s: finished earlier, read back from %s", spec.out.name, spec.out / RESULT)
+        log.info("%s: finished earlier, read back from %s", spec.out.name, spec.layout.result)
         return earlier, True
     if spec.out.exists():
         log.info("%s: cut short or made with other settings; running it again", spec.out.name)

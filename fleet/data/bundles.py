@@ -3,13 +3,14 @@ and the zoo or a pretrained backbone built once where none is."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from export import bundle as bundle_mod
+from export.errors import BundleError
 from runtime.cliutil import CommandFailed, UsageError
 from runtime.runlock import RunLock
 
@@ -25,26 +26,22 @@ BACKBONES: dict[str, list[str]] = {
 }
 
 
-def resolve_bundle(args: argparse.Namespace) -> None:
-    """``--bundle`` defaults to runs/BACKBONE; a bundle already there must be what an
+def resolve_bundle(bundle: Path | None, *, backbone: str | None) -> Path:
+    """``--bundle``, by default runs/BACKBONE; a bundle already there must be what an
     explicit ``--backbone`` asks for (a zoo silently used for effnet-lite0 would mislead)."""
-    backbone = args.backbone or "zoo"
-    if args.bundle is None:
-        args.bundle = Path("runs") / backbone
-    if args.backbone is None or not (args.bundle / "bundle.json").exists():
-        return
-    from export import bundle as bundle_mod
-    from export.errors import BundleError
-
+    path = Path("runs") / (backbone or "zoo") if bundle is None else bundle
+    if backbone is None or not (path / "bundle.json").exists():
+        return path
     try:
-        held = bundle_kind(bundle_mod.load(args.bundle, check_hashes=False))
+        held = bundle_kind(bundle_mod.load(path, check_hashes=False))
     except BundleError as exc:
         raise UsageError(str(exc)) from None
-    if held != args.backbone:
+    if held != backbone:
         raise UsageError(
-            f"--bundle {args.bundle} holds {held or 'other backbones'}, not --backbone "
-            f"{args.backbone}; choose another --bundle (or none: runs/{args.backbone})"
+            f"--bundle {path} holds {held or 'other backbones'}, not --backbone "
+            f"{backbone}; choose another --bundle (or none: runs/{backbone})"
         )
+    return path
 
 
 def bundle_kind(bundle: Any) -> str | None:

@@ -20,12 +20,16 @@ for ``--data`` (``train_x_<i>``, ``train_y_<i>``, ``test_x_<i>``, ``test_y_<i>``
 from __future__ import annotations
 
 import argparse
+import io
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from runtime.cliutil import UsageError
+from runtime.files import atomic_write
 
 CLASSES = ("alpha", "beta", "gamma", "delta", "epsilon", "theta", "lambda", "mu", "pi", "sigma")
 LETTERS = "αβγδεθλμπσ"
@@ -184,17 +188,12 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from runtime.cliutil import UsageError
-    from runtime.files import atomic_write
-
     if args.out.suffix != ".npz":
         raise UsageError(f"--out must name an .npz file, got {args.out}")
     try:
         arrays = make(seed=args.seed, train=args.train, test=args.test)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    import io
-
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)  # type: ignore[arg-type]
     args.out.parent.mkdir(parents=True, exist_ok=True)

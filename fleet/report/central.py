@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edge_agent import data as data_mod
+from edge_agent import inference
+from edge_agent.features import FeatureCache, cache_features
+from edge_agent.methods import FLOOR
+from edge_agent.train_config import TrainConfig
+from export.runtime import BackboneRuntime, RuntimeSettings
 from fleet.data.partition import Partition
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec, train_table
-
-if TYPE_CHECKING:
-    from export.runtime import BackboneRuntime
+from runtime.settings import build
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +38,10 @@ def _features(
 ) -> list[tuple[np.ndarray, ...]]:
     """(train features, train labels, test features, test labels) per client, through the
     agents' own loader and feature cache: the sweep's methods filled it already."""
-    from edge_agent import data as data_mod
-    from edge_agent.features import FeatureCache, cache_features
-
-    root = spec.feature_cache or spec.out / "feature-cache"
-    cache = FeatureCache(root, shared=True)
+    cache = FeatureCache(spec.feature_cache or spec.layout.feature_cache, shared=True)
     out = []
     for client in partition.clients:
-        train_path, test_path = client.save(spec.out / "data" / client.name)
+        train_path, test_path = client.save(spec.layout.pooled_data(client.name))
         parts: list[np.ndarray] = []
         for path, what in ((train_path, "training data"), (test_path, "test data")):
             data = data_mod.load(path, partition.classes)
@@ -56,14 +55,11 @@ def _features(
 
 def run(spec: RunSpec, partition: Partition) -> RunResult:
     """Train and score the pooled head; ``spec.method`` is :data:`CENTRAL`."""
+    # torch: the reports and edge-fleet's option checks read CENTRAL from this module; only
+    # training the ceiling pays for torch.
     import torch
 
-    from edge_agent import inference
-    from edge_agent.methods import FLOOR
     from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
-    from edge_agent.train_config import TrainConfig
-    from export.runtime import BackboneRuntime, RuntimeSettings
-    from runtime.settings import build
 
     started = time.perf_counter()
     spec.out.mkdir(parents=True, exist_ok=True)
@@ -104,4 +100,5 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         for client, acc in zip(partition.clients, accuracy, strict=True)
     )
     log.info("central: %d samples pooled, %d rounds", len(train_y), rounds)
-    return RunResult(spec, records, tuple(seconds), 0.0, time.perf_counter() - started)
+    return RunResult(spec=spec, clients=records, round_seconds=tuple(seconds), peak_mb=0.0,
+                     wall_seconds=time.perf_counter() - started)  # fmt: skip

@@ -6,9 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from edge_agent import data as data_mod
+from edge_agent.config import load as load_agent_config
+from edge_agent.features import FeatureCache, cache_features
+from edge_agent.head import local_prototypes
 from edge_agent.methods import device_method
+from edge_agent.state import StateDir
+from edge_agent.train import LocalModel, embed
+from export.runtime import BackboneRuntime
 from fleet.transports.spec import RunResult
+from runtime.cliutil import CommandFailed
 
 
 def backbone_contribution(
@@ -19,17 +28,6 @@ def backbone_contribution(
     all backbones and those computed from backbone k alone (the other backbones' feature
     blocks replaced by their mean over the client's data, which keeps the head's input
     in distribution), averaged over classes and over the domain's clients."""
-    import torch
-
-    from edge_agent import data as data_mod
-    from edge_agent.config import load as load_agent_config
-    from edge_agent.features import FeatureCache, cache_features
-    from edge_agent.head import local_prototypes
-    from edge_agent.state import StateDir
-    from edge_agent.train import LocalModel, embed
-    from export.runtime import BackboneRuntime
-    from runtime.cliutil import CommandFailed
-
     runtime = BackboneRuntime(bundle)
     members = runtime.bundle.members
     names = [m.name for m in members]
@@ -38,7 +36,7 @@ def backbone_contribution(
     for client in result.clients:
         # What the device kept: its trained head and the features of its training data
         # (from the run's feature cache), read without starting an agent.
-        cfg = load_agent_config(result.spec.out / "clients" / client.name / "agent.toml")
+        cfg = load_agent_config(result.spec.layout.agent_config(client.name))
         state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, create=False)
         n_cls = len(cfg.classes)
         model = LocalModel(in_dim=runtime.feature_dim, num_classes=n_cls, cfg=cfg.train,

@@ -10,10 +10,13 @@ from typing import Any
 import numpy as np
 
 from edge_agent.methods import FLOOR
-from fleet.report.summary import _seeds, method_train, train_note
+from fleet.report.central import CENTRAL
+from fleet.report.notes import method_train, seeds_of, train_note
 
 
 def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend."""
+    # matplotlib: only a command that draws pays for it, not edge-fleet --help.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,8 +27,6 @@ def pyplot() -> Any:
 
 def _title(report: dict[str, Any], text: str) -> str:
     config = report.get("config", {})
-    from fleet.report.central import CENTRAL
-
     note = train_note(
         config, method_train({"methods": {k: v for k, v in report["methods"].items()
                                           if k != CENTRAL}})
@@ -37,8 +38,6 @@ def _title(report: dict[str, Any], text: str) -> str:
 def plot_accuracy(report: dict[str, Any], path: Path) -> Path:
     """Each method's mean accuracy by round (band: std over seeds); the ceiling (central)
     and the floor (solo's final) as horizontal lines."""
-    from fleet.report.central import CENTRAL
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for name, m in report["methods"].items():
@@ -74,8 +73,6 @@ def finish(plt: Any, fig: Any, ax: Any, path: Path, *, legend_size: int = 8) -> 
 
 
 def plot_domains(report: dict[str, Any], path: Path) -> Path:
-    from fleet.report.central import CENTRAL
-
     plt = pyplot()
     methods = report["methods"]
     domains = sorted({d for m in methods.values() for d in m["per_domain"]})
@@ -86,7 +83,7 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path:
     bars = {k: v for k, v in methods.items() if k != CENTRAL}
     width = 0.8 / max(1, len(bars))
     x = np.arange(len(groups))
-    seeds = _seeds(methods)
+    seeds = seeds_of(methods)
     several = len(seeds) > 1  # one seed has no spread: no error bars that are always 0
     for i, (name, m) in enumerate(bars.items()):
         values = [m["per_domain"].get(d, math.nan) for d in domains] + [m["final_mean"]]

@@ -3,32 +3,35 @@ the rounds' times from the coordinator's store."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from coordinator.config import database_in
 from coordinator.store_reader import StoreReader
+from edge_agent.state import StateDir
 from fleet.data.partition import Partition
-from fleet.transports.configs import coordinator_state_dir
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import CommandFailed
 
 
 def collect(spec: RunSpec, partition: Partition, *, peak_mb: float, wall: float) -> RunResult:
-    """Read the run back from every agent's state.json and the coordinator's database."""
-    return RunResult(spec, client_records(spec, partition), round_seconds(spec), peak_mb, wall)
+    """Read the run back from every agent's state and the coordinator's database."""
+    return RunResult(spec=spec, clients=client_records(spec, partition),
+                     round_seconds=round_seconds(spec), peak_mb=peak_mb,
+                     wall_seconds=wall)  # fmt: skip
 
 
 def client_records(spec: RunSpec, partition: Partition) -> tuple[ClientRecord, ...]:
-    """Every agent's per-round record, from its state.json."""
+    """Every agent's per-round record, read through the agent's own state reader."""
     records = []
     for client in partition.clients:
-        state_file = spec.out / "clients" / client.name / "state" / "state.json"
+        folder = spec.layout.agent_state(client.name)
         try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError) as exc:
+            snapshot = StateDir(folder, agent_id=client.name, create=False).snapshot
+        except (OSError, ValueError) as exc:  # unreadable, damaged, or another agent's
             raise CommandFailed(f"no record of {client.name}: {exc}") from exc
-        by_round = {h["round"]: h for h in state.get("history", [])}
+        if snapshot.bundle_id is None:  # an agent commits its bundle's id as it starts
+            raise CommandFailed(f"no record of {client.name}: no agent state in {folder}")
+        by_round = {h["round"]: h for h in snapshot.history}
         rows = [by_round.get(r, {}) for r in range(spec.rounds)]
         records.append(
             ClientRecord(
@@ -46,7 +49,7 @@ def client_records(spec: RunSpec, partition: Partition) -> tuple[ClientRecord, .
 
 def run_database(spec: RunSpec) -> Path:
     """The coordinator database of a finished run."""
-    database = database_in(coordinator_state_dir(spec))
+    database = database_in(spec.layout.coordinator)
     if not database.is_file():
         raise CommandFailed(f"no coordinator database at {database}")
     return database

@@ -12,6 +12,7 @@ from edge_agent.config import ClosedFormSettings
 from fleet.data.partition import ClientData
 from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.methods import wire_method
+from runtime.keyfiles import generate_ed25519
 
 
 def toml_value(value: Any) -> str:
@@ -47,19 +48,27 @@ def initial_seed(spec: RunSpec, index: int) -> int:
 
 
 def agent_tables(
-    spec: RunSpec, client: ClientData, root: Path, classes: tuple[str, ...], index: int
+    spec: RunSpec,
+    client: ClientData,
+    *,
+    classes: tuple[str, ...],
+    index: int,
+    security: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    train, test = client.save(root / "data")
+    """The agent's tables for ``client``, the ``index``-th device, in the run's layout
+    (its split saved there now); ``security`` is its [security] table."""
+    layout = spec.layout
+    train, test = client.save(layout.agent_data(client.name))
     return {
         "agent_id": client.name,
         "fleet": FLEET,
-        "state_dir": str(root / "state"),
+        "state_dir": str(layout.agent_state(client.name)),
         "bundle": str(spec.bundle),
         "method": spec.method,
         "classes": list(classes),
         "seed": agent_seed(spec, index),
         **({"init_seed": spec.seed} if wire_method(spec.method).averaged else {}),
-        # The report reads every round back from state.json: none may be dropped.
+        # The report reads every round back from the agent's state: none may be dropped.
         "history": max(200, spec.rounds),
         "data": {
             "train": str(train),
@@ -77,6 +86,7 @@ def agent_tables(
         **(
             {"closed_form": {"dim": spec.stats_dim}} if wire_method(spec.method).closed_form else {}
         ),
+        **({"security": security} if security is not None else {}),
     }
 
 
@@ -93,11 +103,6 @@ def prototype_dim(spec: RunSpec, feature_dim: int) -> int:
     return feature_dim if spec.privacy.get("mechanism") == "dp-features" else spec.out_dim
 
 
-def coordinator_state_dir(spec: RunSpec) -> Path:
-    """Where a run's coordinator keeps its database."""
-    return spec.out / "coordinator"
-
-
 def coordinator_tables(
     spec: RunSpec,
     bundle_id: str,
@@ -106,10 +111,12 @@ def coordinator_tables(
     *,
     dim: int,
     feature_dim: int,
+    security: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The coordinator's tables of a run; ``security`` is its [security] table."""
     return {
         "fleet": FLEET,
-        "state_dir": str(coordinator_state_dir(spec)),
+        "state_dir": str(spec.layout.coordinator),
         "sqlite_synchronous": "NORMAL",
         "model": {
             "method": spec.method,
@@ -127,35 +134,56 @@ def coordinator_tables(
             "timeout_s": 3600.0,
             "max_rounds": spec.rounds,
         },
+        **({"security": security} if security is not None else {}),
     }
+
+
+def write_config(path: Path, tables: dict[str, Any]) -> Path:
+    """``tables`` as the TOML file ``path``: each configuration is written once, whole."""
+    path.write_text(to_toml(tables))
+    return path
 
 
 @dataclass(frozen=True)
 class FleetKeys:
     """Ed25519 keys of a simulated fleet, so it runs the signed path a deployment runs:
     ``coordinator.key`` and ``.pub``, ``agents/<name>.key``, ``devices/<name>.pub`` (the
-    coordinator's enrolment folder)."""
+    coordinator's enrolment folder), under ``root`` (the run's ``keys/``)."""
 
     root: Path
 
+    @property
+    def coordinator_key(self) -> Path:
+        return self.root / "coordinator.key"
+
+    @property
+    def coordinator_pub(self) -> Path:
+        return self.root / "coordinator.pub"
+
+    @property
+    def devices(self) -> Path:
+        return self.root / "devices"
+
+    def agent_key(self, name: str) -> Path:
+        return self.root / "agents" / f"{name}.key"
+
+    def device_pub(self, name: str) -> Path:
+        return self.devices / f"{name}.pub"
+
     def agent_table(self, name: str) -> dict[str, Any]:
-        return {
-            "key": str(self.root / "agents" / f"{name}.key"),
-            "coordinator": str(self.root / "coordinator.pub"),
-        }
+        return {"key": str(self.agent_key(name)), "coordinator": str(self.coordinator_pub)}
 
     def coordinator_table(self) -> dict[str, Any]:
-        return {"key": str(self.root / "coordinator.key"), "devices": str(self.root / "devices")}
+        return {"key": str(self.coordinator_key), "devices": str(self.devices)}
 
 
 def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
     """Make the keys a run lacks; a resumed run keeps its own (its stored updates are
     signed with them)."""
-    from runtime.keyfiles import generate_ed25519
-
-    if not (root / "coordinator.key").exists():
-        generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
+    keys = FleetKeys(root)
+    if not keys.coordinator_key.exists():
+        generate_ed25519(keys.coordinator_key, keys.coordinator_pub)
     for name in names:
-        if not (root / "agents" / f"{name}.key").exists():
-            generate_ed25519(root / "agents" / f"{name}.key", root / "devices" / f"{name}.pub")
-    return FleetKeys(root)
+        if not keys.agent_key(name).exists():
+            generate_ed25519(keys.agent_key(name), keys.device_pub(name))
+    return keys

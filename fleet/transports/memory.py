@@ -6,10 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.store import Store
+from edge_agent.agent import Agent
+from edge_agent.config import AgentConfig
+from export.runtime import BackboneRuntime, RuntimeSettings
+from fleet.engine.evaluation import FleetEvaluator
 from fleet.transports.procmem import peak_self_mb, reset_peak
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import RunSpec
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
 from runtime.faults import crash_point
+from runtime.settings import build
 
 
 def run_memory(
@@ -18,8 +30,6 @@ def run_memory(
     """The run on one torch thread (many agents share the cores), the caller's thread
     count given back after it: a process that goes on (a sweep, a test session) computes
     as it did before, bit for bit."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -31,17 +41,6 @@ def run_memory(
 def _run_memory(
     spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
 ) -> tuple[float, int]:
-    from coordinator.config import CoordinatorConfig
-    from coordinator.metrics import Metrics
-    from coordinator.rounds import RoundManager
-    from coordinator.store import Store
-    from edge_agent.agent import Agent
-    from edge_agent.config import AgentConfig
-    from export.runtime import BackboneRuntime, RuntimeSettings
-    from fleet.engine.evaluation import FleetEvaluator
-    from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
-    from runtime.settings import build
-
     reset_peak()
     runtime = BackboneRuntime(spec.bundle, settings=RuntimeSettings(intra_op_threads=1))
     live = []

@@ -14,14 +14,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from fleet.transports import tether
-from fleet.transports.configs import to_toml
+from fleet.transports.amqtt_broker import AmqttBroker
+from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
+from fleet.transports.configs import write_config
 from fleet.transports.procmem import FleetMemory
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import RunSpec
@@ -70,9 +72,6 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         host, port = parse_broker_url(spec.broker)
         yield host, port, None
         return
-    from fleet.transports.amqtt_broker import AmqttBroker
-    from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
-
     broker: Any
     if find_mosquitto() is not None:
         broker = MosquittoBroker()
@@ -124,7 +123,10 @@ class _StopRequest:
             raise KeyboardInterrupt
 
 
-def run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]) -> float:
+def run_mqtt(spec: RunSpec, agents: Mapping[str, dict[str, Any]], coord: dict[str, Any]) -> float:
+    """Run the fleet of ``agents`` (each agent's tables by its name) and the coordinator of
+    ``coord``; each configuration is written, with the broker's [mqtt] table, where the
+    run's layout puts it. The peak of the fleet's summed resident memory, in MiB."""
     stop = _StopRequest()
     actions = stop.actions()
     try:
@@ -138,22 +140,20 @@ def run_mqtt(spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any])
 
 
 def _run_mqtt_fleet(
-    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any], stop: _StopRequest
+    spec: RunSpec, agents: Mapping[str, dict[str, Any]], coord: dict[str, Any], stop: _StopRequest
 ) -> float:
     bin_dir = Path(sys.executable).parent
-    logs = spec.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    layout = spec.layout
+    layout.logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     with broker_for(spec) as (host, port, broker_pid):
         # The deployed payload limits, as the memory transport's (fleet/transports/memory.py).
         mqtt = {"host": host, "port": port, "keepalive": 60}
-        coord_cfg = spec.out / "coordinator.toml"
-        coord_cfg.write_text(to_toml({**coord, "mqtt": mqtt}))
-        configs = []
-        for tables in agents:
-            path = Path(tables["state_dir"]).parent / "agent.toml"
-            path.write_text(to_toml({**tables, "mqtt": mqtt}))
-            configs.append(path)
+        coord_cfg = write_config(layout.coordinator_config, {**coord, "mqtt": mqtt})
+        configs = [
+            write_config(layout.agent_config(name), {**tables, "mqtt": mqtt})
+            for name, tables in agents.items()
+        ]
         workers = workers_for(len(configs), spec.workers)
         memory = FleetMemory()
         if broker_pid is not None:
@@ -166,11 +166,11 @@ def _run_mqtt_fleet(
                         os.getpid(),
                         [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
                     ),
-                    logs / "coordinator.log",
+                    layout.coordinator_log,
                 )
             )
             for w in range(workers):
-                spec_file = logs / f"worker-{w}.json"
+                spec_file = layout.worker_spec(w)
                 spec_file.write_text(
                     json.dumps(
                         {
@@ -183,13 +183,13 @@ def _run_mqtt_fleet(
                 procs.append(
                     _spawn(
                         [sys.executable, "-m", "fleet.transports.worker", str(spec_file)],
-                        logs / f"worker-{w}.log",
+                        layout.worker_log(w),
                     )
                 )
             coordinator = procs[0]
             memory.pids += [p.pid for p in procs]
-            named = {"the coordinator": (procs[0], logs / "coordinator.log")}
-            named |= {f"worker {w}": (p, logs / f"worker-{w}.log") for w, p in enumerate(procs[1:])}
+            named = {"the coordinator": (procs[0], layout.coordinator_log)}
+            named |= {f"worker {w}": (p, layout.worker_log(w)) for w, p in enumerate(procs[1:])}
             alive = _liveness(named, memory.sample, stop.check)
             with progress_bar(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
@@ -201,13 +201,13 @@ def _run_mqtt_fleet(
             watcher.wait_finished(_liveness(named, memory.sample, stop.check))
             memory.sample()
             if coordinator.wait(timeout=60) != 0:
-                raise CommandFailed(f"the coordinator failed; see {logs / 'coordinator.log'}")
+                raise CommandFailed(f"the coordinator failed; see {layout.coordinator_log}")
             watcher.close()
         finally:
             _stop_all(procs)
     for w, proc in enumerate(procs[1:]):
         if proc.returncode != 0:  # a worker stops with 0 after SIGTERM
-            raise CommandFailed(f"a worker did not stop cleanly; see {logs / f'worker-{w}.log'}")
+            raise CommandFailed(f"a worker did not stop cleanly; see {layout.worker_log(w)}")
     return memory.peak_mb
 
 

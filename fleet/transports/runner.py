@@ -1,9 +1,10 @@
 """Run one simulated fleet: the real agent and coordinator code, over MQTT
-(fleet/transports/mqtt.py) or in memory (fleet/transports/memory.py).
+(fleet/transports/mqtt.py) or in memory (fleet/transports/memory.py), or every client
+batched by the vector engine (fleet/transports/vector.py).
 
-Either way every agent evaluates itself on its own test split each round and keeps the
-record in its state directory; :func:`~fleet.transports.collect.collect` reads the run back from
-those records and the coordinator's store.
+Over MQTT or in memory every agent evaluates itself on its own test split each round and
+keeps the record in its state directory; :func:`~fleet.transports.collect.collect` reads
+the run back from those records and the coordinator's store.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from edge_agent.methods import device_method
+from export import bundle as bundle_mod
+from export.errors import BundleError
 from fleet.data.partition import Partition
 from fleet.transports.collect import collect, round_seconds
 from fleet.transports.configs import (
@@ -20,18 +23,14 @@ from fleet.transports.configs import (
     coordinator_tables,
     fleet_keys,
     prototype_dim,
-    to_toml,
+    write_config,
 )
-from fleet.transports.memory import run_memory
 from fleet.transports.mqtt import run_mqtt
 from fleet.transports.spec import RunResult, RunSpec
 from runtime.cliutil import UsageError
 
 
 def run(spec: RunSpec, partition: Partition) -> RunResult:
-    from export import bundle as bundle_mod
-    from export.errors import BundleError
-
     try:
         bundle = bundle_mod.load(spec.bundle)
     except BundleError as exc:
@@ -48,35 +47,43 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     started = time.perf_counter()
     if spec.transport == "vector":
         return _run_vector(spec, partition, bundle, started)
-    agents: list[dict[str, Any]] = []
-    keys = fleet_keys(spec.out / "keys", [c.name for c in partition.clients])
-    for i, client in enumerate(partition.clients):
-        tables = agent_tables(
-            spec, client, spec.out / "clients" / client.name, partition.classes, i
-        )
-        tables["security"] = keys.agent_table(client.name)
-        # Written for both transports: reports and users can reopen any agent from it.
-        (spec.out / "clients" / client.name / "agent.toml").write_text(to_toml(tables))
-        agents.append(tables)
+    layout = spec.layout
+    keys = fleet_keys(layout.keys, [c.name for c in partition.clients])
+    agents = {
+        client.name: agent_tables(spec, client, classes=partition.classes, index=i,
+                                  security=keys.agent_table(client.name))
+        for i, client in enumerate(partition.clients)
+    }  # fmt: skip
     coord = coordinator_tables(spec, bundle.id, partition.classes, len(agents),
-                                dim=prototype_dim(spec, bundle.feature_dim),
-                                feature_dim=bundle.feature_dim)  # fmt: skip
-    coord["security"] = keys.coordinator_table()
+                               dim=prototype_dim(spec, bundle.feature_dim),
+                               feature_dim=bundle.feature_dim,
+                               security=keys.coordinator_table())  # fmt: skip
     samples = None
     if spec.transport == "memory":
-        peak, samples = run_memory(spec, agents, coord)
+        # torch: only a run in this process pays for it, not edge-fleet's option checks.
+        from fleet.transports.memory import run_memory
+
+        for name, tables in agents.items():
+            # The file an MQTT run's agents read: reports and users reopen any agent from it.
+            write_config(layout.agent_config(name), tables)
+        peak, samples = run_memory(spec, list(agents.values()), coord)
     else:
         peak = run_mqtt(spec, agents, coord)
     result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
     return replace(result, backbone_samples=samples)
 
 
+def vector_refusal(method: str) -> str | None:
+    """Why the vector transport cannot run ``method``, or None if it can."""
+    # torch: the vector engine's module; only a vector run (or its option check) pays for it.
+    from fleet.engine.batch import unsupported
+
+    return unsupported(method)
+
+
 def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float) -> RunResult:
     """No agent files or keys: the vector engine holds every client in this process."""
-    from fleet.engine.batch import unsupported
-    from fleet.transports.vector import run_vector
-
-    refusal = unsupported(spec.method)
+    refusal = vector_refusal(spec.method)
     if refusal is not None:
         raise UsageError(refusal)
     if spec.privacy and device_method(spec.method).trains_head:
@@ -84,6 +91,10 @@ def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float
             "the vector transport trains without a privacy mechanism: run privacy "
             "experiments with --transport memory or mqtt (or a closed-form method)"
         )
+    # torch: the vector engine; only a vector run pays for it.
+    from fleet.transports.vector import run_vector
+
     records, peak = run_vector(spec, partition, bundle)
     wall = time.perf_counter() - started
-    return RunResult(spec, tuple(records), round_seconds(spec), peak, wall)
+    return RunResult(spec=spec, clients=tuple(records), round_seconds=round_seconds(spec),
+                     peak_mb=peak, wall_seconds=wall)  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.train_config import TrainConfig
+from fleet.transports.layout import RunLayout
 from runtime.cliutil import UsageError
 from runtime.settings import ConfigError, build
 
@@ -19,7 +20,7 @@ TRANSPORTS = ("mqtt", "memory", "vector")
 DEFAULT_STATS_DIM = 512
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSpec:
     method: str
     rounds: int
@@ -66,13 +67,18 @@ class RunSpec:
         except ConfigError as exc:
             raise UsageError(f"--train-param {exc}") from None
 
+    @property
+    def layout(self) -> RunLayout:
+        """The paths of this run's folder."""
+        return RunLayout(self.out)
+
 
 def train_table(spec: RunSpec) -> dict[str, Any]:
     """The agents' [train] table of a run."""
     return {"out_dim": spec.out_dim, "epochs": spec.epochs, **spec.extra_train}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ClientRecord:
     name: str
     domain: str
@@ -83,7 +89,7 @@ class ClientRecord:
     bytes_down: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunResult:
     spec: RunSpec
     clients: tuple[ClientRecord, ...]

@@ -5,9 +5,9 @@ deployed payload limits.
 
 What differs from ``--transport memory``: no ``Agent`` objects, state folders or key
 files (the updates are unsigned, as a coordinator without a ``[security]`` table takes
-them), and a run cannot resume, so its store keeps each update's row but not its payload;
-what is the same: every client's math, the coordinator's aggregation and the records the
-report reads.
+them), and a run cannot resume, so its store keeps each update's row but not its payload
+(fleet/transports/vector_coordinator.py); what is the same: every client's math, the
+coordinator's aggregation and the records the report reads.
 """
 
 from __future__ import annotations
@@ -17,18 +17,23 @@ from typing import Any
 
 import numpy as np
 
+from edge_agent.data import to_nchw_float
+from edge_agent.features import FeatureCache
 from edge_agent.inference import dense_globals
 from edge_agent.methods import device_method
 from edge_agent.train import Guidance
 from edge_agent.train_config import TrainConfig
+from export.runtime import BackboneRuntime, RuntimeSettings
 from fleet.data.partition import Partition
 from fleet.engine.batch import FleetFeatures, VectorEngine
+from fleet.transports.configs import agent_seed, coordinator_tables, initial_seed, prototype_dim
 from fleet.transports.procmem import peak_self_mb, reset_peak
 from fleet.transports.progress import progress_bar
 from fleet.transports.spec import FLEET, ClientRecord, RunSpec, train_table
 from fleet.transports.vector_closed_form import drive_closed_form
 from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from runtime.settings import build
 
 
 def drive(
@@ -90,10 +95,6 @@ def _trained(engine: VectorEngine, guidance: Any, *, names: list[str], bundle_id
 def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatures:
     """Every client's images through the bundle's backbones once (through the shared
     feature cache when the run has one, so a compare's runs share it), as one matrix."""
-    from edge_agent.data import to_nchw_float
-    from edge_agent.features import FeatureCache
-    from export.runtime import BackboneRuntime, RuntimeSettings
-
     runtime = BackboneRuntime(bundle, settings=RuntimeSettings(intra_op_threads=1))
     cache = FeatureCache(spec.feature_cache, shared=True) if spec.feature_cache else None
     parts: list[np.ndarray] = []
@@ -126,8 +127,6 @@ def features_of(spec: RunSpec, partition: Partition, bundle: Any) -> FleetFeatur
 
 def client_seeds(spec: RunSpec, clients: int) -> tuple[list[int], list[int]]:
     """(seeds, initial seeds) as fleet.transports.configs.agent_tables gives the agents."""
-    from fleet.transports.configs import agent_seed, initial_seed
-
     return (
         [agent_seed(spec, i) for i in range(clients)],
         [initial_seed(spec, i) for i in range(clients)],
@@ -150,8 +149,6 @@ def train_vector(
     against a coordinator built from ``spec`` as a run's would be: every vector run, the
     CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
     default the agents' (:func:`client_seeds`)."""
-    from fleet.transports.configs import coordinator_tables, prototype_dim
-
     coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
                                feature_dim=feature_dim)  # fmt: skip
     # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
@@ -171,8 +168,6 @@ def run_vector(
     spec: RunSpec, partition: Partition, bundle: Any
 ) -> tuple[list[ClientRecord], float]:
     """The run's client records and this process's peak resident MiB."""
-    from runtime.settings import build
-
     reset_peak()
     data = features_of(spec, partition, bundle)
     names = [c.name for c in partition.clients]

@@ -12,11 +12,10 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
-from coordinator.rounds import RoundManager
-from coordinator.store import Store
 from fleet.engine.batch import SCORES
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import ClientRecord, RunSpec
+from fleet.transports.vector_coordinator import VectorRoundManager, VectorStore
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, RoundAnnouncement
 from runtime.faults import crash_point
 from runtime.settings import build
@@ -62,18 +61,17 @@ class Records:
 OFFER_BATCH = 256
 
 
-def offer(manager: Any, store: Any, pending: list[tuple[int, bytes]], names: list[str],
+def offer(manager: VectorRoundManager, store: VectorStore, pending: list[tuple[int, bytes]], names: list[str],
            records: Records, round_: int) -> None:  # fmt: skip
     with store.batch():
         for k, payload in pending:
-            # No device here awaits a receipt: the digest it would name is not computed.
-            outcome = manager.offer(payload, topic_client=names[k], receipt=False)
+            outcome = manager.offer(payload, topic_client=names[k])
             if not outcome.accepted:
                 raise RuntimeError(f"the coordinator rejected {names[k]}: {outcome.reason}")
             records.bytes_up[k, round_] = len(payload)
 
 
-def offer_round(manager: Any, store: Any, updates: Iterable[tuple[int, bytes]], *,
+def offer_round(manager: VectorRoundManager, store: VectorStore, updates: Iterable[tuple[int, bytes]], *,
                 names: list[str], records: Records, round_: int, wire_bytes: int,
                 bar: Any) -> None:  # fmt: skip
     """Offer a round's updates ((client index, payload), as they are made) in batches of
@@ -104,12 +102,13 @@ def drive_rounds(
     """``spec.rounds`` rounds against a coordinator built from ``coord`` (its tables): each
     announcement, decoded under the agents' deployed limit as a device would, goes to
     ``adopt``; then, unless it is the final one, ``updates`` makes the round's updates,
-    which are offered and the round closed. The store keeps receipts without payloads: a
-    vector run cannot resume, and the close aggregates what the manager decoded."""
+    which are offered and the round closed. The store keeps each update's row without its
+    payload: a vector run cannot resume, and the close aggregates what the manager decoded
+    (fleet/transports/vector_coordinator.py)."""
     cfg = build(CoordinatorConfig, coord)
-    store = Store(cfg.database, synchronous=cfg.sqlite_synchronous, keep_payloads=False)
+    store = VectorStore(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:
-        manager = RoundManager(config=cfg, store=store, metrics=Metrics())
+        manager = VectorRoundManager(config=cfg, store=store, metrics=Metrics())
         with progress_bar(spec, spec.rounds * len(names), f"{spec.method}: client-rounds",
                           "client") as bar:  # fmt: skip
             while True:

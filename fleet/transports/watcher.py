@@ -10,6 +10,15 @@ from collections.abc import Callable
 from typing import Any
 
 from fleet.transports.spec import FLEET
+from protocol import (
+    FINISHED,
+    AgentState,
+    ProtocolError,
+    RoundAnnouncement,
+    Status,
+    round_topic,
+    status_filter,
+)
 from runtime.cliutil import CommandFailed
 
 CONNECT_TIMEOUT_S = 10.0  # for the broker's answer to the watcher's first connection
@@ -19,9 +28,7 @@ class Watcher:
     """Follows the fleet over MQTT: agents coming online, rounds being announced."""
 
     def __init__(self, host: str, port: int, *, expected: int) -> None:
-        import paho.mqtt.client as mqtt
-
-        from protocol import round_topic, status_filter
+        import paho.mqtt.client as mqtt  # paho: only a run over MQTT needs it
 
         self.expected = expected
         self.online: set[str] = set()
@@ -62,8 +69,6 @@ class Watcher:
             raise CommandFailed(f"{where} refused the connection: {answers[0]}")
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
-        from protocol import FINISHED, AgentState, ProtocolError, RoundAnnouncement, Status
-
         try:
             if message.topic == self._round_topic:
                 # No size cap: FedPCL's announcement to 200 agents (every padded local set)

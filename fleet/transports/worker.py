@@ -17,6 +17,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from edge_agent.agent import Agent
+from edge_agent.config import load
+from edge_agent.service import AgentService
+from export.runtime import BackboneRuntime, RuntimeSettings
+from fleet.engine.evaluation import FleetEvaluator
 from fleet.transports.tether import tether
 from runtime.lifecycle import SignalDispatch
 
@@ -30,7 +37,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     stop = threading.Event()
-    services: list[Any] = []
+    services: list[AgentService] = []
 
     def on_signal(signum: int) -> None:  # in the dispatch thread
         stop.set()
@@ -44,15 +51,7 @@ def main(argv: list[str]) -> int:
         return _host(spec, stop, services)
 
 
-def _host(spec: dict[str, Any], stop: threading.Event, services: list[Any]) -> int:
-    import torch
-
-    from edge_agent.agent import Agent
-    from edge_agent.config import load
-    from edge_agent.service import AgentService
-    from export.runtime import BackboneRuntime, RuntimeSettings
-    from fleet.engine.evaluation import FleetEvaluator
-
+def _host(spec: dict[str, Any], stop: threading.Event, services: list[AgentService]) -> int:
     torch.set_num_threads(1)
     runtime = BackboneRuntime(Path(spec["bundle"]), settings=RuntimeSettings(intra_op_threads=1))
     threads = []

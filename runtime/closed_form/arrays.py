@@ -1,0 +1,74 @@
+"""The array plumbing every part of the closed form shares: read-only float64 copies checked
+for shape and finiteness, checked feature rows and labels, the projection onto positive
+semi-definite matrices, and a solve that says which system was singular."""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+F64: TypeAlias = npt.NDArray[np.float64]
+I64: TypeAlias = npt.NDArray[np.int64]
+Bools: TypeAlias = npt.NDArray[np.bool_]
+
+
+def frozen(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    a.setflags(write=False)
+    return a
+
+
+def float_array(name: str, value: object, shape: tuple[int, ...]) -> F64:
+    """A read-only float64 copy of ``value`` of exactly ``shape``, every entry finite."""
+    try:
+        arr = np.array(value, dtype=np.float64, copy=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not a numeric array: {exc}") from exc
+    if arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} has non-finite entries")
+    return frozen(arr)
+
+
+def checked_labels(labels: npt.ArrayLike, rows: int, num_classes: int) -> I64:
+    lab = np.asarray(labels)
+    if lab.shape != (rows,):
+        raise ValueError(f"labels have shape {lab.shape}, expected ({rows},) to match the rows")
+    if rows and not np.issubdtype(lab.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got dtype {lab.dtype}")
+    lab = lab.astype(np.int64)
+    if rows and (lab.min() < 0 or lab.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes}), got {lab.min()}..{lab.max()}")
+    return lab
+
+
+def checked_rows(x: npt.ArrayLike, name: str = "x") -> F64:
+    rows = np.asarray(x, dtype=np.float64)
+    if rows.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array of feature rows, got shape {rows.shape}")
+    if not np.isfinite(rows).all():
+        raise ValueError(f"{name} has non-finite entries")
+    return rows
+
+
+def psd(m: F64) -> F64:
+    """``m`` symmetrised, its negative eigenvalues set to 0; as it is (symmetrised) when a
+    Cholesky factorisation shows it positive definite already, the cheap common case."""
+    sym = (m + m.T) / 2.0
+    try:
+        np.linalg.cholesky(sym)
+        return sym
+    except np.linalg.LinAlgError:
+        values, vectors = np.linalg.eigh(sym)
+        out = (vectors * np.maximum(values, 0.0)) @ vectors.T
+        return (out + out.T) / 2.0
+
+
+def solve(a: F64, b: F64, what: str) -> F64:
+    try:
+        out = np.asarray(np.linalg.solve(a, b), dtype=np.float64)
+    except np.linalg.LinAlgError as exc:
+        raise ValueError(f"{what} is singular: {exc}") from exc
+    return out
