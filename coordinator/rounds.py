@@ -83,6 +83,9 @@ class RoundManager:
         self._clock = clock
         self._lock = threading.RLock()
         self.keys = CoordinatorKeys.load(config.security)
+        short = self.keys.quorum_problem(config.rounds.min_clients)
+        if short:
+            log.warning("%s", short)
         self.run_id = store.run_id()
         self.metrics.insecure.set(1 if self.keys.insecure else 0)
         self.announcer = Announcer(config=config, keys=self.keys, run_id=self.run_id)

@@ -70,6 +70,14 @@ SELECT client, MAX(round), MAX(received_at), COUNT(*) FROM updates GROUP BY clie
 """
 
 
+class DamagedDatabase(sqlite3.DatabaseError):
+    """The database's pages fail SQLite's own check: corruption, not a passing fault."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.path = path
+        super().__init__("; ".join(problems[:3]))
+
+
 def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
     """The database at ``path`` opened for the store (autocommit: the store begins its
     own transactions), its tables created or brought up to date. sqlite3.Error if it
@@ -93,6 +101,11 @@ def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
         db.execute(f"PRAGMA journal_size_limit={2 * WAL_CHECKPOINT_BYTES}")
         # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
         db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
+        # Damaged pages are found here, where the message can say what to do, not by a
+        # write hours later whose error would read as a passing storage fault.
+        problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+        if problems != ["ok"]:
+            raise DamagedDatabase(path, problems)
         db.executescript(SCHEMA)
         migrate(db)
     except sqlite3.Error:

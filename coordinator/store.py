@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpointer import Checkpointer
-from coordinator.schema import PAGE_SIZE, WAL_CHECKPOINT_BYTES, connect
+from coordinator.schema import PAGE_SIZE, WAL_CHECKPOINT_BYTES, DamagedDatabase, connect
 from coordinator.summary import read_summary
 from runtime.cliutil import CommandFailed
 
@@ -37,10 +37,33 @@ class StorageFault(CommandFailed):
 
     def __init__(self, cause: BaseException) -> None:
         self.cause = cause
+        if _corrupt(cause):
+            # Restarting onto the same pages would fail the same way: say so.
+            super().__init__(
+                f"storage error: {cause}; the database is damaged and the coordinator stopped "
+                "taking updates; a restart checks it and says what to do"
+            )
+            return
         super().__init__(
             f"storage error: {cause}; stopped taking updates (an unstored update is "
             "delivered again after the restart)"
         )
+
+
+def _corrupt(exc: BaseException) -> bool:
+    """An SQLite error that means damaged pages rather than a full or failing disk."""
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.DatabaseError) and (
+        "malformed" in text or "not a database" in text or "corrupt" in text
+    )
+
+
+def damaged_message(path: Path, exc: BaseException) -> str:
+    return (
+        f"coordinator database {path} is damaged ({exc}); it was not changed. Stop here: move "
+        "it aside with its -wal and -shm files and restore a copy taken with SQLite's backup "
+        "(docs/deploy.md, section 4)"
+    )
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,8 @@ class Store:
             if opened is not None:
                 with contextlib.suppress(sqlite3.Error):
                     opened.close()
+            if isinstance(exc, DamagedDatabase) or _corrupt(exc):
+                raise StateError(damaged_message(path, exc)) from exc
             raise StateError(f"cannot open coordinator database {path}: {exc}") from exc
         # Re-entrant: a batch (below) holds it across the writes it groups.
         self._lock = threading.RLock()
