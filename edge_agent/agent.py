@@ -16,7 +16,12 @@ from edge_agent import screening
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease, check_payload
 from edge_agent.config import AgentConfig
 from edge_agent.evaluation import Evaluator
-from edge_agent.extras import load_weights, update_extras
+from edge_agent.extras import (
+    check_update_fits,
+    largest_update_bytes,
+    load_weights,
+    update_extras,
+)
 from edge_agent.head import local_prototypes
 from edge_agent.ignored import IgnoredAnnouncements
 from edge_agent.inference import dense_globals, rule_of
@@ -95,6 +100,12 @@ class Agent:
             )  # fmt: skip
             check_payload(self.closed.dim, method=self.record, classes=self.num_classes,
                           limit=cfg.mqtt.max_payload_bytes)  # fmt: skip
+        else:
+            largest = largest_update_bytes(
+                method=cfg.method, model=self.model, fleet=cfg.fleet, client=cfg.agent_id,
+                bundle=self.bundle_id, num_classes=self.num_classes, dim=self.prototype_dim,
+            )  # fmt: skip
+            check_update_fits(largest, method=cfg.method, limit=cfg.mqtt.max_payload_bytes)
         log.info(
             "agent %s: %d training samples, bundle %s, %s",
             cfg.agent_id,
