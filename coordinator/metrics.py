@@ -42,6 +42,12 @@ class Metrics:
             "Clients whose last status is online",
             registry=self.registry,
         )
+        self.clients_rejecting_announcements = Gauge(
+            "protofleet_clients_rejecting_announcements",
+            "Online clients that refuse this coordinator's announcements as not signed by "
+            "the key they pinned (status reason bad_coordinator_signature)",
+            registry=self.registry,
+        )
         self.round_duration = Histogram(
             "protofleet_round_duration_seconds",
             "Seconds from opening to closing a round",

@@ -10,7 +10,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rejections import Rejections
 from coordinator.store import Store
-from protocol import ProtocolError, Status
+from protocol import BAD_COORDINATOR_SIGNATURE, ProtocolError, Status
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,25 @@ class Presence:
         said = (status.state.value, status.reason or "-")
         if self._logged.get(status.client) != said:
             self._logged[status.client] = said
-            log.info("client %s is %s (%s)", status.client, *said)
+            if status.reason.startswith(BAD_COORDINATOR_SIGNATURE):
+                log.warning(
+                    "client %s refuses this coordinator's announcements as not signed by the "
+                    "key it pinned: is security.key the fleet's coordinator key? (%s)",
+                    status.client,
+                    status.reason,
+                )
+            else:
+                log.info("client %s is %s (%s)", status.client, *said)
         return status
 
     def update_online(self) -> None:
-        """The online gauge: devices whose last status is online and fresher than
-        ``rounds.online_ttl_s`` (devices restate it every round)."""
+        """The online gauges: devices whose last status is online and fresher than
+        ``rounds.online_ttl_s`` (devices restate it every round), and of those, the ones
+        that refuse this coordinator's signature."""
         since = self._clock() - self.config.rounds.online_ttl_s
         self._metrics.clients_online.set(self._store.online_count(since=since))
+        self._metrics.clients_rejecting_announcements.set(len(self.rejecting(since=since)))
+
+    def rejecting(self, *, since: float) -> list[str]:
+        """Online devices that refuse this coordinator's announcements' signature."""
+        return self._store.reasons_starting(BAD_COORDINATOR_SIGNATURE, since=since)

@@ -365,6 +365,16 @@ class Store:
                 )
             )
 
+    def reasons_starting(self, prefix: str, *, since: float = -math.inf) -> list[str]:
+        """Clients online after ``since`` whose last status reason starts with ``prefix``."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT client FROM clients WHERE state = 'online' AND updated_at > ? "
+                "AND substr(reason, 1, ?) = ? ORDER BY client",
+                (since, len(prefix), prefix),
+            ).fetchall()
+        return [row[0] for row in rows]
+
     def contributors(self) -> set[str]:
         """Every client that ever had an update accepted."""
         with self._lock:

@@ -8,6 +8,8 @@ import math
 import sqlite3
 from typing import Any
 
+from protocol import BAD_COORDINATOR_SIGNATURE
+
 #: A client in ``edge-coordinator status``: what its last status message said (``state``
 #: to ``updated_at``; None if none came) and what the coordinator accepted from it.
 CLIENT_FIELDS = (
@@ -61,6 +63,15 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
         "rounds_completed": completed,
         "clients": [dict(zip(CLIENT_FIELDS, row, strict=True)) for row in clients],
         "clients_online": sum(1 for row in clients if row[1] == "online" and row[5] > online_since),
+        # Devices that refuse this coordinator's signature: a key that does not pair with
+        # the one they pinned (docs/deploy.md, section 4).
+        "rejecting_announcements": [
+            row[0]
+            for row in clients
+            if row[1] == "online"
+            and row[5] > online_since
+            and (row[4] or "").startswith(BAD_COORDINATOR_SIGNATURE)
+        ],
         "rejections": rejections,
         "quarantined": quarantined,
     }

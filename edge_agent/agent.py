@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -129,11 +129,14 @@ class Agent:
             return Decision("wrong_fleet")
         forged = self.keys.announcement_problem(announcement)
         if forged is not None:
-            return self._ignore(
+            decision = self._ignore(
                 f"announcement_{forged}",
                 f"round {announcement.round}: {forged.replace('_', ' ')} (not signed by the "
                 "pinned coordinator key, security.coordinator)",
             )
+            # Said in the status too, where the coordinator and its operator look: a
+            # coordinator restarted with another key sees only devices that never answer.
+            return replace(decision, mismatch=screening.BAD_COORDINATOR_SIGNATURE)
         mismatch = screening.mismatch(announcement, cfg, self.bundle_id)
         if mismatch is not None:
             reason, why = mismatch

@@ -17,6 +17,7 @@ from protocol.errors import (
 from protocol.ids import is_valid_id, validate_id
 from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES, PROTOCOL_VERSION
 from protocol.messages import (
+    BAD_COORDINATOR_SIGNATURE,
     FINISHED,
     AgentState,
     Message,
@@ -39,6 +40,7 @@ from protocol.topics import (
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "PROTOCOL_VERSION",
+    "BAD_COORDINATOR_SIGNATURE",
     "FINISHED",
     "AgentState",
     "ArrayError",

@@ -21,6 +21,10 @@ class AgentState(str, Enum):
 #: The ``reason`` of the online status a device publishes once it has handled the final
 #: announcement of a fleet with ``max_rounds``: nothing more will come from it.
 FINISHED = "finished"
+#: The start of a device's ``reason`` while it refuses the fleet's announcements as not
+#: signed by the coordinator key it pinned: a coordinator restarted with another key
+#: learns it from its devices' statuses (coordinator/presence.py).
+BAD_COORDINATOR_SIGNATURE = "bad_coordinator_signature"
 
 
 @dataclass(frozen=True, eq=False)

@@ -4,6 +4,8 @@ is computed by hand."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,7 @@ def test_rows_no_longer_than_one_are_left_bit_for_bit():
         rows *= rng.uniform(0.2, 1.0, size=(2, 1)) / np.linalg.norm(rows, axis=1, keepdims=True)
         ups.append(update(f"c{i}", [0, 1], [7, 7], rows))  # equal counts: no cap bites
     for name in ("fedpcl", "fedproto", "feddbp"):
-        params = {"top_k": 2} if name == "feddbp" else {}
+        params: dict[str, Any] = {"top_k": 2} if name == "feddbp" else {}
         if name == "feddbp":
             ups = [
                 update(u.client, u.classes, u.counts, u.prototypes, fisher=np.ones((2, 4)))

@@ -4,6 +4,7 @@ sweeps with 1,000 clients."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,30 +26,38 @@ from runtime.settings import build
 
 
 def run_memory(
-    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
+    spec: RunSpec,
+    agents: list[dict[str, Any]],
+    coord: dict[str, Any],
+    *,
+    impostors: Mapping[str, type[Agent]] | None = None,
 ) -> tuple[float, int]:
     """The run on one torch thread (many agents share the cores), the caller's thread
     count given back after it: a process that goes on (a sweep, a test session) computes
-    as it did before, bit for bit."""
+    as it did before, bit for bit. ``impostors`` runs the named agents as another class
+    (a compromised device's, for the reliability benchmark) with their own keys."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_memory(spec, agents, coord)
+        return _run_memory(spec, agents, coord, impostors or {})
     finally:
         torch.set_num_threads(before)
 
 
 def _run_memory(
-    spec: RunSpec, agents: list[dict[str, Any]], coord: dict[str, Any]
+    spec: RunSpec,
+    agents: list[dict[str, Any]],
+    coord: dict[str, Any],
+    impostors: Mapping[str, type[Agent]],
 ) -> tuple[float, int]:
     reset_peak()
     runtime = BackboneRuntime(spec.bundle, settings=RuntimeSettings(intra_op_threads=1))
     live = []
     with progress_bar(spec, len(agents), f"{spec.method}: starting agents", "agent") as bar:
         for tables in agents:
-            live.append(
-                Agent(build(AgentConfig, tables), runtime=runtime, evaluator=FleetEvaluator)
-            )
+            agent_cfg = build(AgentConfig, tables)
+            kind = impostors.get(agent_cfg.agent_id, Agent)
+            live.append(kind(agent_cfg, runtime=runtime, evaluator=FleetEvaluator))
             bar.update()
     # The deployed payload limits: an announcement above the agents' is refused by the
     # coordinator, and decoded here under their limit as a device would.

@@ -47,6 +47,25 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     started = time.perf_counter()
     if spec.transport == "vector":
         return _run_vector(spec, partition, bundle, started)
+    agents, coord = fleet_tables(spec, partition, bundle)
+    samples = None
+    if spec.transport == "memory":
+        # torch: only a run in this process pays for it, not edge-fleet's option checks.
+        from fleet.transports.memory import run_memory
+
+        peak, samples = run_memory(spec, list(agents.values()), coord)
+    else:
+        peak = run_mqtt(spec, agents, coord)
+    result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
+    return replace(result, backbone_samples=samples)
+
+
+def fleet_tables(
+    spec: RunSpec, partition: Partition, bundle: Any
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every agent's configuration tables by name, and the coordinator's, with the fleet's
+    keys made. A memory run's agent files are written here, as an MQTT run's are: reports
+    and users reopen any agent from them."""
     layout = spec.layout
     keys = fleet_keys(layout.keys, [c.name for c in partition.clients])
     agents = {
@@ -58,19 +77,10 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
                                dim=prototype_dim(spec, bundle.feature_dim),
                                feature_dim=bundle.feature_dim,
                                security=keys.coordinator_table())  # fmt: skip
-    samples = None
     if spec.transport == "memory":
-        # torch: only a run in this process pays for it, not edge-fleet's option checks.
-        from fleet.transports.memory import run_memory
-
         for name, tables in agents.items():
-            # The file an MQTT run's agents read: reports and users reopen any agent from it.
             write_config(layout.agent_config(name), tables)
-        peak, samples = run_memory(spec, list(agents.values()), coord)
-    else:
-        peak = run_mqtt(spec, agents, coord)
-    result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
-    return replace(result, backbone_samples=samples)
+    return agents, coord
 
 
 def vector_refusal(method: str) -> str | None:
