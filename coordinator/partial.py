@@ -24,18 +24,16 @@ from typing import Literal
 import numpy as np
 
 from coordinator import aggregate as agg
-from coordinator.strategies.base import Dense, RobustOptions
+
+# A partial sum is of the counts and rows as sent: the median defences of the default
+# RobustOptions need every update of the round at once, which no worker holds.
+from coordinator.strategies.base import RAW, Dense
 from protocol import PrototypeUpdate
 
 #: ``count`` and ``paper`` are FedPCL's two weightings (coordinator/aggregate.py::
 #: count_weighted_mean); ``client`` is the client-wise mean of FedProto (and FedDBP's
 #: shared global set), aggregate.py::combine with ``rule="mean"``.
 Mean = Literal["count", "paper", "client"]
-
-
-#: A partial sum is of the counts and rows as sent: the median defences of the default
-#: ``RobustOptions`` need every update of the round at once, which no worker holds.
-RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
 
 
 class OverlapError(ValueError):

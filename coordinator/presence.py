@@ -95,4 +95,4 @@ class Presence:
 
     def rejecting(self, *, since: float) -> list[str]:
         """Online devices that refuse this coordinator's announcements' signature."""
-        return self._store.reasons_starting(BAD_COORDINATOR_SIGNATURE, since=since)
+        return self._store.refusing_signature(since=since)

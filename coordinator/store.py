@@ -22,7 +22,7 @@ from typing import Any
 
 from coordinator.checkpointer import Checkpointer
 from coordinator.schema import PAGE_SIZE, WAL_CHECKPOINT_BYTES, DamagedDatabase, connect
-from coordinator.summary import read_summary
+from coordinator.summary import read_summary, refusing_signature
 from runtime.cliutil import CommandFailed
 
 
@@ -365,15 +365,10 @@ class Store:
                 )
             )
 
-    def reasons_starting(self, prefix: str, *, since: float = -math.inf) -> list[str]:
-        """Clients online after ``since`` whose last status reason starts with ``prefix``."""
+    def refusing_signature(self, *, since: float = -math.inf) -> list[str]:
+        """Online clients that refuse this coordinator's signature (coordinator/summary.py)."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT client FROM clients WHERE state = 'online' AND updated_at > ? "
-                "AND substr(reason, 1, ?) = ? ORDER BY client",
-                (since, len(prefix), prefix),
-            ).fetchall()
-        return [row[0] for row in rows]
+            return refusing_signature(self._db, since=since)
 
     def contributors(self) -> set[str]:
         """Every client that ever had an update accepted."""

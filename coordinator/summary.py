@@ -65,13 +65,7 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
         "clients_online": sum(1 for row in clients if row[1] == "online" and row[5] > online_since),
         # Devices that refuse this coordinator's signature: a key that does not pair with
         # the one they pinned (docs/deploy.md, section 4).
-        "rejecting_announcements": [
-            row[0]
-            for row in clients
-            if row[1] == "online"
-            and row[5] > online_since
-            and (row[4] or "").startswith(BAD_COORDINATOR_SIGNATURE)
-        ],
+        "rejecting_announcements": refusing_signature(db, since=online_since),
         "rejections": rejections,
         "quarantined": quarantined,
     }
@@ -80,3 +74,14 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
 def _one(db: sqlite3.Connection, sql: str, args: tuple[Any, ...] = ()) -> Any:
     row = db.execute(sql, args).fetchone()
     return None if row is None else row[0]
+
+
+def refusing_signature(db: sqlite3.Connection, *, since: float = -math.inf) -> list[str]:
+    """Clients online after ``since`` whose last status says they refuse this
+    coordinator's announcements' signature (status reason bad_coordinator_signature)."""
+    rows = db.execute(
+        "SELECT client FROM clients WHERE state = 'online' AND updated_at > ? "
+        "AND substr(reason, 1, ?) = ? ORDER BY client",
+        (since, len(BAD_COORDINATOR_SIGNATURE), BAD_COORDINATOR_SIGNATURE),
+    ).fetchall()
+    return [row[0] for row in rows]

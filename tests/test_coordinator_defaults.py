@@ -11,7 +11,8 @@ import pytest
 
 from coordinator import aggregate as agg
 from coordinator.strategies import RobustOptions, make_strategy
-from tests.test_coordinator_strategies import RAW, update
+from coordinator.strategies.base import RAW
+from tests.test_coordinator_strategies import update
 
 
 def test_class_medians_are_lower_medians_over_the_holders():

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from coordinator.strategies import RobustOptions, available, make_strategy
+from coordinator.strategies.base import RAW
 from protocol import PrototypeUpdate
 
 
@@ -19,9 +20,8 @@ def update(client, classes, counts, protos, **extras):
     )
 
 
-#: The rows and counts as sent: the tests of each method's arithmetic; the default median
-#: defences have tests of their own (tests/test_coordinator_defaults.py).
-RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
+# RAW: each method's arithmetic on the rows as sent; the default median defences have
+# tests of their own (tests/test_coordinator_defaults.py).
 
 A = update("a", [0, 1], [2, 1], [[1, 0], [0, 1]])
 B = update("b", [1, 2], [3, 4], [[1, 0], [0.6, 0.8]])

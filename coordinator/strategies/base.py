@@ -52,6 +52,11 @@ def _lower_median(values: np.ndarray) -> float:
     return float(np.quantile(values, 0.5, method="lower"))
 
 
+#: The rows and counts as sent, no defence applied: what partial sums add up
+#: (coordinator/partial.py) and what the methods' own arithmetic is tested on.
+RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
+
+
 @dataclass(frozen=True)
 class Dense:
     """Updates of one round in the dense layout of :mod:`coordinator.aggregate`."""
