@@ -45,6 +45,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "effnet-fleet": performance.effnet_fleet,
     "effnet-export": performance.effnet_export,
     "reliability": performance.reliability,
+    "restart": performance.restart,
     "privacy": performance.privacy,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),

@@ -150,6 +150,25 @@ def reliability(r: Results) -> str:
     )
 
 
+def restart(r: Results) -> str:
+    """Rounds and seconds to a closing round after the database is lost or rolled back
+    (bench.restart_bench)."""
+    lost = r.get("reliability.db_lost_rounds_to_resume")
+    if lost is None:
+        return "Not measured: run `make bench`."
+    where = r.provenance(r.section_of["reliability.db_lost_rounds_to_resume"])
+    return (
+        f"With three devices on a real Mosquitto, a coordinator restarted on a deleted "
+        f"database closed a round {num(r.get('reliability.db_lost_seconds_to_resume'))} s "
+        f"after the restart, within the first {num(lost)} round(s) it opened "
+        f"(`reliability.db_lost_rounds_to_resume`); one restarted on a copy "
+        f"{num(r.get('reliability.db_rolled_back_rounds_behind'))} rounds behind its devices "
+        f"did within {num(r.get('reliability.db_rolled_back_rounds_to_resume'))}, after "
+        f"{num(r.get('reliability.db_rolled_back_seconds_to_resume'))} s (`make bench`: "
+        f"{where})."
+    )
+
+
 #: Issue-level targets of the fleet-scale keys: (key, what it is, bound, at most?).
 SCALE_TARGETS = (
     ("fleet.bytes_down_per_client_round_fedpcl_1000", "FedPCL bytes down per client and "

@@ -50,6 +50,7 @@ SUITES: dict[str, list[str]] = {
         "bench.effnet_fleet_bench",
         "bench.reliability_bench",
         "bench.compromised_bench",
+        "bench.restart_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
     "closed-form": ["bench.closed_form_bench"],

@@ -23,13 +23,18 @@ M = TypeVar("M")
 
 
 class Announcer:
-    """Signs for run ``run_id`` with the coordinator's key (or not at all, when the fleet
-    runs insecure) and builds the announcement that opens a round."""
+    """Signs for run ``run_id`` (begun at ``run_started``, Unix seconds) with the
+    coordinator's key (or not at all, when the fleet runs insecure) and builds the
+    announcement that opens a round."""
 
-    def __init__(self, *, config: CoordinatorConfig, keys: CoordinatorKeys, run_id: str) -> None:
+    def __init__(
+        self, *, config: CoordinatorConfig, keys: CoordinatorKeys, run_id: str,
+        run_started: float,
+    ) -> None:  # fmt: skip
         self.config = config
         self.keys = keys
         self.run_id = run_id
+        self.run_started = run_started
         self._said_too_small = False
         self._dtype: type[np.floating[Any]] = (
             np.float16 if config.model.announce_dtype == "f2" else np.float32
@@ -59,9 +64,12 @@ class Announcer:
         message = RoundAnnouncement(
             fleet=self.config.fleet,
             round=round_,
+            run=self.run_id,
+            run_started=self.run_started,
             bundle=model.bundle,
             method=model.method,
             classes=model.classes,
+            dim=model.dim,
             deadline=deadline,
             params={**model.params, "final": final},
             global_classes=result.global_classes,

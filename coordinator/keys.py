@@ -1,4 +1,5 @@
-"""The coordinator's keys: its own signing key and the enrolled devices' public keys."""
+"""The coordinator's keys: its own signing key and the enrolled devices' public keys, with
+the devices the fleet CA's revocation list took out."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from protocol.auth import KeyFileError, Signer, Verifier
-from runtime.keyfiles import load_enrolled, load_signer
+from protocol import PrototypeUpdate
+from protocol.auth import KeyFileError, Signer, Verifier, signature_problem
+from runtime.keyfiles import FleetCA, enrol, load_signer
 from runtime.security import INSECURE_WARNING, CoordinatorSecurity
 
 log = logging.getLogger(__name__)
@@ -17,6 +19,9 @@ log = logging.getLogger(__name__)
 class CoordinatorKeys:
     signer: Signer | None = None
     devices: Mapping[str, Verifier] = field(default_factory=dict)
+    #: Devices whose certificate in security.devices the CRL revokes: not enrolled, and
+    #: their updates are rejected as ``revoked`` rather than as ``unenrolled``.
+    revoked: frozenset[str] = frozenset()
 
     @property
     def insecure(self) -> bool:
@@ -30,18 +35,50 @@ class CoordinatorKeys:
             return cls()
         assert settings.key is not None and settings.devices is not None  # checked in config
         signer = load_signer(settings.key, setting="security.key")
-        devices = load_enrolled(settings.devices, setting="security.devices")
+        ca = FleetCA.load(settings.ca, settings.crl) if settings.ca is not None else None
+        if ca is not None and ca.crl_expired():
+            log.warning(
+                "security.crl %s is past its next update: Mosquitto refuses every client with "
+                "it; rerun make-certs.sh (any run rewrites crl.pem) and reload both",
+                settings.crl,
+            )
+        enrolment = enrol(settings.devices, ca=ca, setting="security.devices")
+        for client, path in sorted(enrolment.revoked.items()):
+            log.warning(
+                "not enrolling %s: its certificate %s is revoked by security.crl %s; its "
+                "updates are rejected as revoked",
+                client,
+                path,
+                settings.crl,
+                extra={"event": "device_revoked", "client": client},
+            )
+        devices = enrolment.devices
         if not devices:
             # Every update would be refused as unenrolled: a fleet that can never close
             # a round, which the operator would only learn from an idle dashboard.
             raise KeyFileError(
                 f"security.devices {settings.devices}: no device is enrolled (no "
-                "<client-id>.pem, .pub or .crt file), so every update would be refused as "
-                "unenrolled and no round could close; enrol each device's public key there "
-                "(docs/deploy.md), or set security.insecure = true for a trial"
+                "<client-id>.pem, .pub or .crt file"
+                + (", or every certificate is revoked" if enrolment.revoked else "")
+                + "), so every update would be refused as unenrolled and no round could "
+                "close; enrol each device's public key there (docs/deploy.md), or set "
+                "security.insecure = true for a trial"
             )
-        log.info("signed messages: %d device(s) enrolled in %s", len(devices), settings.devices)
-        return cls(signer=signer, devices=devices)
+        log.info(
+            "signed messages: %d device(s) enrolled in %s%s",
+            len(devices),
+            settings.devices,
+            f" (certificates of the fleet CA {settings.ca})" if ca is not None else "",
+        )
+        return cls(signer=signer, devices=devices, revoked=frozenset(enrolment.revoked))
+
+    def signature_problem(self, update: PrototypeUpdate, *, run: str | None) -> str | None:
+        """Why ``update`` is not signed by its enrolled device for coordinator run ``run``,
+        if it is not: the reasons of :func:`protocol.auth.signature_problem`, and
+        ``revoked`` for a signed update of a device the fleet CA's CRL took out."""
+        if update.client in self.revoked and update.auth is not None:
+            return "revoked"
+        return signature_problem(update, self.devices.get(update.client), run=run)
 
     def quorum_problem(self, min_clients: int) -> str | None:
         """Why ``rounds.min_clients`` cannot be met by the enrolled devices, if it cannot:

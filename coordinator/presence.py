@@ -28,8 +28,11 @@ class Presence:
         rejections: Rejections,
         known: Iterable[str],
         clock: Callable[[], float],
+        on_status: Callable[[Status], None] | None = None,
     ) -> None:
+        """``on_status`` hears every status stored (the run and round it reports)."""
         self.config = config
+        self._on_status = on_status
         self._store = store
         self._metrics = metrics
         self._rejections = rejections
@@ -71,6 +74,8 @@ class Presence:
             at=self._clock(),
         )
         self.update_online()
+        if self._on_status is not None:
+            self._on_status(status)
         said = (status.state.value, status.reason or "-")
         if self._logged.get(status.client) != said:
             self._logged[status.client] = said

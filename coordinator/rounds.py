@@ -25,6 +25,7 @@ from coordinator.metrics import Metrics
 from coordinator.open_round import OpenRound
 from coordinator.presence import Presence
 from coordinator.rejections import Rejections
+from coordinator.run_reports import RunReports
 from coordinator.screening import Screening
 from coordinator.statistics import FleetStatistics
 from coordinator.store import Store
@@ -86,9 +87,11 @@ class RoundManager:
         short = self.keys.quorum_problem(config.rounds.min_clients)
         if short:
             log.warning("%s", short)
-        self.run_id = store.run_id()
+        self.run_id, self.run_started = store.run(now=clock())
         self.metrics.insecure.set(1 if self.keys.insecure else 0)
-        self.announcer = Announcer(config=config, keys=self.keys, run_id=self.run_id)
+        self.announcer = Announcer(
+            config=config, keys=self.keys, run_id=self.run_id, run_started=self.run_started
+        )
         store.bind_identity(
             {"fleet": config.fleet, "method": config.model.method, "bundle": config.model.bundle}
         )
@@ -99,11 +102,25 @@ class RoundManager:
             store.open_first_round(first.to_wire(), opened_at=now, deadline=first.deadline)
             latest = store.latest_round()
             assert latest is not None
-            log.info(
-                "fleet %s: opened round 0",
-                config.fleet,
-                extra={"event": "round_opened", "round": 0},
-            )
+            if store.created:
+                # Said out loud: a fleet that ran before has lost its database, and its
+                # devices follow this run from its first announcement (they adopt a run
+                # that started later than theirs).
+                log.warning(
+                    "fleet %s: no database at %s (or an empty file): started run %s at "
+                    "round 0. If this fleet ran before, its state is lost; its devices adopt "
+                    "this run when they hear it (docs/deploy.md, 'A lost or rolled-back "
+                    "database')",
+                    config.fleet, store.path, self.run_id,
+                    extra={"event": "run_started", "round": 0, "run": self.run_id},
+                )  # fmt: skip
+            else:
+                log.info(
+                    "fleet %s: opened round 0 of run %s",
+                    config.fleet,
+                    self.run_id,
+                    extra={"event": "round_opened", "round": 0},
+                )
         else:
             log.info(
                 "fleet %s: resuming at round %d with %d update(s) stored",
@@ -148,6 +165,9 @@ class RoundManager:
         )  # fmt: skip
         self.rejections = Rejections(store=store, metrics=self.metrics)
         # Clients whose statuses are stored: enrolled or allow-listed, or ever accepted.
+        # What the devices say they answered in this run, and the runs they follow that
+        # this database does not hold: a rolled-back or lost database learns it here.
+        self.reports = RunReports(run=self.run_id, path=store.path)
         self.presence = Presence(
             config=config,
             store=store,
@@ -155,6 +175,7 @@ class RoundManager:
             rejections=self.rejections,
             known=set(self.keys.devices) | set(config.rounds.allow_list) | store.contributors(),
             clock=clock,
+            on_status=self._on_status,
         )
         self.metrics.current_round.set(self._open.number)
         self.metrics.round_opened.set(self._open.opened_at)
@@ -249,6 +270,10 @@ class RoundManager:
         """Store a device's status message; None (and counted) when it is refused."""
         return self.presence.record(payload, topic_client=topic_client)
 
+    def _on_status(self, status: Status) -> None:
+        with self._lock:
+            self.reports.record(status)
+
     def count_foreign_announcement(self) -> None:
         """Something other than this coordinator published on the round topic."""
         self.rejections.count("foreign_announcement")
@@ -278,6 +303,11 @@ class RoundManager:
             if self._done:
                 return None
             now = self._clock()
+            behind = self.reports.answered_past(
+                self._open, deadline_passed=now >= self._open.deadline
+            )
+            if behind is not None:
+                return self._skip_to(behind + 1, now)
             due = self.close_time()
             if due is None:
                 if now < self._open.deadline:
@@ -319,6 +349,38 @@ class RoundManager:
             dataclasses.replace(self._announcement, deadline=open_.deadline)
         )
         self.store.extend_deadline(open_.number, open_.deadline, self._announcement.to_wire())
+
+    def _skip_to(self, round_: int, now: float) -> RoundAnnouncement:
+        """Open round ``round_`` past the open one without aggregating it: the devices
+        answered rounds this database no longer holds (it was rolled back), and would
+        refuse every round up to theirs as already answered. The global state is the open
+        round's announcement's; the open round's updates are dropped (their devices answer
+        ``round_``), its closed-form statistics kept."""
+        closing = self._open
+        deadline = now + self.config.rounds.timeout_s
+        nxt = self.sign(dataclasses.replace(self._announcement, round=round_, deadline=deadline))
+        fresh = list(self._statistics.round_clients) if self._statistics is not None else []
+        self.store.advance(
+            closing.number, closed_at=now, announcement=nxt.to_wire(), deadline=deadline,
+            keep_rounds=self.config.rounds.keep_rounds, statistics=fresh, next_round=round_,
+        )  # fmt: skip
+        if self._statistics is not None:
+            self._statistics.committed()
+        log.warning(
+            "round %d: devices have answered up to round %d of run %s, which %s no longer "
+            "holds (a rolled-back database); opened round %d with the last global state "
+            "and dropped %d update(s) of round %d",
+            closing.number, round_ - 1, self.run_id, self.store.path, round_,
+            len(closing.arrivals), closing.number,
+            extra={"event": "rounds_skipped", "round": round_},
+        )  # fmt: skip
+        self._open = OpenRound(number=round_, opened_at=now, deadline=deadline)
+        self.metrics.round_extensions.set(0)
+        self.metrics.round_stalled.set(0)
+        self.metrics.round_opened.set(now)
+        self.metrics.current_round.set(round_)
+        self._announcement = nxt
+        return nxt
 
     def _stored_update(self, client: str) -> PrototypeUpdate:
         """The update the store holds for ``client`` in the open round, decoded."""

@@ -11,7 +11,6 @@ from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.store import Store
 from protocol import ProtocolError, PrototypeUpdate
-from protocol.auth import signature_problem
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class Screening:
         """Why ``update`` is not signed by its enrolled device for this run, if it is not."""
         if self.keys.insecure:
             return None
-        return signature_problem(update, self.keys.devices.get(update.client), run=self.run_id)
+        return self.keys.signature_problem(update, run=self.run_id)
 
     def quarantine_failing(self, store: Store, metrics: Metrics, round_: int) -> None:
         """Set aside the stored updates of round ``round_`` that today's checks refuse.

@@ -47,6 +47,7 @@ class CoordinatorService:
     TICK_S = 5.0  # the main loop wakes at least this often, round due or not
     FLUSH_S = 5.0  # rejections counted in memory reach the database and log this often
     REASSERT_S = 1.0  # the soonest the announcement is republished over a foreign one
+    ECHO_S = 10.0  # an own publication not heard back within this is taken as lost
 
     def __init__(self, *, manager: RoundManager, exit_when_done: bool = True) -> None:
         self.manager = manager
@@ -57,10 +58,16 @@ class CoordinatorService:
         self._last_tick: float | None = None
         self._fault: BaseException | None = None
         self._flushed = time.monotonic()
-        # Digests of the announcements this coordinator published lately, to tell its own
-        # retained message from anything else published on the round topic.
-        self._own: deque[str] = deque(maxlen=4)
+        # What the round topic should hold: the digest of the announcement published last,
+        # and those of the publications not yet heard back from the broker (in order), with
+        # when each was sent. Anything else that arrives there was retained over it.
+        self._round_lock = threading.Lock()
+        self._current: str | None = None
+        self._echoes: deque[tuple[str, float]] = deque(maxlen=64)
         self._reasserted = -math.inf
+        self._reassert_due = False
+        self._announce_due = False
+        self._overwritten = 0
         fleet = self.config.fleet
         self.link = MqttLink(
             settings=self.config.mqtt,
@@ -84,7 +91,9 @@ class CoordinatorService:
 
     def _on_connected(self) -> None:
         # Republish on every (re)connect: the broker may have lost its retained store.
-        self._publish(self.manager.announcement)
+        with self._round_lock:
+            self._announce_due = True
+        self._wake.set()
         log.info(
             "connected to %s:%d; round %d announced",
             self.config.mqtt.host,
@@ -138,17 +147,57 @@ class CoordinatorService:
             self._check_round_topic(message.payload)
 
     def _check_round_topic(self, payload: bytes | bytearray) -> None:
-        """Put this coordinator's announcement back when anything else is retained on the
-        round topic (a forged announcement, a cleared message): a device that connects
-        gets the retained message first. The broker's ACL keeps devices off this topic;
-        this is for a broker without one."""
-        if payload_digest(payload) in self._own:
-            return
+        """Put this coordinator's current announcement back when anything else is retained
+        on the round topic: a forged announcement, a cleared message, or one of this
+        coordinator's own earlier announcements published again (a replay: signed and
+        well-formed, it would tell every device that connects later an old round). A device
+        that connects gets the retained message first. The broker's ACL keeps devices off
+        this topic; this is for a broker without one, or a client that gets past it.
+
+        Only a byte-for-byte copy of the current announcement is left alone. A message
+        that our own later publication, still on its way back, will replace is left to it:
+        the copy retained before a restart (signed afresh since) is one. Each republication
+        waits :attr:`REASSERT_S` after the last, so two coordinators on one topic take
+        turns at that pace instead of flooding the broker."""
+        digest = payload_digest(payload)
+        with self._round_lock:
+            if any(d == digest for d, _ in self._echoes):
+                while self._echoes.popleft()[0] != digest:
+                    pass  # publications the broker took in order: those before it are past
+            if digest == self._current or self._announce_due or self._replacing():
+                return
+            self._overwritten += 1
+            count = self._overwritten
+            self._reassert_due = True
+        self._wake.set()  # the main loop republishes, once REASSERT_S has passed
         self.manager.count_foreign_announcement()
+        if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: a fight stays readable
+            log.warning(
+                "a message that is not this coordinator's current announcement (round %d) "
+                "was retained on %s: foreign, cleared or replayed (%d so far); announcing "
+                "round %d again",
+                self.manager.round,
+                round_topic(self.config.fleet),
+                count,
+                self.manager.round,
+                extra={"event": "announcement_overwritten", "round": self.manager.round},
+            )
+
+    def _replacing(self) -> bool:
+        """Whether the current announcement is on its way to the broker (published and not
+        yet heard back, lately enough not to be lost): it replaces whatever came first.
+        So is one about to be published after a (re)connect."""
         now = time.monotonic()
-        if now - self._reasserted >= self.REASSERT_S:
-            self._reasserted = now
-            self._publish(self.manager.announcement)
+        return any(d == self._current and now - at < self.ECHO_S for d, at in self._echoes)
+
+    def _reassert_wait(self) -> float:
+        """Seconds until the announcement is due again on the round topic (inf: it is not)."""
+        with self._round_lock:
+            if self._announce_due:
+                return 0.0
+            if not self._reassert_due:
+                return math.inf
+            return max(0.0, self._reasserted + self.REASSERT_S - time.monotonic())
 
     def _send_receipt(self, decision: Decision) -> None:
         """Tell the device its update is stored (a duplicate gets the same answer): it
@@ -159,6 +208,7 @@ class CoordinatorService:
             Receipt(
                 fleet=self.config.fleet,
                 round=decision.round,
+                run=self.manager.run_id,
                 client=decision.client,
                 digest=decision.digest,
             )
@@ -168,8 +218,19 @@ class CoordinatorService:
     # -- driver ------------------------------------------------------------------------
 
     def _publish(self, announcement: RoundAnnouncement) -> None:
+        """Retain ``announcement`` on the round topic. Only the main loop publishes there,
+        so the broker takes the announcements in the order of :attr:`_echoes`; paho's
+        thread asks for it instead (:meth:`_reassert_wait`)."""
         payload = announcement.to_wire()
-        self._own.append(payload_digest(payload))
+        digest = payload_digest(payload)
+        with self._round_lock:
+            self._current = digest
+            self._echoes.append((digest, time.monotonic()))
+            if self._reassert_due or self._announce_due:
+                self._reasserted = time.monotonic()
+            self._reassert_due = self._announce_due = False
+        # Outside the lock: paho's publish takes its callback lock, which its thread holds
+        # while it hands us a message (and waits for this lock in _check_round_topic).
         self.link.publish(round_topic(self.config.fleet), payload, retain=True)
 
     def healthy(self) -> bool:
@@ -199,7 +260,8 @@ class CoordinatorService:
                         self.manager.round,
                     )
                     break
-                self._wake.wait(timeout=min(self.manager.seconds_until_due(), self.TICK_S) + 0.01)
+                due = min(self.manager.seconds_until_due(), self._reassert_wait(), self.TICK_S)
+                self._wake.wait(timeout=due + 0.01)
                 self._wake.clear()
                 self._last_tick = time.monotonic()
                 self._step()
@@ -214,6 +276,8 @@ class CoordinatorService:
             announcement = self.manager.poll()
             if announcement is not None:
                 self._publish(announcement)
+            elif self._reassert_wait() == 0.0:
+                self._publish(self.manager.announcement)
             if time.monotonic() - self._flushed >= self.FLUSH_S:
                 self._flushed = time.monotonic()
                 self.manager.flush_rejections()

@@ -15,6 +15,7 @@ import math
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,9 @@ class Store:
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        #: No database was there (or an empty file): a new run begins, which the round
+        #: manager says out loud, since a fleet that ran before has lost its state.
+        self.created = not path.exists() or path.stat().st_size == 0
         try:
             self._db = connect(path, synchronous=synchronous)
             self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)
@@ -170,12 +174,27 @@ class Store:
     def run_id(self) -> str:
         """This fleet's coordinator run: drawn once, when the database is new. Signed
         updates name it, so one from an earlier database cannot be replayed into this."""
+        return self.run()[0]
+
+    def run(self, *, now: float | None = None) -> tuple[str, float]:
+        """(id, start in Unix seconds) of this database's run, drawn and stamped with
+        ``now`` (the clock's time by default) when the database is new. Devices follow one
+        run and adopt another only when it started later (protocol/announcement.py)."""
         with self._lock:
             run = self._one("SELECT value FROM meta WHERE key = 'run'")
-            if run is None:
-                run = secrets.token_hex(8)
-                self._db.execute("INSERT INTO meta VALUES ('run', ?)", (run,))
-            return str(run)
+            started = self._one("SELECT value FROM meta WHERE key = 'run_started'")
+            if run is None or started is None:
+                run_is_new = run is None
+                with self._transaction():
+                    if run is None:
+                        run = secrets.token_hex(8)
+                        self._db.execute("INSERT INTO meta VALUES ('run', ?)", (run,))
+                    # A run kept from before runs were dated starts at the epoch: any run
+                    # begun since is later.
+                    fresh = run_is_new
+                    started = repr(time.time() if now is None else now) if fresh else "0"
+                    self._db.execute("INSERT INTO meta VALUES ('run_started', ?)", (started,))
+            return str(run), float(started)
 
     def latest_round(self) -> RoundRow | None:
         with self._lock:
@@ -287,8 +306,11 @@ class Store:
         keep_rounds: int = 0,
         final: bool = False,
         statistics: Sequence[str] = (),
+        next_round: int | None = None,
     ) -> None:
-        """Close round ``closed`` and open ``closed + 1`` atomically (``final``: stored
+        """Close round ``closed`` and open ``next_round`` (by default ``closed + 1``; later
+        when a rolled-back database skips the rounds its devices already answered)
+        atomically (``final``: stored
         closed as well, in the same transaction, so a crash cannot leave the last round
         open and a restart take updates past it). With ``keep_rounds``
         > 0, the payloads (updates and announcement) of rounds older than the last
@@ -311,7 +333,13 @@ class Store:
             self._db.execute(
                 "INSERT INTO rounds (round, opened_at, deadline, closed_at, announcement) "
                 "VALUES (?, ?, ?, ?, ?)",
-                (closed + 1, closed_at, deadline, closed_at if final else None, announcement),
+                (
+                    closed + 1 if next_round is None else next_round,
+                    closed_at,
+                    deadline,
+                    closed_at if final else None,
+                    announcement,
+                ),
             )
             self._wrote(len(announcement))
             if keep_rounds > 0:

@@ -48,8 +48,12 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
     )
     identity = _one(db, "SELECT value FROM meta WHERE key = 'identity'")
     quarantined = _one(db, "SELECT COUNT(*) FROM quarantine")
+    run = _one(db, "SELECT value FROM meta WHERE key = 'run'")
+    started = _one(db, "SELECT value FROM meta WHERE key = 'run_started'")
     return {
         "identity": json.loads(identity) if identity else None,
+        # The run devices follow (docs/protocol.md, "Runs"): a new one after a lost database.
+        "run": None if run is None else {"id": run, "started": float(started or 0.0)},
         "round": None
         if latest is None
         else {

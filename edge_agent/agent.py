@@ -142,9 +142,15 @@ class Agent:
             reason, why = mismatch
             log.warning("round %d ignored: %s", announcement.round, why)
             return Decision(reason, mismatch=f"ignoring rounds: {why}")
-        implausible = screening.implausible(
-            announcement, cfg, self.last_round, dim=self.prototype_dim
-        )
+        other_dim = screening.wrong_dim(announcement, dim=self.prototype_dim)
+        if other_dim is not None:
+            # Said in the status as well: a coordinator of another dimension would refuse
+            # every update of this device, and say so only in its own counters.
+            return replace(self._ignore(*other_dim), mismatch=f"ignoring rounds: {other_dim[1]}")
+        older = self._follow(announcement)
+        if older is not None:
+            return older
+        implausible = screening.implausible_round(announcement, cfg, self.last_round)
         if implausible is not None:
             return self._ignore(*implausible)
         screening.note_params(announcement.params, own=asdict(cfg.train), noted=self._params_noted)
@@ -159,6 +165,41 @@ class Agent:
             self.state.record(final_round=announcement.round)
             return Decision("final")
         return self._answer(announcement, received_bytes)
+
+    @property
+    def run(self) -> str | None:
+        """The coordinator run this device follows (None before it heard one)."""
+        return self.state.snapshot.run
+
+    def _follow(self, announcement: RoundAnnouncement) -> Decision | None:
+        """Follow the announcement's run, adopting it if it began after the one followed
+        (the coordinator's database was lost or replaced: its rounds count from where it
+        stands); refuse it (the returned decision) if it began before: a retained
+        announcement of an earlier life of the fleet."""
+        snap = self.state.snapshot
+        run, started = announcement.run, announcement.run_started
+        if snap.run == run:
+            return None
+        if snap.run is None:
+            # The first run heard; a state folder from before runs keeps its rounds.
+            log.info("following coordinator run %s", run)
+            self.state.follow_run(run, started, keep_round=True)
+            return None
+        if started > (snap.run_started or 0.0):
+            log.warning(
+                "the coordinator began a new run %s; this device followed run %s (last "
+                "answered round %s) and answers the new run's rounds from round %d (was its "
+                "database lost?)",
+                run, snap.run, snap.last_round, announcement.round,
+            )  # fmt: skip
+            self.state.follow_run(run, started, keep_round=False)
+            return None
+        why = (
+            f"round {announcement.round} is of coordinator run {run}, which began before run "
+            f"{snap.run} this device follows (a coordinator database restored from an "
+            "older run?)"
+        )
+        return replace(self._ignore("old_run", why), mismatch=f"ignoring rounds: {why}")
 
     def _ignore(self, reason: str, why: str) -> Decision:
         """An announcement no coordinator of this fleet sends: counted, not answered."""

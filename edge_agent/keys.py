@@ -37,10 +37,11 @@ class AgentKeys:
         )
 
     def announcement_problem(self, message: Any) -> str | None:
-        """Why an announcement or receipt is not the pinned coordinator's, if it is not."""
+        """Why an announcement or receipt is not the pinned coordinator's, if it is not;
+        the run its body names must be the run it is signed for."""
         if self.insecure:
             return None
-        return signature_problem(message, self.coordinator, run=None)
+        return signature_problem(message, self.coordinator, run=message.run)
 
     def sign(self, message: M, *, run: str | None) -> M:
         """``message`` signed for coordinator run ``run`` (as is, when insecure)."""

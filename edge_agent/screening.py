@@ -29,22 +29,21 @@ IGNORED = frozenset(
         "wrong_fleet",
         "wrong_dim",
         "implausible_round",
+        "old_run",
         "announcement_unsigned",
         "announcement_bad_signature",
     }
 )
 
 
-def implausible(
-    announcement: RoundAnnouncement, cfg: AgentConfig, last_round: int | None, *, dim: int
-) -> tuple[str, str] | None:
-    """(reason, why) for an announcement no coordinator of this fleet could have sent: a
-    prototype dimension other than ``dim`` (the head's; the backbone features' under
-    dp-features), or a round too far past the last answered. Such an announcement is
-    ignored before anything of it is trained on or recorded."""
+def wrong_dim(announcement: RoundAnnouncement, *, dim: int) -> tuple[str, str] | None:
+    """(reason, why) for an announcement whose prototypes have another dimension than
+    ``dim`` (the head's; the backbone features' under dp-features): the announced ``dim``
+    (said from round 0, before any global prototype carries it) or its rows. Ignored
+    before anything of it is trained on, followed or recorded."""
     rows = announcement.global_prototypes
     clusters = announcement.extras.get("clusters")
-    dims = {rows.shape[1]} if rows.shape[0] else set()
+    dims = {announcement.dim} | ({rows.shape[1]} if rows.shape[0] else set())
     if clusters is not None:
         dims.add(clusters.shape[-1] if clusters.ndim == 2 else -1)
     if dims - {dim}:
@@ -53,6 +52,14 @@ def implausible(
             f"round {announcement.round} announces prototypes of dimension {shown}, this "
             f"device expects {dim} ([train] out_dim, or the features' under dp-features)"
         )
+    return None
+
+
+def implausible_round(
+    announcement: RoundAnnouncement, cfg: AgentConfig, last_round: int | None
+) -> tuple[str, str] | None:
+    """(reason, why) for a round too far past the last answered in the run followed: no
+    coordinator of this fleet skips that many."""
     jump = cfg.security.max_round_jump
     if last_round is not None and announcement.round > last_round + jump:
         return "implausible_round", (

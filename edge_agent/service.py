@@ -50,6 +50,7 @@ class _Pending:
     """An update published for the open round and not yet named by a receipt."""
 
     round: int
+    run: str | None
     payload: bytes
     digest: str
     resend_at: float
@@ -101,6 +102,7 @@ class AgentService:
             state=state,
             version=package_version(),
             last_round=self.agent.last_round,
+            run=self.agent.run or "",
             reason=reason,
         ).to_wire()
 
@@ -183,6 +185,7 @@ class AgentService:
             or receipt.fleet != self.cfg.fleet
             or receipt.client != self.cfg.agent_id
             or receipt.round != pending.round
+            or receipt.run != pending.run
         ):
             return  # a late copy, or one for a round this device has settled
         self._pending = None
@@ -207,8 +210,9 @@ class AgentService:
     def _expect_receipt(self, round_: int, payload: bytes) -> None:
         wait = self.resend_s
         self._pending = _Pending(
-            round_, payload, payload_digest(payload), time.monotonic() + wait, wait
-        )
+            round_, self.agent.run, payload, payload_digest(payload), time.monotonic() + wait,
+            wait,
+        )  # fmt: skip
 
     def _abandon(self, pending: _Pending) -> None:
         """The round of ``pending`` closed without a receipt: nothing is left to send it to."""
@@ -255,7 +259,9 @@ class AgentService:
                 self._say_online(self._mismatch_said)
             self._open_round = announcement.round
             pending = self._pending
-            if pending is not None and pending.round != announcement.round:
+            if pending is not None and (
+                pending.round != announcement.round or pending.run != announcement.run
+            ):
                 self._abandon(pending)
         if decision.mismatch != self._mismatch_said and decision.reason != "wrong_fleet":
             # A device that cannot take part says why where the coordinator's status and

@@ -51,6 +51,9 @@ class Snapshot:
     bundle_id: str | None = None
     last_round: int | None = None
     pending_round: int | None = None  # answered and stored, not yet acknowledged by the broker
+    #: The coordinator run followed (its id and start), in which ``last_round`` counts.
+    run: str | None = None
+    run_started: float | None = None
     history: tuple[dict[str, Any], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -60,6 +63,8 @@ class Snapshot:
             "bundle_id": self.bundle_id,
             "last_round": self.last_round,
             "pending_round": self.pending_round,
+            "run": self.run,
+            "run_started": self.run_started,
             "history": list(self.history),
             "extra": self.extra,
         }
@@ -114,6 +119,8 @@ class StateDir:
             bundle_id=data.get("bundle_id"),
             last_round=data.get("last_round"),
             pending_round=data.get("pending_round"),
+            run=data.get("run"),
+            run_started=data.get("run_started"),
             history=tuple(data.get("history", ())),
             extra=data.get("extra", {}),
         )
@@ -153,6 +160,15 @@ class StateDir:
         self._commit(
             replace(self.snapshot, last_round=round_, pending_round=round_, history=history)
         )
+
+    def follow_run(self, run: str, started: float, *, keep_round: bool) -> None:
+        """Follow coordinator run ``run`` (begun at ``started``) from now on. A new run's
+        rounds are counted afresh (``keep_round`` False): the last round answered and any
+        unsent update belong to the run left behind."""
+        snapshot = replace(self.snapshot, run=run, run_started=started)
+        if not keep_round:
+            snapshot = replace(snapshot, last_round=None, pending_round=None)
+        self._commit(snapshot)
 
     def save_model(self, model: nn.Module) -> None:
         """Replace head.npz outside a round's commit (FedAvg's adopted global model): a

@@ -38,6 +38,10 @@ class RoundAnnouncement(WireMessage):
     """The coordinator's retained message opening round ``round``.
 
     ``global_prototypes[i]`` is the global prototype of class ``classes[global_classes[i]]``.
+    ``run`` names the coordinator's run and ``run_started`` when it began (Unix seconds): a
+    device follows one run and adopts another only when it started later (a database lost
+    or replaced), answering its rounds from where it stands; ``dim`` is the prototype
+    dimension the fleet's updates must have, said before any global prototype exists.
     ``local_sets`` maps clients to their padded local prototype sets (FedPCL Eq. 7), rows
     aligned with ``global_classes``: every client's, or a uniform sample of them that keeps
     the announcement within the coordinator's downlink budget; ``client_globals`` holds per-client global prototypes
@@ -48,9 +52,12 @@ class RoundAnnouncement(WireMessage):
 
     fleet: str
     round: int
+    run: str
+    run_started: float
     bundle: str
     method: str
     classes: tuple[str, ...]
+    dim: int
     deadline: float
     params: Mapping[str, f.Scalar] = field(default_factory=dict)
     global_classes: tuple[int, ...] = ()
@@ -63,6 +70,9 @@ class RoundAnnouncement(WireMessage):
     def __post_init__(self) -> None:
         check_auth(self)
         check_round_fields(self)
+        validate_id(self.run, field="run")
+        freeze(self, "run_started", f.number(self.run_started, field="run_started", low=0.0))
+        freeze(self, "dim", f.integer(self.dim, field="dim"))
         names = f.sequence(self.classes, field="classes", max_length=MAX_CLASSES)
         names = tuple(f.text(n, field="classes", empty=False) for n in names)
         freeze(self, "classes", f.unique(names, field="classes"))
@@ -86,6 +96,11 @@ class RoundAnnouncement(WireMessage):
             raise FieldError(
                 f"{protos.shape[0]} rows for {len(gc)} global classes", field="global_prototypes"
             )
+        if protos.shape[0] and protos.shape[1] != self.dim:
+            raise FieldError(
+                f"rows of dimension {protos.shape[1]}, the announcement says dim {self.dim}",
+                field="global_prototypes",
+            )
         freeze(self, "global_prototypes", protos)
         for name in ("local_sets", "client_globals"):
             sets = array_map(getattr(self, name), field=name, max_length=MAX_CLIENTS, ndim=2)
@@ -106,9 +121,12 @@ class RoundAnnouncement(WireMessage):
         return {
             "fleet": self.fleet,
             "round": self.round,
+            "run": self.run,
+            "run_started": self.run_started,
             "bundle": self.bundle,
             "method": self.method,
             "classes": list(self.classes),
+            "dim": self.dim,
             "deadline": self.deadline,
             "params": dict(self.params),
             "global_classes": list(self.global_classes),
@@ -123,9 +141,12 @@ class RoundAnnouncement(WireMessage):
         return cls(
             fleet=env.take("fleet"),
             round=env.take("round"),
+            run=env.take("run"),
+            run_started=env.take("run_started"),
             bundle=env.take("bundle"),
             method=env.take("method"),
             classes=env.take("classes"),
+            dim=env.take("dim"),
             deadline=env.take("deadline"),
             params=env.take("params"),
             global_classes=env.take("global_classes"),

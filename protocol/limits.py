@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 TOPIC_ROOT = "protofleet"
 TOPIC_VERSION = "v1"
 

@@ -3,7 +3,8 @@
 A broker's PUBACK says only that the broker took a message; a broker can still lose it (a
 queue that overflows, a restart without persistence). A device keeps re-sending its update
 for the open round until a receipt names it, and a duplicate is answered with the receipt
-of what is stored. ``digest`` is the SHA-256 of the stored update's payload: a receipt
+of what is stored. ``run`` is the coordinator run the update was stored in: a device
+takes receipts of the run it follows only. ``digest`` is the SHA-256 of the stored update's payload: a receipt
 naming another digest means the coordinator holds someone else's update for this device.
 """
 
@@ -30,6 +31,7 @@ class Receipt(WireMessage):
 
     fleet: str
     round: int
+    run: str
     client: str
     digest: str
     auth: Auth | None = None
@@ -37,6 +39,7 @@ class Receipt(WireMessage):
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         f.integer(self.round, field="round")
+        validate_id(self.run, field="run")
         validate_id(self.client, field="client")
         f.text(self.digest, field="digest", max_length=64, empty=False)
         if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
@@ -46,6 +49,7 @@ class Receipt(WireMessage):
         return {
             "fleet": self.fleet,
             "round": self.round,
+            "run": self.run,
             "client": self.client,
             "digest": self.digest,
         }
@@ -55,6 +59,7 @@ class Receipt(WireMessage):
         return cls(
             fleet=env.take("fleet"),
             round=env.take("round"),
+            run=env.take("run"),
             client=env.take("client"),
             digest=env.take("digest"),
             auth=take_auth(env),

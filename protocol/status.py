@@ -39,6 +39,10 @@ class Status(WireMessage):
     version: str
     last_round: int | None = None
     reason: str = ""
+    #: The coordinator run the device follows ("" before it has heard one); ``last_round``
+    #: counts in it. A coordinator finding devices past its open round in its own run
+    #: knows its database was rolled back; on another run, that it was lost or replaced.
+    run: str = ""
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
@@ -51,6 +55,8 @@ class Status(WireMessage):
         if self.last_round is not None:
             f.integer(self.last_round, field="last_round")
         f.text(self.reason, field="reason")
+        if self.run:
+            validate_id(self.run, field="run")
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -59,6 +65,7 @@ class Status(WireMessage):
             "state": self.state.value,
             "version": self.version,
             "last_round": self.last_round,
+            "run": self.run,
             "reason": self.reason,
         }
 
@@ -73,5 +80,6 @@ class Status(WireMessage):
             state=state,  # type: ignore[arg-type]
             version=env.take("version"),
             last_round=env.take("last_round"),
+            run=env.take("run"),
             reason=env.take("reason"),
         )

@@ -15,7 +15,12 @@ decided here, with its reason beside it:
 - reconnects: the first attempt is made outside paho's thread, and a :class:`Reconnect`
   says how long to wait after a failed attempt or a drop, jittered for a fleet of devices;
 - takeover: a run of quick drops is told as a likely second client with this client id
-  (:class:`runtime.transport.TakeoverWatch`).
+  (:class:`runtime.transport.TakeoverWatch`);
+- refusal: a broker that will not have this client (a CONNACK that refuses it, a TLS
+  alert about its certificate, or a connection closed before any CONNACK, which is how
+  Mosquitto refuses a revoked certificate over TLS 1.3) is said plainly, at the 1st, 2nd,
+  4th, 8th... refusal in a row, and tried again only every :data:`REFUSED_WAIT_S` or so:
+  it will refuse again until someone changes its files or this client's.
 
 The link logs what it decides with the service's logger, so a service's lines keep its
 name whichever side wrote them.
@@ -27,6 +32,8 @@ import contextlib
 import logging
 import math
 import random
+import ssl
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +53,50 @@ from runtime.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The least wait before trying a broker that refused this client again (within
+#: ``[mqtt] reconnect_max_s`` and the link's cap): a refusal stands until someone acts.
+REFUSED_WAIT_S = 30.0
+
+#: TLS alerts by which a broker refuses a client certificate (OpenSSL's reason names end
+#: so), and what each says of it.
+_CERTIFICATE_ALERTS = {
+    "ALERT_CERTIFICATE_REVOKED": "is revoked",
+    "ALERT_CERTIFICATE_EXPIRED": "has expired",
+    "ALERT_UNKNOWN_CA": "is not issued by a CA the broker trusts",
+    "ALERT_BAD_CERTIFICATE": "is not accepted",
+    "ALERT_UNSUPPORTED_CERTIFICATE": "is not accepted",
+    "ALERT_CERTIFICATE_UNKNOWN": "is not accepted",
+    "ALERT_ACCESS_DENIED": "is not accepted",
+}
+
+
+def certificate_refusal(exc: BaseException | None, settings: MqttSettings) -> str | None:
+    """What a failed TLS handshake says of the broker refusing this client's certificate,
+    or None if it is no such refusal (a broker down, a broker certificate not trusted)."""
+    if not isinstance(exc, ssl.SSLError) or isinstance(exc, ssl.SSLCertVerificationError):
+        return None
+    reason = exc.reason or ""
+    if reason.endswith("ALERT_CERTIFICATE_REQUIRED"):
+        return "it requires a client certificate: set mqtt.tls_cert and mqtt.tls_key"
+    for alert, what in _CERTIFICATE_ALERTS.items():
+        if reason.endswith(alert):
+            return f"this client's certificate mqtt.tls_cert {settings.tls_cert} {what}"
+    return None
+
+
+def closed_unanswered(settings: MqttSettings) -> str:
+    """Why a broker closes a connection before its CONNACK: for a client with a TLS
+    certificate, almost always that it refuses the certificate. Over TLS 1.3 the client
+    finishes its handshake before the broker checks the certificate, so the refusal
+    arrives as a closed connection with no reason (paho: "Unspecified error")."""
+    if settings.tls_cert is not None:
+        return (
+            "it closed the connection before answering: it does not accept this client's "
+            f"certificate mqtt.tls_cert {settings.tls_cert} (revoked, expired or not "
+            "issued by the CA it trusts; the broker's log says which)"
+        )
+    return "it closed the connection before answering"
 
 
 def make_client(
@@ -149,6 +200,10 @@ class MqttLink:
         self._log = logger
         self._rng = rng if rng is not None else random.Random()
         self._attempt = 0
+        self._refusals = 0  # refusals in a row, since the last accepted connection
+        # Where the current attempt stands: "connecting" (no CONNACK yet), "refused" (by
+        # its CONNACK, already said), "up", or "idle".
+        self._phase = "idle"
         self._up = threading.Event()
         self._started = False
         self._closed = False
@@ -158,6 +213,7 @@ class MqttLink:
         self.client = make_client(settings, client_id, will=will, manual_ack=manual_ack)
         if not reconnect.jittered:
             self.client.reconnect_delay_set(min_delay=1, max_delay=self._max_delay)
+        self.client.on_pre_connect = self._connecting
         self.client.on_connect = self._connected
         self.client.on_disconnect = self._disconnected
         self.client.on_connect_fail = self._connect_failed
@@ -165,12 +221,22 @@ class MqttLink:
 
     # -- paho's callbacks (network thread; the first failed attempt: the caller's) -----
 
+    def _connecting(self, client: mqtt.Client, userdata: Any) -> None:
+        self._phase = "connecting"
+
     def _connected(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, props: Any
     ) -> None:
         if reason.is_failure:
-            self._log.error("broker refused the connection: %s", reason)
+            self._phase = "refused"
+            if not self._leaving():
+                self._refused(str(reason))
             return
+        self._phase = "up"
+        if self._refusals:
+            self._refusals = 0
+            if not self.reconnect.jittered:  # back to paho's own doubling from 1 s
+                self.client.reconnect_delay_set(min_delay=1, max_delay=self._max_delay)
         self._attempt = 0
         self._takeover.connected()
         if self.subscriptions:
@@ -182,7 +248,12 @@ class MqttLink:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, props: Any
     ) -> None:
         self._up.clear()
-        if self._leaving():
+        phase, self._phase = self._phase, "idle"
+        if self._leaving() or phase == "refused":  # a refusing CONNACK is told already
+            return
+        if phase == "connecting":
+            # Closed before any CONNACK: a failed attempt, not a lost connection.
+            self._refused(closed_unanswered(self.settings))
             return
         if taken_over := self._takeover.dropped():
             self._log.error("%s", taken_over)
@@ -195,7 +266,12 @@ class MqttLink:
 
     def _connect_failed(self, client: mqtt.Client, userdata: Any) -> None:
         # The broker is down or unreachable: paho retries, but says nothing on its own.
+        self._phase = "idle"
         if self._leaving():
+            return
+        refusal = certificate_refusal(sys.exc_info()[1], self.settings)
+        if refusal is not None:
+            self._refused(refusal)
             return
         why = connect_failure(self.settings)  # here: it reads the error being handled
         if self.reconnect.jittered:
@@ -220,6 +296,34 @@ class MqttLink:
         wait = max(1, round(delay))
         self.client.reconnect_delay_set(min_delay=wait, max_delay=self._max_delay)
         self._log.warning("%s; reconnecting in %d s", why, wait)
+
+    def _refused(self, why: str) -> None:
+        """The broker will not have this client: said plainly, and tried again seldom."""
+        self._refusals += 1
+        count = self._refusals
+        high = min(self.settings.reconnect_max_s, self.reconnect.cap_s)
+        low = min(high, max(self.settings.reconnect_min_s, REFUSED_WAIT_S))
+        wait = max(1, round(self._rng.uniform(low, high) if self.reconnect.jittered else high))
+        self.client.reconnect_delay_set(min_delay=wait, max_delay=max(wait, self._max_delay))
+        # The 1st, 2nd, 4th, 8th... in a row at ERROR: once said, a standing refusal need
+        # not fill the log at every attempt.
+        level = logging.ERROR if count & (count - 1) == 0 else logging.DEBUG
+        if count == 1:
+            self._log.log(
+                level,
+                "broker refused the connection: %s; it refuses it again until that is fixed "
+                "(next attempt in %d s)",
+                why,
+                wait,
+            )
+        else:
+            self._log.log(
+                level,
+                "broker refused the connection again (%d times in a row): %s; next attempt in %d s",
+                count,
+                why,
+                wait,
+            )
 
     def _leaving(self) -> bool:
         return self._closed or self._stopping()

@@ -48,14 +48,23 @@ class AgentSecurity:
 @dataclass(frozen=True)
 class CoordinatorSecurity:
     """``key``: the coordinator's private key; ``devices``: a folder of enrolled devices'
-    public keys or certificates, one file ``<agent_id>.pem``, ``.pub`` or ``.crt`` each
-    (make-certs.sh's ``clients/*.crt`` will do). Only enrolled devices' signed updates
-    are accepted; enrolment is the file's presence, so removing it (and reloading)
-    takes a device out."""
+    public keys or certificates, one PEM file ``<agent_id>.crt``, ``.pub`` or ``.pem``
+    each (make-certs.sh's ``clients/*.crt`` will do; :mod:`runtime.keyfiles` lists the
+    formats). Only enrolled devices' signed updates are accepted; enrolment is the file's
+    presence, so removing it (and reloading) takes a device out.
+
+    ``ca``: the fleet CA's certificate (make-certs.sh's ``ca.crt``). With it only
+    certificates that CA issued to the file's client id are enrolled; a bare public key,
+    a self-signed certificate or one of another CA stops the coordinator with a line
+    naming the file. ``crl``: that CA's revocation list (make-certs.sh's ``crl.pem``, the
+    file the broker reads): a device whose certificate it revokes is not enrolled, and its
+    updates are rejected as ``revoked``. Both are read again on every reload (SIGHUP)."""
 
     insecure: bool = False
     key: Path | None = None
     devices: Path | None = None
+    ca: Path | None = None
+    crl: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.insecure and (self.key is None or self.devices is None):
@@ -63,4 +72,9 @@ class CoordinatorSecurity:
                 "security.key (the coordinator's private key) and security.devices (a folder "
                 "of enrolled device keys) are required; or set security.insecure = true to "
                 "run unsigned"
+            )
+        if self.crl is not None and self.ca is None:
+            raise ValueError(
+                "security.crl needs security.ca, the fleet CA that signed it (make-certs.sh's "
+                "ca.crt): a revocation list is only trusted as its CA's"
             )

@@ -5,7 +5,9 @@
 #       creates the CA and the broker certificate if missing, then one client certificate
 #       per NAME (agent ids, and "coordinator" for the coordinator); existing ones are kept.
 #   make-certs.sh [--out DIR] --revoke NAME...
-#       revokes those client certificates and rewrites the revocation list.
+#       revokes those client certificates and rewrites the revocation list; install it,
+#       then restart mosquitto (a reload keeps a revoked client connected) and reload the
+#       coordinator (its security.crl): docs/deploy.md, "Taking a device out".
 #
 # Every run rewrites DIR/crl.pem (a CRL expires; reissue it at least every --crl-days).
 # The certificate CN is the MQTT username (use_identity_as_username), so NAME must be the
@@ -20,7 +22,7 @@ broker_ips=(127.0.0.1)
 revoke=0
 names=()
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "make-certs.sh: error: $*" >&2; exit 2; }
 
 while [ $# -gt 0 ]; do

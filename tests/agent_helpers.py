@@ -81,18 +81,29 @@ def dp_config(
     )
 
 
+#: The coordinator run the test announcements name, and when it began.
+RUN, RUN_STARTED = "0123456789abcdef", 1_700_000_000.0
+
+
 def announcement(
-    bundle_id: str, round_: int, method: str = "fedpcl", dim: int = 32
+    bundle_id: str,
+    round_: int,
+    method: str = "fedpcl",
+    dim: int = 32,
+    *,
+    announced_dim: int | None = None,
 ) -> RoundAnnouncement:
     """Round 0 bare; later rounds carry global prototypes of ``dim`` (the head's; the
     features' under dp-features; 0 for none), so DP-SGD trains FedPCL's own objective
-    (round 0 falls back to cross-entropy)."""
+    (round 0 falls back to cross-entropy). The announced dimension is ``dim`` (32 with
+    none), or ``announced_dim``: the device's."""  # fmt: skip
     globals_: dict[str, object] = {}
     if round_ > 0 and dim:
         protos = np.random.default_rng(round_).normal(size=(10, dim)).astype(np.float32)
         protos /= np.linalg.norm(protos, axis=1, keepdims=True)
         globals_ = {"global_classes": tuple(range(10)), "global_prototypes": protos}
     return RoundAnnouncement(
-        fleet="lab", round=round_, bundle=bundle_id, method=method, classes=CLASSES,
+        fleet="lab", round=round_, run=RUN, run_started=RUN_STARTED, bundle=bundle_id,
+        method=method, classes=CLASSES, dim=announced_dim or dim or 32,
         deadline=time.time() + 600, params={"final": False}, **globals_,  # type: ignore[arg-type]
     )  # fmt: skip

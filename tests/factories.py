@@ -34,13 +34,20 @@ def update(**overrides: object) -> PrototypeUpdate:
     return PrototypeUpdate(**fields)  # type: ignore[arg-type]
 
 
+#: The coordinator run the factories' messages name.
+RUN = "0123456789abcdef"
+
+
 def announcement(**overrides: object) -> RoundAnnouncement:
     fields: dict[str, object] = dict(
         fleet="lab",
         round=4,
+        run=RUN,
+        run_started=1_799_999_000.25,
         bundle="b" * 64,
         method="fedpcl",
         classes=("zero", "one", "two"),
+        dim=4,
         deadline=1_800_000_000.5,
         params={"tau": 0.07, "epochs": 1, "paper_weights": False, "loss": "fedpcl"},
         global_classes=(0, 2),
@@ -59,6 +66,7 @@ def status(**overrides: object) -> Status:
         version="0.1.0",
         last_round=3,
         reason="connection lost",
+        run=RUN,
     )
     fields.update(overrides)
     return Status(**fields)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from fleet.transports.spec import RunSpec
 from protocol import PrototypeUpdate, RoundAnnouncement
 from protocol.methods import BIAS, GRAM
 from runtime import closed_form as cf
-from tests.agent_helpers import agent_config
+from tests.agent_helpers import RUN, RUN_STARTED, agent_config
 
 
 def test_the_projection_is_public_orthonormal_and_the_fleets_own():
@@ -79,9 +79,9 @@ def _blobs(seed: int, n: int, *, dim: int = 16, classes: int = 4, flip: bool = F
 def _announcement(head: cf.LinearHead, round_: int = 1) -> RoundAnnouncement:
     agg = announced(head)
     return RoundAnnouncement(
-        fleet="lab", round=round_, bundle="b" * 64, method="lda",
-        classes=tuple("abcd"), deadline=0.0, params={"final": False},
-        global_classes=agg.global_classes,
+        fleet="lab", round=round_, run=RUN, run_started=RUN_STARTED, bundle="b" * 64,
+        method="lda", classes=tuple("abcd"), dim=head.weight.shape[1], deadline=0.0,
+        params={"final": False}, global_classes=agg.global_classes,
         global_prototypes=np.asarray(agg.global_prototypes, np.float32),
         extras={BIAS: np.asarray(agg.extras[BIAS], np.float32)},
     )  # fmt: skip
@@ -139,8 +139,9 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
                        method="lda")  # fmt: skip
     cfg = dataclasses.replace(cfg, closed_form=ClosedFormSettings(dim=24))
     agent = Agent(cfg)
-    start = RoundAnnouncement(fleet="lab", round=0, bundle=agent.bundle_id, method="lda",
-                              classes=cfg.classes, deadline=0.0, params={"final": False})  # fmt: skip
+    start = RoundAnnouncement(fleet="lab", round=0, run=RUN, run_started=RUN_STARTED,
+                              bundle=agent.bundle_id, method="lda", classes=cfg.classes,
+                              dim=agent.prototype_dim, deadline=0.0, params={"final": False})  # fmt: skip
     first = agent.handle(start)
     assert first.reason == "answered" and first.payload is not None
     update = PrototypeUpdate.from_wire(first.payload)
@@ -185,8 +186,9 @@ def test_a_noisy_release_is_paid_for_once_and_sent_again_unchanged(small_zoo, tm
                                 release_noise_multiplier=z),
     )  # fmt: skip
     agent = Agent(cfg)
-    start = RoundAnnouncement(fleet="lab", round=0, bundle=agent.bundle_id, method=method,
-                              classes=cfg.classes, deadline=0.0, params={"final": False})  # fmt: skip
+    start = RoundAnnouncement(fleet="lab", round=0, run=RUN, run_started=RUN_STARTED,
+                              bundle=agent.bundle_id, method=method, classes=cfg.classes,
+                              dim=agent.prototype_dim, deadline=0.0, params={"final": False})  # fmt: skip
     first = agent.handle(start)
     assert first.payload is not None
     sent = PrototypeUpdate.from_wire(first.payload)

@@ -25,7 +25,7 @@ from fleet.data.digits5 import domain_data
 from fleet.engine.evaluation import FleetEvaluator
 from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.settings import ConfigError
-from tests.agent_helpers import agent_config, digits_npz
+from tests.agent_helpers import RUN, RUN_STARTED, agent_config, digits_npz
 
 
 def announcement(bundle_id: str, round_: int, **kw) -> RoundAnnouncement:
@@ -37,6 +37,9 @@ def announcement(bundle_id: str, round_: int, **kw) -> RoundAnnouncement:
         classes=tuple(str(i) for i in range(10)),
         deadline=0.0,
         params={"final": False},
+        run=RUN,
+        run_started=RUN_STARTED,
+        dim=32,
     )
     fields.update(kw)
     return RoundAnnouncement(**fields)  # type: ignore[arg-type]
@@ -405,10 +408,14 @@ def test_implausible_announcements_are_ignored_counted_and_never_recorded(small_
     forged = dataclasses.replace(
         real,
         round=2**31 - 1,
+        dim=17,
         global_classes=(0,),
         global_prototypes=np.ones((1, 17), np.float32),
     )
-    assert agent.handle(forged).reason == "wrong_dim"
+    ignored = agent.handle(forged)
+    assert ignored.reason == "wrong_dim"
+    # Said in the status as well: the coordinator would refuse every update of the device.
+    assert ignored.mismatch.startswith("ignoring rounds: round 2147483647 announces")
     # The right dimension, but a round no fleet reaches from round 0.
     far = dataclasses.replace(
         real, round=10_001, global_classes=(0,), global_prototypes=np.ones((1, 32), np.float32)

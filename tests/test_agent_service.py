@@ -31,7 +31,7 @@ from protocol import (
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.transport import wait_acknowledged
-from tests.agent_helpers import digits_npz
+from tests.agent_helpers import RUN, RUN_STARTED, digits_npz
 from tests.mqtt_helpers import connected
 from tests.process_helpers import agent_process, status
 
@@ -73,6 +73,7 @@ class StandInCoordinator:
                 receipt = Receipt(
                     fleet="lab",
                     round=update.round,
+                    run=RUN,
                     client=update.client,
                     digest=payload_digest(message.payload),
                 )
@@ -96,9 +97,12 @@ class StandInCoordinator:
         ann = RoundAnnouncement(
             fleet="lab",
             round=round_,
+            run=RUN,
+            run_started=RUN_STARTED,
             bundle=self.bundle_id,
             method="fedpcl",
             classes=CLASSES,
+            dim=32,
             deadline=time.time() + 600,
             params={"final": False},
             global_classes=classes,

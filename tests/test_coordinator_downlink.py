@@ -57,9 +57,9 @@ def test_sets_that_fit_by_hand() -> None:
 
 def test_the_size_arithmetic_matches_the_encoder_across_map_headers() -> None:
     rows = np.zeros((3, 4), np.float16)
-    base = RoundAnnouncement(fleet="lab", round=1, bundle="b" * 64, method="fedpcl",
-                             classes=("a", "b", "c"), deadline=0.0, global_classes=(0, 1, 2),
-                             global_prototypes=rows)  # fmt: skip
+    base = RoundAnnouncement(fleet="lab", round=1, run="r1", run_started=0.0, bundle="b" * 64,
+                             method="fedpcl", classes=("a", "b", "c"), dim=4, deadline=0.0,
+                             global_classes=(0, 1, 2), global_prototypes=rows)  # fmt: skip
     rest = len(base.to_wire())
     one = len(dataclasses.replace(base, local_sets={"dev-0": rows}).to_wire())
     array_bytes = one - rest - downlink.key_bytes("dev-0")
@@ -136,7 +136,7 @@ def announcer(tmp: Path, key: Path, **model: object) -> Announcer:
     cfg = CoordinatorConfig(fleet="sim", state_dir=tmp, model=ModelSettings(**settings),  # type: ignore[arg-type]
                             security=CoordinatorSecurity(insecure=True))  # fmt: skip
     keys = CoordinatorKeys(signer=load_signer(key, setting="security.key"))
-    return Announcer(config=cfg, keys=keys, run_id="r" * 32)
+    return Announcer(config=cfg, keys=keys, run_id="r" * 32, run_started=0.0)
 
 
 def aggregate(n: int) -> Aggregate:
@@ -236,7 +236,9 @@ def test_the_coordinator_refuses_an_announcement_above_the_agents_limit(tmp_path
     assert len(manager.store.updates(0)) == 40
     # Within a downlink budget the same round fits and closes.
     bounded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, downlink_budget=900))
-    manager.announcer = Announcer(config=bounded, keys=manager.keys, run_id=manager.run_id)
+    manager.announcer = Announcer(
+        config=bounded, keys=manager.keys, run_id=manager.run_id, run_started=manager.run_started
+    )
     nxt = manager.poll()
     assert nxt is not None and nxt.round == 1
     assert 0 < len(nxt.local_sets) < 40 and len(nxt.to_wire()) <= 900

@@ -234,8 +234,8 @@ def test_the_fleet_watcher_follows_announcements_over_the_default_size_cap(mosqu
     # too large, it left `edge-fleet run --clients 200` waiting until the coordinator's exit.
     rows = np.zeros((10, 256), np.float32)
     big = RoundAnnouncement(
-        fleet=FLEET, round=2, bundle="b" * 64, method="fedpcl",
-        classes=tuple(str(c) for c in range(10)), deadline=0.0,
+        fleet=FLEET, round=2, run="r1", run_started=0.0, bundle="b" * 64, method="fedpcl",
+        classes=tuple(str(c) for c in range(10)), dim=256, deadline=0.0,
         global_classes=tuple(range(10)), global_prototypes=rows,
         local_sets={f"client-{i:04d}": rows for i in range(200)},
     )  # fmt: skip

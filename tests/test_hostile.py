@@ -20,6 +20,7 @@ from protocol import (
     update_topic,
 )
 from protocol.weights import averaged_weight_shapes
+from tests.agent_helpers import RUN, RUN_STARTED
 from tests.coordinator_helpers import (
     coordinator_toml,
     finish,
@@ -119,9 +120,12 @@ def test_a_forged_retained_announcement_is_ignored_and_the_device_answers_the_fl
             forged = RoundAnnouncement(
                 fleet="lab",
                 round=2**31 - 1,
+                run=RUN,
+                run_started=RUN_STARTED,
                 bundle=bundle_id,
                 method="fedpcl",
                 classes=tuple(str(i) for i in range(10)),
+                dim=17,
                 deadline=0.0,
                 params={"final": False},
                 global_classes=(0,),

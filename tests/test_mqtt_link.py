@@ -212,7 +212,10 @@ def test_unjittered_the_link_keeps_paho_s_doubling_under_its_cap(lines):
     ]
     answered(single, "Not authorized")  # a CONNACK that refuses: no connection to tell of
     assert service.connected == 0 and not single.is_connected()
-    assert lines.lines[-1] == "broker refused the connection: Not authorized"
+    assert lines.lines[-1] == (
+        "broker refused the connection: Not authorized; it refuses it again until that is "
+        "fixed (next attempt in 5 s)"
+    )
     with pytest.raises(ValueError, match="cap_s"):
         Reconnect(jittered=False, cap_s=0.0)
 

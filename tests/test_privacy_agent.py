@@ -199,7 +199,8 @@ def test_dp_features_releases_once_per_data_version(small_zoo: Path, tmp_path: P
     cost, across a restart; new data is a new release and a new spend."""
     cfg = dp_config(tmp_path, small_zoo, epsilon=100.0, mechanism="dp-features", seed=None)
     agent = Agent(cfg)
-    first = PrototypeUpdate.from_wire(agent.handle(announcement(agent.bundle_id, 0)).payload)
+    bare = announcement(agent.bundle_id, 0, announced_dim=agent.prototype_dim)
+    first = PrototypeUpdate.from_wire(agent.handle(bare).payload)
     assert first.prototypes.shape == (10, agent.runtime.feature_dim)  # the feature space
     spent = first.privacy.epsilon
     restarted = Agent(cfg)
@@ -229,8 +230,10 @@ def test_dp_features_trains_alone_when_no_anchor_helps(small_zoo: Path, tmp_path
                                     method="solo"), train=cfg.train)  # fmt: skip
     solo = Agent(solo_cfg, evaluator=FleetEvaluator)
     for r in range(3):
-        assert agent.handle(announcement(agent.bundle_id, r, dim=0)).reason == "answered"
-        assert solo.handle(announcement(solo.bundle_id, r, "solo", dim=0)).reason == "answered"
+        bare = announcement(agent.bundle_id, r, dim=0, announced_dim=agent.prototype_dim)
+        assert agent.handle(bare).reason == "answered"
+        bare = announcement(solo.bundle_id, r, "solo", dim=0, announced_dim=solo.prototype_dim)
+        assert solo.handle(bare).reason == "answered"
     record, alone = agent.state.snapshot.history[-1], solo.state.snapshot.history[-1]
     assert record["anchor_weight"] == 0.0
     # The rule (classifier or own prototypes) is the device's choice on its validation split.

@@ -51,7 +51,7 @@ def _messages() -> list[Any]:
         client_globals={"jetson-01": _ARRAY},
         extras={"clusters": np.ones((3, 4), dtype=np.float32)},
     )
-    receipt = Receipt(fleet="lab", round=3, client="jetson-01", digest="0" * 64)
+    receipt = Receipt(fleet="lab", round=3, run=factories.RUN, client="jetson-01", digest="0" * 64)
     signed = [dataclasses.replace(m, auth=_AUTH) for m in (update, announcement, receipt)]
     return [*signed, factories.status()]
 

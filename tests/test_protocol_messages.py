@@ -106,9 +106,12 @@ def announcements(draw):
     return RoundAnnouncement(
         fleet=draw(ids),
         round=draw(st.integers(0, 2**31 - 1)),
+        run=draw(ids),
+        run_started=draw(st.floats(0, 4e9)),
         bundle=draw(st.text(alphabet="0123456789abcdef", min_size=1, max_size=64)),
         method=draw(ids),
         classes=names,
+        dim=dim,
         deadline=draw(st.floats(0, 4e9)),
         params=draw(st.dictionaries(ids, scalars, max_size=4)),
         global_classes=present,

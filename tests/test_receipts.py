@@ -38,13 +38,14 @@ def test_an_update_and_its_duplicate_are_answered_with_the_stored_updates_receip
             ),
             stand_ins(mosquitto) as fleet,
         ):
-            fleet.announcement(0)
+            run = fleet.announcement(0).run
             first = stand_in_update(0, 0)
             fleet.send([first])
             (receipt,) = receipts_of(receipts, 1)
             assert receipt == Receipt(
-                fleet="lab", round=0, client="dev-0", digest=payload_digest(first.to_wire())
-            )
+                fleet="lab", round=0, run=run, client="dev-0",
+                digest=payload_digest(first.to_wire()),
+            )  # fmt: skip
             fleet.send([first])  # a re-send: answered, not refused silently
             assert receipts_of(receipts, 2)[1] == receipt
             # Another payload for the same device and round: the receipt names what is

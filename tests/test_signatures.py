@@ -100,10 +100,13 @@ def test_a_device_pins_the_coordinator_key(keys):
     coordinator = load_signer(keys / "coordinator.key")
     attacker = load_signer(keys / "attacker.key")
     ann = factories.announcement()
-    assert agent.announcement_problem(sign(ann, coordinator, run="r")) is None
-    assert agent.announcement_problem(sign(ann, attacker, run="r")) == "bad_signature"
+    assert agent.announcement_problem(sign(ann, coordinator, run=ann.run)) is None
+    assert agent.announcement_problem(sign(ann, attacker, run=ann.run)) == "bad_signature"
     assert agent.announcement_problem(ann) == "unsigned"
-    again = RoundAnnouncement.from_wire(sign(ann, coordinator, run="r").to_wire())
+    # Signed by the coordinator, but for another run than the one its body names: the
+    # body's run is what a device follows, so the signature must vouch for it.
+    assert agent.announcement_problem(sign(ann, coordinator, run="r")) == "wrong_run"
+    again = RoundAnnouncement.from_wire(sign(ann, coordinator, run=ann.run).to_wire())
     assert agent.announcement_problem(dataclasses.replace(again, round=2**31 - 1)) == (
         "bad_signature"
     )

@@ -25,7 +25,7 @@ from protocol.receipts import Receipt
 from tests import factories
 
 VECTORS = Path(__file__).resolve().parent.parent / "docs" / "vectors" / "signed.json"
-RUN = "00c0ffee00c0ffee"
+RUN = factories.RUN  # the run the messages name, and sign for
 #: Fixed private keys: public test keys, never a deployment's.
 ED25519_SEED = bytes(range(32))
 P256_SCALAR = int("c9afa9d845ba75166b5c215767b1d6934e50c3db36e89b127b8a622b120f6721", 16)
@@ -35,7 +35,7 @@ MESSAGES: dict[str, Any] = {
     "round": (RoundAnnouncement, lambda: factories.announcement()),
     "receipt": (
         Receipt,
-        lambda: Receipt(fleet="lab", round=3, client="jetson-01", digest="ab" * 32),
+        lambda: Receipt(fleet="lab", round=3, run=RUN, client="jetson-01", digest="ab" * 32),
     ),
 }
 

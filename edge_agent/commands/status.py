@@ -31,6 +31,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "security": "insecure" if cfg.security.insecure else "signed",
         "running_pid": holder(cfg.run_lock),  # null: no agent runs on this state
         "bundle_id": snap.bundle_id,
+        # The coordinator run followed; last_round counts in it (docs/protocol.md, "Runs").
+        "run": snap.run,
         "last_round": snap.last_round,
         "pending_round": snap.pending_round,
         "cache_entries": FeatureCache(cfg.data.feature_cache or state.cache_dir).entries(),
