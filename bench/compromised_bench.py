@@ -11,11 +11,13 @@ class, signed with its own key, in the two strongest forms admission lets throug
   exempts them from the unit bound an exact release is held to.
 
 FedPCL on digits-5's feature shift over the full zoo, in memory (the real agents and
-round manager), with 3, 10 and 100 devices, under the defaults, under each ``rule`` and
-with the median defences off (what the defaults were before). Figures: the cosine of each
-class's final global prototype to a_c (the largest over classes), the largest global norm,
-and, at 10 devices, the honest devices' mean final accuracy against the same run with no
-attack.
+round manager), with 3, 10 and 100 devices, under the defaults, under each ``rule``, with
+the defaults but the direction screen off (``no_screen``: count cap and norm clip only)
+and with every median defence off (``undefended``). Figures: the cosine of each class's
+final global prototype to a_c (the largest over classes), the largest global norm, and,
+at 10 devices, the honest devices' mean final accuracy against the same run with no
+attack, itself run with and without the direction screen (what the screen costs a fleet
+that is not attacked).
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "median": {"rule": "median"},
     "trimmed_mean": {"rule": "trimmed_mean"},
-    "undefended": {"median_count_cap": False, "median_norm_clip": False},
+    "no_screen": {"median_direction_screen": False},
+    "undefended": {
+        "median_count_cap": False,
+        "median_norm_clip": False,
+        "median_direction_screen": False,
+    },
 }
 ATTACKS = ("loud", "long")
 LIMITS = AdmissionSettings()
@@ -133,7 +140,10 @@ def run() -> dict[str, float]:
                 results[f"{key}_cosine"] = worst["cosine"]
                 results[f"{key}_norm"] = worst["norm"]
         clean = attacked(root / "10-clean", devices=10, robust={}, attack=None)["accuracy"]
+        unscreened = attacked(root / "10-clean-no-screen", devices=10,
+                              robust=SETTINGS["no_screen"], attack=None)["accuracy"]  # fmt: skip
     results["reliability.compromised_1_of_10_clean_accuracy"] = clean
+    results["reliability.compromised_1_of_10_clean_no_screen_accuracy"] = unscreened
     results["reliability.compromised_1_of_10_cosine"] = results[
         "reliability.compromised_1_of_10_defaults_cosine"
     ]

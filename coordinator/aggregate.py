@@ -162,6 +162,64 @@ def clip_norms_at_median(protos: F64, counts: F64) -> F64:
     return protos * scale[:, :, None]
 
 
+#: A row whose cosine to its class's robust centre is below this fraction of the median
+#: holder's cosine is screened out (:func:`screen_directions`).
+DIRECTION_FRACTION = 0.5
+
+
+def class_centres(protos: F64, counts: F64) -> F64:
+    """(C, d) per class, the coordinate-wise median of the rows of the clients holding it
+    (zeros where nobody does): a centre one client of three or more cannot drag far."""
+    out = np.zeros((protos.shape[1], protos.shape[2]), dtype=np.float64)
+    mask = present_mask(counts)
+    for c in np.flatnonzero(mask.any(axis=0)):
+        out[c] = np.median(protos[mask[:, c], c], axis=0)
+    return out
+
+
+def centre_cosines(protos: F64, centres: F64) -> F64:
+    """(U, C) the cosine of each row (U, C, d) to its class's centre (C, d); 0 where
+    either is the zero vector."""
+    dots = np.einsum("ucd,cd->uc", protos, centres)
+    norms = np.linalg.norm(protos, axis=-1) * np.linalg.norm(centres, axis=-1)[None, :]
+    return np.where(norms > 0, dots / np.maximum(norms, 1e-300), 0.0)
+
+
+def screen_directions(
+    protos: F64, counts: F64, *, fraction: float = DIRECTION_FRACTION
+) -> tuple[F64, Mask]:
+    """Counts with the rows that point away from their class screened out, and the (U, C)
+    mask of the rows screened.
+
+    Per class, the centre is the coordinate-wise median of the holders' rows
+    (:func:`class_centres`), ``s_uc`` each holder's cosine to it and ``m_c`` the lower
+    median of those cosines (:func:`class_medians`). A row is screened, its count set to 0
+    as if the client had not reported the class, when ``s_uc < fraction * m_c``: it agrees
+    with the class's consensus direction less than ``fraction`` as well as the median
+    holder does. A class with ``m_c <= 0`` has no consensus direction and is left alone.
+    With one or two holders nothing is screened: ``m_c`` is then the smaller cosine, and
+    no holder falls below a fraction of it. Every holder at or above the median is kept,
+    so a class never loses its global prototype to the screen.
+
+    Why: a device that sends the same vector every round is a stubborn agent. Any fixed
+    share of the mean it keeps, the honest devices, trained towards the global prototypes,
+    pick up round after round (one of 10 at a median device's weight moved FedPCL's global
+    prototypes to cosine 0.63 towards its vector in 10 rounds, bench/compromised_bench.py);
+    only a share of zero stops that. Lengths cannot tell it apart (the norm clip already
+    made it as long as an honest row, and honest rows under domain shift lie almost as far
+    from the mean as it does), directions can: a vector unrelated to the data is near
+    orthogonal to the median of the honest rows.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    mask = present_mask(counts)
+    cosines = centre_cosines(protos, class_centres(protos, counts))
+    median = class_medians(cosines, counts)  # (C,), inf where nobody holds the class
+    judged = np.isfinite(median) & (median > 0)
+    screened = mask & judged[None, :] & (cosines < fraction * np.where(judged, median, 0.0))
+    return np.where(screened, 0.0, counts), screened
+
+
 def clip_norms(protos: F64, bound: float) -> F64:
     """Scale every prototype whose L2 norm exceeds ``bound`` back onto the ball."""
     if bound <= 0:

@@ -71,19 +71,37 @@ def lower_median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b) / norms if norms > 0 else 0.0
+
+
 def hand_globals(updates: list[PrototypeUpdate]) -> dict[int, np.ndarray]:
     """FedPCL's default global prototypes, computed the slow obvious way: each count capped
-    at its class's lower median count (the stand-ins' unit rows are never clipped)."""
+    at its class's lower median count (the stand-ins' unit rows are never clipped); then,
+    per class, the rows whose cosine to the coordinate-wise median row is below half the
+    holders' lower median cosine count for nothing (the direction screen)."""
     held: dict[int, list[float]] = {}
+    rows: dict[int, list[np.ndarray]] = {}
     for u in updates:
-        for c, n in zip(u.classes, u.counts, strict=True):
+        for c, n, p in zip(u.classes, u.counts, u.prototypes, strict=True):
             held.setdefault(c, []).append(n)
+            rows.setdefault(c, []).append(p.astype(np.float64))
+    bars: dict[int, float] = {}
+    for c, class_rows in rows.items():
+        centre = np.median(np.stack(class_rows), axis=0)
+        typical = lower_median([_cosine(p, centre) for p in class_rows])
+        bars[c] = 0.5 * typical if typical > 0 else -np.inf
     sums: dict[int, np.ndarray] = {}
     totals: dict[int, float] = {}
     for u in updates:
         for c, n, p in zip(u.classes, u.counts, u.prototypes, strict=True):
+            p = p.astype(np.float64)
+            centre = np.median(np.stack(rows[c]), axis=0)
+            if _cosine(p, centre) < bars[c]:
+                continue  # screened: as if the device had not reported the class
             n = min(n, lower_median(held[c]))
-            sums[c] = sums.get(c, np.zeros(DIM)) + n * p.astype(np.float64)
+            sums[c] = sums.get(c, np.zeros(DIM)) + n * p
             totals[c] = totals.get(c, 0.0) + n
     return {c: sums[c] / totals[c] for c in sums}
 

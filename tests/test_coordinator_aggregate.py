@@ -115,3 +115,75 @@ def test_topk_fusion_by_hand():
     np.testing.assert_allclose(out, [[0.0, 1.0, 1.5, 0.0]])
     np.testing.assert_allclose(agg.topk_fusion(local, global_, scores, k=0, eta=1.0), global_)
     np.testing.assert_allclose(agg.topk_fusion(local, global_, scores, k=10, eta=1.0), local)
+
+
+# The direction screen (agg.screen_directions). Four holders of class 0, a class 1 held by
+# two, 2-d rows. Class 0's coordinate-wise median is [0.8, 0] (x of 0, 0.6, 1, 1; y of -1,
+# 0, 0, 0.8), cosines 1, 1, 0.6, 0, lower median 0.6: client 3 (0 < 0.3) is screened.
+SCREEN_PROTOS = np.array(
+    [
+        [[1.0, 0.0], [1.0, 0.0]],
+        [[1.0, 0.0], [0.0, 1.0]],
+        [[0.6, 0.8], [0.0, 0.0]],
+        [[0.0, -1.0], [0.0, 0.0]],
+    ]
+)
+SCREEN_COUNTS = np.array([[4.0, 2.0], [4.0, 3.0], [4.0, 0.0], [4.0, 0.0]])
+
+
+def test_class_centres_are_coordinate_wise_medians_of_the_holders():
+    centres = agg.class_centres(SCREEN_PROTOS, SCREEN_COUNTS)
+    # Class 1: the zeros of clients 2 and 3 are absent, not values: median of two = mean.
+    np.testing.assert_allclose(centres, [[0.8, 0.0], [0.5, 0.5]])
+
+
+def test_centre_cosines_by_hand_and_zero_for_a_zero_vector():
+    cos = agg.centre_cosines(SCREEN_PROTOS, np.array([[0.8, 0.0], [0.0, 0.0]]))
+    np.testing.assert_allclose(cos[:, 0], [1.0, 1.0, 0.6, 0.0])
+    np.testing.assert_array_equal(cos[:, 1], [0.0, 0.0, 0.0, 0.0])
+
+
+def test_screen_directions_drops_the_row_against_the_consensus():
+    counts, screened = agg.screen_directions(SCREEN_PROTOS, SCREEN_COUNTS)
+    assert screened.tolist() == [[False, False], [False, False], [False, False], [True, False]]
+    # Only the screened count becomes 0; class 1 (two holders) is never screened.
+    np.testing.assert_array_equal(counts, [[4.0, 2.0], [4.0, 3.0], [4.0, 0.0], [0.0, 0.0]])
+
+
+def test_screen_directions_fraction_sets_the_bar():
+    # At 0.9 the bar is 0.54: client 2's 0.6 still passes; at 0.99 (0.594) too. Raise the
+    # median instead: with a fifth holder at [1, 0] the cosines are 1, 1, 0.6, 0, 1 and the
+    # lower median 1, so at 0.7 client 2's 0.6 falls below 0.7 as well.
+    _, screened = agg.screen_directions(SCREEN_PROTOS, SCREEN_COUNTS, fraction=0.99)
+    assert screened[:, 0].tolist() == [False, False, False, True]
+    protos = np.concatenate([SCREEN_PROTOS, [[[1.0, 0.0], [0.0, 0.0]]]])
+    counts = np.concatenate([SCREEN_COUNTS, [[4.0, 0.0]]])
+    _, screened = agg.screen_directions(protos, counts, fraction=0.7)
+    assert screened[:, 0].tolist() == [False, False, True, True, False]
+
+
+def test_screen_directions_is_blind_to_scale():
+    # Under noise every row is longer; scaling all of them changes no cosine.
+    _, plain = agg.screen_directions(SCREEN_PROTOS, SCREEN_COUNTS)
+    _, long = agg.screen_directions(30.0 * SCREEN_PROTOS, SCREEN_COUNTS)
+    np.testing.assert_array_equal(plain, long)
+
+
+def test_screen_directions_leaves_a_class_without_consensus_alone():
+    # [1, 0], [-1, 0], [0, 1], [0, -1]: the median is [0, 0], every cosine 0, median 0.
+    protos = np.array([[[1.0, 0.0]], [[-1.0, 0.0]], [[0.0, 1.0]], [[0.0, -1.0]]])
+    counts, screened = agg.screen_directions(protos, np.ones((4, 1)))
+    assert not screened.any()
+    np.testing.assert_array_equal(counts, np.ones((4, 1)))
+
+
+def test_screen_directions_never_screens_one_of_two():
+    protos = np.array([[[1.0, 0.0]], [[-0.6, 0.8]]])  # cosines to [0.2, 0.4]: 0.45, 0.89
+    _, screened = agg.screen_directions(protos, np.ones((2, 1)))
+    assert not screened.any()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.5])
+def test_screen_directions_refuses_a_fraction_outside_0_1(fraction):
+    with pytest.raises(ValueError, match="fraction"):
+        agg.screen_directions(SCREEN_PROTOS, SCREEN_COUNTS, fraction=fraction)

@@ -1,5 +1,6 @@
 """The defences on by default: one compromised device weighs what the median holder
-weighs and pulls no harder by the length of its rows (docs/coordinator.md). Every figure
+weighs, pulls no harder by the length of its rows, and under FedPCL counts for nothing
+where its row points away from its class's consensus (docs/coordinator.md). Every figure
 is computed by hand."""
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def test_fedpcl_gives_a_liars_count_the_median_weight():
     liar = update("liar", [0], [1e5], [[0.0, 1.0]])
     raw = make_strategy("fedpcl", robust=RAW).aggregate([*honest, liar], num_classes=1, dim=2)
     assert raw.global_prototypes[0, 1] > 0.99  # counts as sent: the liar's row wins
-    result = make_strategy("fedpcl").aggregate([*honest, liar], num_classes=1, dim=2)
+    # The direction screen would drop the liar's orthogonal row outright (tested below).
+    count_cap_only = RobustOptions(median_direction_screen=False)
+    result = make_strategy("fedpcl", robust=count_cap_only).aggregate(
+        [*honest, liar], num_classes=1, dim=2
+    )
     # Capped at 10: (4 * 10 * [1, 0] + 10 * [0, 1]) / 50 = [0.8, 0.2].
     np.testing.assert_allclose(result.global_prototypes, [[0.8, 0.2]], rtol=1e-6)
 
@@ -55,7 +60,9 @@ def test_rows_no_longer_than_one_are_left_bit_for_bit():
                 for u in ups
             ]
         plain = make_strategy(name, robust=RAW, **params).aggregate(ups, num_classes=2, dim=4)
-        default = make_strategy(name, **params).aggregate(ups, num_classes=2, dim=4)
+        # Random directions: FedPCL's direction screen would drop some (tested below).
+        clip = RobustOptions(median_direction_screen=False)
+        default = make_strategy(name, robust=clip, **params).aggregate(ups, num_classes=2, dim=4)
         assert np.array_equal(plain.global_prototypes, default.global_prototypes)
 
 
@@ -93,3 +100,40 @@ def test_a_trimmed_mean_of_three_drops_the_outlier():
     result = make_strategy("fedproto", robust=robust).aggregate([*ups, liar], num_classes=1, dim=1)
     # Three holders: 1.0, 0.9, -1.0 -> one dropped at each end -> 0.9 (the mean: 0.3).
     np.testing.assert_allclose(result.global_prototypes, [[0.9]], rtol=1e-6)
+
+
+# Class 0 of four holders, equal counts. Coordinate-wise median: x of 0, 0.6, 1, 1 is 0.8,
+# y of -1, 0, 0, 0.8 is 0; so the centre points along [1, 0] and the cosines are 1, 1, 0.6
+# and 0. Their lower median is 0.6, half of it 0.3: only the liar's 0 is below.
+SCREEN_ROWS = [[1.0, 0.0], [1.0, 0.0], [0.6, 0.8], [0.0, -1.0]]
+
+
+def screen_updates() -> list:
+    names = ["h0", "h1", "h2", "liar"]
+    return [update(n, [0], [10], [row]) for n, row in zip(names, SCREEN_ROWS, strict=True)]
+
+
+def test_fedpcl_counts_a_row_against_the_consensus_for_nothing():
+    result = make_strategy("fedpcl").aggregate(screen_updates(), num_classes=1, dim=2)
+    # The three honest rows alone: ([1, 0] + [1, 0] + [0.6, 0.8]) / 3.
+    want = [[2.6 / 3, 0.8 / 3]]
+    np.testing.assert_allclose(result.global_prototypes, want, rtol=1e-6)
+    # The liar's row is relayed as the global row, as a class it had not reported would
+    # be (Eq. 7); the honest rows are relayed as sent.
+    np.testing.assert_allclose(result.local_sets["liar"], want, rtol=1e-6)
+    np.testing.assert_allclose(result.local_sets["h2"], [[0.6, 0.8]], rtol=1e-6)
+
+
+def test_the_direction_screen_can_be_switched_off():
+    robust = RobustOptions(median_direction_screen=False)
+    result = make_strategy("fedpcl", robust=robust).aggregate(
+        screen_updates(), num_classes=1, dim=2
+    )
+    # All four at equal weight: ([1, 0] + [1, 0] + [0.6, 0.8] + [0, -1]) / 4.
+    np.testing.assert_allclose(result.global_prototypes, [[0.65, -0.05]], rtol=1e-6)
+    np.testing.assert_allclose(result.local_sets["liar"], [[0.0, -1.0]])
+    assert not RAW.median_direction_screen
+
+
+def test_the_direction_screen_is_on_by_default():
+    assert RobustOptions().median_direction_screen

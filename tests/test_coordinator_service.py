@@ -202,7 +202,7 @@ def test_a_second_coordinator_on_the_same_database_is_refused(tmp_path):
     config = write_config(tmp_path, free_port(), rounds=3)
     first = coordinator_process(config)
     try:
-        seen = first.wait_for("opened round 0")
+        seen = first.wait_for("started run")  # a new database: the first run begins
         first.wait_for("cannot reach the broker", after=seen)  # serving: stops cleanly
         second = subprocess.run(
             [str(BIN / "edge-coordinator"), "run", "--config", str(config)],

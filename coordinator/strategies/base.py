@@ -23,7 +23,10 @@ class RobustOptions:
     claim per class at that class's lower median count in the round, and FedAvg's and
     FPL's sample weights at the median device's; ``median_norm_clip`` clips every
     prototype row to the larger of 1 and its class's lower median row norm, and every
-    averaged weight array to its lower median norm. Off by default: ``count_cap``, a fixed
+    averaged weight array to its lower median norm; ``median_direction_screen`` (FedPCL)
+    leaves out of the global prototypes and the relayed local sets every row whose cosine
+    to its class's coordinate-wise median is below half the median holder's
+    (:func:`coordinator.aggregate.screen_directions`). Off by default: ``count_cap``, a fixed
     cap on the count one client may claim per class; ``norm_bound``, a fixed clip of
     prototype norms; ``rule``, the per-class mean replaced by a coordinate-wise median or
     trimmed mean (``trim`` at each end, at least one client whenever three hold a class).
@@ -33,6 +36,7 @@ class RobustOptions:
     norm_bound: float | None = None
     median_count_cap: bool = True
     median_norm_clip: bool = True
+    median_direction_screen: bool = True
     rule: agg.Rule = "mean"
     trim: float = 0.1
 
@@ -54,7 +58,7 @@ def _lower_median(values: np.ndarray) -> float:
 
 #: The rows and counts as sent, no defence applied: what partial sums add up
 #: (coordinator/partial.py) and what the methods' own arithmetic is tested on.
-RAW = RobustOptions(median_count_cap=False, median_norm_clip=False)
+RAW = RobustOptions(median_count_cap=False, median_norm_clip=False, median_direction_screen=False)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""FedPCL: weighted global prototypes (Eq. 6) and padded local sets (Eq. 7)."""
+"""FedPCL: weighted global prototypes (Eq. 6) and padded local sets (Eq. 7).
+
+Under ``robust.median_direction_screen`` (default) a row screened out by
+:func:`coordinator.aggregate.screen_directions` counts for nothing in the global prototype
+and is relayed as its class's global row, exactly as a class the client did not report
+(Eq. 7's padding): the honest devices contrast against neither copy of it.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +34,15 @@ class FedPCL(Strategy):
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     ) -> Aggregate:
         d = self.dense(updates, num_classes=num_classes, dim=dim)
+        counts = d.counts
+        if self.robust.median_direction_screen:
+            counts, _ = agg.screen_directions(d.protos, counts)
         if self.robust.rule == "mean":
-            values, has = agg.count_weighted_mean(d.protos, d.counts, weighting=self.weighting)
+            values, has = agg.count_weighted_mean(d.protos, counts, weighting=self.weighting)
         else:
-            values, has = self.combine(d.protos, d.counts)
+            values, has = self.combine(d.protos, counts)
         classes, rows = globals_of(values, has)
-        padded = agg.pad_local_sets(d.protos, d.counts, values, has)
+        padded = agg.pad_local_sets(d.protos, counts, values, has)
         return Aggregate(
             global_classes=classes,
             global_prototypes=rows,
