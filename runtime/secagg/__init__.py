@@ -1,0 +1,27 @@
+"""Secure aggregation's building blocks: the server learns the fleet's noised sum, never a
+device's input.
+
+The protocol (Bonawitz et al., CCS 2017; SecAgg+ of Bell et al., CCS 2020 when each device
+pairs with a sparse set of neighbours rather than all) runs in four stages per round, each
+over MQTT once it is wired in; this package holds only the pure pieces they are built of,
+with no transport, state or wiring:
+
+1. Key advertisement: each device publishes two X25519 public keys, one to encrypt the
+   shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks.
+2. Share keys: each device draws a 32-byte self-mask seed ``b_u`` and splits it and its
+   mask private key into Shamir shares for its neighbours, threshold ``t``
+   (:mod:`~runtime.secagg.shamir`).
+3. Masked input: each device clips, scales and rounds its vector
+   (:mod:`~runtime.secagg.quantise`), adds its share of the distributed discrete Gaussian
+   noise in the integer domain (:mod:`~runtime.secagg.noise`), maps it into ``Z_{2^k}``
+   and adds its self mask and pairwise masks (:mod:`~runtime.secagg.masks`).
+4. Unmasking: the survivors send, for every neighbour, the share of its seed ``b_u`` if it
+   survived or of its mask key if it dropped; the server rebuilds them
+   (:func:`~runtime.secagg.shamir.combine`), removes the masks that did not cancel
+   (:func:`~runtime.secagg.masks.unmask_sum`) and decodes the noised sum
+   (:func:`~runtime.secagg.quantise.decode`).
+
+The threshold ``t``, the neighbour count, the ring width, the clip bound, the scale and the
+noise parameter are public fleet settings. Imports: numpy, ``cryptography`` and the
+standard library only.
+"""

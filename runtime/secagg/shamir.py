@@ -1,0 +1,142 @@
+"""Shamir secret sharing over a prime field: ``t`` of ``n`` shares rebuild a secret, fewer
+say nothing about it.
+
+A secret ``s`` (bytes read as a big-endian integer, ``s < p``) becomes the constant term
+of a random polynomial ``f(x) = s + a_1 x + ... + a_{t-1} x^{t-1}`` over ``Z_p``; holder
+``x`` receives ``f(x)``. Any ``t`` points fix ``f`` and so ``f(0) = s`` (Lagrange
+interpolation at 0); any ``t - 1`` points are matched by exactly one polynomial for each
+candidate secret, so they are uniform whatever ``s`` is.
+
+The default field is ``p = 2^521 - 1`` (the Mersenne prime M521): a 32-byte seed or
+X25519 key is below ``2^256 < p``, so it is one field element and never needs splitting
+(``2^255 - 19``, the other famous prime, is smaller than ``2^256`` and could not hold
+every 32-byte string). A share's value is at most 66 bytes. The prime is a parameter so
+the tests can work a case by hand in ``p = 97``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from random import Random
+
+#: The Mersenne prime 2^521 - 1: larger than any 32-byte secret, and easy to recognise.
+P521 = (1 << 521) - 1
+
+# A module-level source from the operating system's CSPRNG: the polynomial's coefficients
+# are what keeps fewer than t shares from revealing the secret, so they must be secret.
+_SECRET_RNG = secrets.SystemRandom()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Share:
+    """One holder's point ``(x, f(x))`` of the polynomial, with the public facts needed to
+    combine it: the threshold, the secret's length in bytes and the field's prime."""
+
+    x: int
+    y: int
+    threshold: int
+    size: int
+    prime: int = P521
+
+    def __post_init__(self) -> None:
+        if not 0 < self.x < self.prime:
+            raise ValueError(f"share x-coordinate {self.x} is not in 1..{self.prime - 1}")
+        if not 0 <= self.y < self.prime:
+            raise ValueError(f"share value of holder {self.x} is not in the field")
+        if self.threshold < 2:
+            raise ValueError(f"share threshold {self.threshold} is below 2")
+        if self.size < 1:
+            raise ValueError(f"share secret size {self.size} is not positive")
+
+
+def split(
+    secret: bytes,
+    *,
+    threshold: int,
+    holders: Sequence[int],
+    rng: Random | None = None,
+    prime: int = P521,
+) -> dict[int, Share]:
+    """Shares of ``secret`` for each x-coordinate in ``holders``, any ``threshold`` of which
+    rebuild it. ``rng`` defaults to the operating system's secret source; pass a seeded
+    :class:`random.Random` only in tests."""
+    if not secret:
+        raise ValueError("cannot share an empty secret")
+    value = int.from_bytes(secret, "big")
+    if value >= prime:
+        raise ValueError(f"a {len(secret)}-byte secret does not fit in the field of {prime}")
+    _check_holders(holders, prime)
+    if not 2 <= threshold <= len(holders):
+        # t = 1 would hand every holder the secret itself; t > n could never be rebuilt.
+        raise ValueError(f"threshold {threshold} is not in 2..{len(holders)} (the holders)")
+    source = _SECRET_RNG if rng is None else rng
+    coefficients = [value] + [source.randrange(prime) for _ in range(threshold - 1)]
+    return {
+        x: Share(
+            x=x,
+            y=_evaluate(coefficients, x, prime),
+            threshold=threshold,
+            size=len(secret),
+            prime=prime,
+        )
+        for x in holders
+    }
+
+
+def combine(shares: Iterable[Share]) -> bytes:
+    """The secret the shares were split from.
+
+    Interpolates through the ``threshold`` shares of lowest x; any further shares must lie
+    on the same polynomial, else :class:`ValueError` (a corrupted or foreign share)."""
+    given = sorted(shares, key=lambda s: s.x)
+    if not given:
+        raise ValueError("no shares to combine")
+    first = given[0]
+    facts = {(s.threshold, s.size, s.prime) for s in given}
+    if len(facts) > 1:
+        raise ValueError("shares disagree on threshold, secret size or prime")
+    _check_holders([s.x for s in given], first.prime)
+    if len(given) < first.threshold:
+        raise ValueError(f"{len(given)} shares given, {first.threshold} needed to combine")
+    points = [(s.x, s.y) for s in given[: first.threshold]]
+    for extra in given[first.threshold :]:
+        if interpolate(points, at=extra.x, prime=first.prime) != extra.y:
+            raise ValueError(f"share of holder {extra.x} does not lie on the others' polynomial")
+    value = interpolate(points, at=0, prime=first.prime)
+    if value >= 1 << (8 * first.size):
+        raise ValueError(f"the combined secret does not fit in {first.size} bytes")
+    return value.to_bytes(first.size, "big")
+
+
+def interpolate(points: Sequence[tuple[int, int]], *, at: int, prime: int) -> int:
+    """``f(at)`` for the polynomial of degree ``< len(points)`` through ``points`` over
+    ``Z_prime``: ``sum_j y_j prod_{m != j} (at - x_m) / (x_j - x_m)``."""
+    total = 0
+    for j, (xj, yj) in enumerate(points):
+        num, den = 1, 1
+        for m, (xm, _) in enumerate(points):
+            if m != j:
+                num = num * (at - xm) % prime
+                den = den * (xj - xm) % prime
+        total = (total + yj * num * pow(den, -1, prime)) % prime
+    return total
+
+
+def _evaluate(coefficients: Sequence[int], x: int, prime: int) -> int:
+    """Horner's rule: ``c_0 + c_1 x + ... + c_k x^k`` mod ``prime``."""
+    acc = 0
+    for c in reversed(coefficients):
+        acc = (acc * x + c) % prime
+    return acc
+
+
+def _check_holders(xs: Sequence[int], prime: int) -> None:
+    if any(x % prime == 0 for x in xs):
+        # f(0) is the secret itself: a holder at 0 (or a multiple of p) would receive it.
+        raise ValueError("x-coordinate 0 (mod p) would receive the secret itself")
+    if any(not 0 < x < prime for x in xs):
+        raise ValueError(f"x-coordinates must be in 1..{prime - 1}")
+    if len(set(xs)) != len(xs):
+        raise ValueError("duplicate x-coordinates")
