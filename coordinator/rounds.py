@@ -25,6 +25,7 @@ from coordinator.metrics import Metrics
 from coordinator.open_round import OpenRound
 from coordinator.presence import Presence
 from coordinator.rejections import Rejections
+from coordinator.run_history import RunHistory
 from coordinator.run_reports import RunReports
 from coordinator.screening import Screening
 from coordinator.statistics import FleetStatistics
@@ -102,25 +103,7 @@ class RoundManager:
             store.open_first_round(first.to_wire(), opened_at=now, deadline=first.deadline)
             latest = store.latest_round()
             assert latest is not None
-            if store.created:
-                # Said out loud: a fleet that ran before has lost its database, and its
-                # devices follow this run from its first announcement (they adopt a run
-                # that started later than theirs).
-                log.warning(
-                    "fleet %s: no database at %s (or an empty file): started run %s at "
-                    "round 0. If this fleet ran before, its state is lost; its devices adopt "
-                    "this run when they hear it (docs/deploy.md, 'A lost or rolled-back "
-                    "database')",
-                    config.fleet, store.path, self.run_id,
-                    extra={"event": "run_started", "round": 0, "run": self.run_id},
-                )  # fmt: skip
-            else:
-                log.info(
-                    "fleet %s: opened round 0 of run %s",
-                    config.fleet,
-                    self.run_id,
-                    extra={"event": "round_opened", "round": 0},
-                )
+            self._announce_new_run(store)
         else:
             log.info(
                 "fleet %s: resuming at round %d with %d update(s) stored",
@@ -185,6 +168,30 @@ class RoundManager:
             round_=self._open.number, updates=have, extensions=self._open.extensions
         )
         self.metrics.round_stalled.set(1 if stalled else 0)
+
+    def _announce_new_run(self, store: Store) -> None:
+        """Say that this database starts a run: out loud when the folder held runs before
+        or the database was an empty file (its state was lost: the devices adopt this run,
+        which started later than theirs), quietly on a fleet's first start."""
+        history = RunHistory.beside(store.path)
+        before = history.runs()
+        if before or store.empty_file:
+            last = before[-1]["run"] if before else "unknown"
+            log.warning(
+                "fleet %s: no database at %s (%s): started run %s at round 0; the state of "
+                "run %s is lost. Its devices adopt this run when they hear it (docs/deploy.md, "
+                "'A lost or rolled-back database')",
+                self.config.fleet, store.path,
+                "an empty file" if store.empty_file else "missing", self.run_id, last,
+                extra={"event": "run_started", "round": 0, "run": self.run_id},
+            )  # fmt: skip
+        else:
+            log.info(
+                "fleet %s: started run %s at round 0 (a new database at %s)",
+                self.config.fleet, self.run_id, store.path,
+                extra={"event": "run_started", "round": 0, "run": self.run_id},
+            )  # fmt: skip
+        history.add(self.run_id, self.run_started)
 
     # -- state -------------------------------------------------------------------------
 

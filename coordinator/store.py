@@ -82,9 +82,9 @@ class Store:
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        #: No database was there (or an empty file): a new run begins, which the round
-        #: manager says out loud, since a fleet that ran before has lost its state.
-        self.created = not path.exists() or path.stat().st_size == 0
+        #: An empty file where the database should be, which a failing disk or a hand
+        #: left: a new run begins, said out loud (coordinator/rounds.py).
+        self.empty_file = path.exists() and path.stat().st_size == 0
         try:
             self._db = connect(path, synchronous=synchronous)
             self.checkpointer = Checkpointer(path, every_bytes=WAL_CHECKPOINT_BYTES)

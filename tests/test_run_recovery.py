@@ -139,8 +139,7 @@ def test_a_lost_database_starts_a_later_run_and_says_so(tmp_path, caplog):
     first = manager(tmp_path / "s", clock, min_clients=1, wait_after_quorum_s=0.0)
     play(first, clock, 3, clients=1)
     first.store.close()
-    for path in (tmp_path / "s").iterdir():
-        path.unlink()
+    _remove(first.store.path)  # the runs file beside it remains
     clock.now += 5.0
     with caplog.at_level(logging.WARNING):
         again = manager(tmp_path / "s", clock, min_clients=1, wait_after_quorum_s=0.0)
@@ -151,6 +150,27 @@ def test_a_lost_database_starts_a_later_run_and_says_so(tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         again.record_status(status("dev-0", first.run_id, 3))
+    assert f"client dev-0 follows run {first.run_id}" in caplog.text
+
+
+def _warned(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the round manager warned of (the insecure fleet's own warning aside)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "coordinator.rounds" and r.levelno >= logging.WARNING]  # fmt: skip
+
+
+def test_a_first_start_is_said_quietly_and_a_lost_folder_by_the_devices(tmp_path, caplog):
+    clock = Clock()
+    with caplog.at_level(logging.INFO):
+        first = manager(tmp_path / "s", clock, min_clients=1)
+    assert "started run" in caplog.text and not _warned(caplog)
+    first.store.close()
+    shutil.rmtree(tmp_path / "s")  # the whole folder, runs file and all
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        again = manager(tmp_path / "s", clock, min_clients=1)
+        assert not _warned(caplog)  # nothing on disk says a run came before
+        again.record_status(status("dev-0", first.run_id, 7))  # the devices do
     assert f"client dev-0 follows run {first.run_id}" in caplog.text
 
 
