@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,35 @@ def junk_drain_per_s(repeats: int = 3) -> tuple[float, float]:
     return float(np.median(rates)), float(np.median(bare))
 
 
+@contextlib.contextmanager
+def small_zoo() -> Iterator[Path]:
+    """The small zoo exported afresh by ``edge-export zoo`` into a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="protofleet-zoo-") as tmp:
+        bundle = Path(tmp) / "zoo"
+        subprocess.run(
+            [str(BIN / "edge-export"), "zoo", "--out", str(bundle), "--size", "small"],
+            check=True, capture_output=True, timeout=1800,
+        )  # fmt: skip
+        yield bundle
+
+
+def agent_config(
+    root: Path, name: str, domain: str, *, bundle: Path, port: int, samples: int, epochs: int
+) -> Path:
+    """An insecure agent's config in ``root`` on ``samples`` images of digits-5 ``domain``,
+    re-sending after 1 s."""
+    x, y = domain_data(domain, indices=np.arange(samples))
+    train = root / f"{name}.npz"
+    np.savez(train, x=(x * 255).astype(np.uint8), y=y)
+    cfg = root / f"{name}.toml"
+    cfg.write_text(
+        f'agent_id = "{name}"\nfleet = "lab"\nstate_dir = "{root / name}"\n'
+        f'bundle = "{bundle}"\n[data]\ntrain = "{train}"\n[train]\nout_dim = 32\n'
+        f"epochs = {epochs}\n[mqtt]\nport = {port}\nresend_s = 1.0\n[security]\ninsecure = true\n"
+    )
+    return cfg
+
+
 def flood_honest_lost(bundle: Path, clients: int = 3) -> int:
     """Run the junk flood of tests/test_hostile.py with ``clients`` real agents."""
     bundle_id = bundle_mod.load(bundle).id
@@ -178,19 +208,11 @@ def flood_honest_lost(bundle: Path, clients: int = 3) -> int:
             f"timeout_s = 600.0\nmax_rounds = 1\n[mqtt]\nport = {port}\n"
             "[security]\ninsecure = true\n"
         )
-        agent_configs = []
-        for i in range(clients):
-            name = f"dev-{i}"
-            x, y = domain_data(domains[i % len(domains)], indices=np.arange(200))
-            train = root / f"{name}.npz"
-            np.savez(train, x=(x * 255).astype(np.uint8), y=y)
-            cfg = root / f"{name}.toml"
-            cfg.write_text(
-                f'agent_id = "{name}"\nfleet = "lab"\nstate_dir = "{root / name}"\n'
-                f'bundle = "{bundle}"\n[data]\ntrain = "{train}"\n[train]\nout_dim = 32\n'
-                f"epochs = 3\n[mqtt]\nport = {port}\nresend_s = 1.0\n[security]\ninsecure = true\n"
-            )
-            agent_configs.append(cfg)
+        agent_configs = [
+            agent_config(root, f"dev-{i}", domains[i % len(domains)], bundle=bundle, port=port,
+                         samples=200, epochs=3)
+            for i in range(clients)
+        ]  # fmt: skip
         logs = [root / f"dev-{i}.log" for i in range(clients)]
         coordinator = subprocess.Popen(
             [str(BIN / "edge-coordinator"), "--log-level", "ERROR", "run", "--config", str(config)]
@@ -263,12 +285,7 @@ def run() -> dict[str, float]:
         "reliability.paho_drain_per_s": bare,
         "reliability.junk_drain_over_paho": drained / bare,
     }
-    with tempfile.TemporaryDirectory(prefix="protofleet-zoo-") as tmp:
-        bundle = Path(tmp) / "zoo"
-        subprocess.run(
-            [str(BIN / "edge-export"), "zoo", "--out", str(bundle), "--size", "small"],
-            check=True, capture_output=True, timeout=1800,
-        )  # fmt: skip
+    with small_zoo() as bundle:
         out["reliability.flood_honest_lost"] = float(flood_honest_lost(bundle))
         out["fleet.mqtt_200_round_s"] = mqtt_200_round_s(bundle)
     return out

@@ -25,11 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from bench.reliability_bench import _wait
+from bench.reliability_bench import _wait, agent_config, small_zoo
 from export import bundle as bundle_mod
-from fleet.data.digits5 import domain_data
 from fleet.transports.broker import MosquittoBroker
 
 BIN = Path(sys.executable).parent
@@ -56,15 +53,8 @@ class Fleet:
         self.agent_logs = [root / f"dev-{i}.log" for i in range(CLIENTS)]
         self.agents = []
         for i, domain in enumerate(("clean", "inverted", "colour")):
-            x, y = domain_data(domain, indices=np.arange(150))
-            train = root / f"dev-{i}.npz"
-            np.savez(train, x=(x * 255).astype(np.uint8), y=y)
-            cfg = root / f"dev-{i}.toml"
-            cfg.write_text(
-                f'agent_id = "dev-{i}"\nfleet = "lab"\nstate_dir = "{root / f"dev-{i}"}"\n'
-                f'bundle = "{bundle}"\n[data]\ntrain = "{train}"\n[train]\nout_dim = 32\n'
-                f"epochs = 1\n[mqtt]\nport = {port}\nresend_s = 1.0\n[security]\ninsecure = true\n"
-            )
+            cfg = agent_config(root, f"dev-{i}", domain, bundle=bundle, port=port, samples=150,
+                               epochs=1)  # fmt: skip
             command = [str(BIN / "edge-agent"), "run", "--config", str(cfg)]
             log = self.agent_logs[i].open("wb")
             self.agents.append(subprocess.Popen(command, stderr=log, stdout=subprocess.DEVNULL))
@@ -159,12 +149,7 @@ def measure(bundle: Path) -> dict[str, float]:
 
 
 def run() -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="protofleet-zoo-") as tmp:
-        bundle = Path(tmp) / "zoo"
-        subprocess.run(
-            [str(BIN / "edge-export"), "zoo", "--out", str(bundle), "--size", "small"],
-            check=True, capture_output=True, timeout=1800,
-        )  # fmt: skip
+    with small_zoo() as bundle:
         return measure(bundle)
 
 

@@ -70,14 +70,21 @@ class Lines(logging.Handler):
         return [r for r in self.records if text in r.getMessage()]
 
 
-@pytest.fixture
-def lines(request: pytest.FixtureRequest) -> Iterator[Lines]:
-    logger = logging.getLogger(f"tests.mqtt_link.{request.node.name}")
-    logger.setLevel(logging.INFO)
+def attached_lines(
+    request: pytest.FixtureRequest, *, prefix: str, level: int = logging.INFO
+) -> Iterator[Lines]:
+    """A :class:`Lines` on a logger of the test's own, from ``level`` on, for a fixture."""
+    logger = logging.getLogger(f"{prefix}.{request.node.name}")
+    logger.setLevel(level)
     handler = Lines(logger)
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
+
+
+@pytest.fixture
+def lines(request: pytest.FixtureRequest) -> Iterator[Lines]:
+    yield from attached_lines(request, prefix="tests.mqtt_link")
 
 
 class Service:

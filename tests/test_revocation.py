@@ -29,7 +29,7 @@ from tests.coordinator_helpers import coordinator_toml, stand_in_update, stand_i
 from tests.mqtt_helpers import connected
 from tests.process_helpers import coordinator_process, status
 from tests.test_deploy import SYSTEMD, sh, shipped_broker, subscribe, tls_client
-from tests.test_mqtt_link import Lines
+from tests.test_mqtt_link import Lines, attached_lines
 
 pytestmark = pytest.mark.broker
 
@@ -49,12 +49,8 @@ def revoke(certs: Path, name: str) -> None:
 
 @pytest.fixture
 def lines(request: pytest.FixtureRequest) -> Iterator[Lines]:
-    logger = logging.getLogger(f"tests.revocation.{request.node.name}")
-    logger.setLevel(logging.DEBUG)
-    handler = Lines(logger)
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
+    # From DEBUG: the refusals between the logged ones are DEBUG lines.
+    yield from attached_lines(request, prefix="tests.revocation", level=logging.DEBUG)
 
 
 def device_link(
