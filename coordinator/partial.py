@@ -6,7 +6,7 @@ clients holding c; FedProto's is ``sum_{i holds c} C_ic / holders_c``. Each is a
 sums over clients, so any group of updates can be reduced to four per-class sums and any
 set of such partial sums added: the result does not depend on how the updates were split.
 A worker that sees a slice of the fleet (one member of an MQTT 5 shared subscription)
-keeps only its :class:`PartialSum`; a combiner merges the workers' and divides once
+sends only its :class:`PartialSum`; a combiner merges the workers' and divides once
 (docs/scale.md). What is not a sum does not split this way: the coordinate-wise median and
 trimmed mean of ``RobustOptions.rule``, the per-round medians the default
 ``RobustOptions`` caps counts and clips norms at (a sharded fleet sets a fixed

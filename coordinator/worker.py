@@ -2,36 +2,57 @@
 
 The broker hands each update published on ``protofleet/v1/<fleet>/update/<client>`` to one
 member of the group ``$share/<group>/...``, so N workers each see about 1/N of the fleet.
-A worker decodes and screens each update exactly as the coordinator does before storing it
-(the protocol's decoder under the payload cap, then :class:`coordinator.admission.Admission`),
-keeps the first update per (round, client) and only the running :class:`PartialSum` of a
-round, and publishes that partial on request (:mod:`coordinator.partial_wire`).
+What a worker does to each message is :class:`coordinator.intake.Intake`'s (signatures,
+admission, the open round, durable storage, receipts, partial sums); this module carries
+the messages: updates from the shared subscription, the coordinator's retained
+announcement, the combiner's collect requests, and the receipts and partials back.
 
-A tested building block, not a service (docs/scale.md says what is missing): it checks no
-signatures, sends no receipts and keeps its sums in memory only.
+Two departures from paho's defaults, each for durability:
+
+- a persistent session (``clean_start=False`` and a session expiry): the broker keeps the
+  worker's share of the group, and the updates it had sent but not had acknowledged, while
+  the worker is down, and delivers them when the same worker id comes back;
+- manual acknowledgement: a QoS 1 update is acknowledged only after it is committed (and
+  its receipt queued), as coordinator/service.py does. A worker killed before its commit
+  gets the update again; one killed after it finds the copy stored and answers it as a
+  duplicate, with the same receipt.
+
+``python -m coordinator.worker --config coordinator.toml --name w1`` runs one worker on
+the coordinator's own configuration (fleet, model, admission, ``[security]`` with the
+coordinator's key and the enrolled devices, ``[mqtt]``).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+import signal
+import sqlite3
+import sys
 import threading
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from coordinator.admission import Admission
-from coordinator.partial import PartialSum, partial_of
-from coordinator.partial_wire import PartialMessage, collect_topic, partial_topic
-from protocol import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
-    ProtocolError,
-    PrototypeUpdate,
-    parse_topic,
-    update_filter,
-    validate_id,
-)
+from coordinator import config as config_mod
+from coordinator.intake import Decision, Intake
+from coordinator.keys import CoordinatorKeys
+from coordinator.partial_wire import CollectRequest, collect_topic, partial_topic
+from coordinator.worker_store import WorkerStore
+from protocol import ProtocolError, round_topic, update_filter, validate_id
+from protocol.topics import receipt_topic
+from runtime.transport import MqttSettings, load_credentials
+
+log = logging.getLogger(__name__)
+
+#: How long the broker keeps a worker's session (its share of the group and its
+#: unacknowledged updates) after the worker goes: a day covers a restart and most outages.
+SESSION_EXPIRY_S = 86_400
 
 
 def shared_update_filter(group: str, fleet: str) -> str:
@@ -39,77 +60,63 @@ def shared_update_filter(group: str, fleet: str) -> str:
     return f"$share/{validate_id(group, field='group')}/{update_filter(fleet)}"
 
 
-class _Sums:
-    """A round's running sums, added to in place: a worker that merged a fresh frozen
-    partial per update would copy its growing client set every time."""
-
-    def __init__(self, num_classes: int, dim: int) -> None:
-        empty = PartialSum.empty(num_classes=num_classes, dim=dim)
-        self.weighted, self.counts = empty.weighted, empty.counts
-        self.plain, self.holders = empty.plain, empty.holders
-        self.clients: set[str] = set()
-
-    def add(self, one: PartialSum) -> None:
-        self.weighted += one.weighted
-        self.counts += one.counts
-        self.plain += one.plain
-        self.holders += one.holders
-        self.clients |= one.clients
-
-    def frozen(self) -> PartialSum:
-        return PartialSum(
-            weighted=self.weighted.copy(),
-            counts=self.counts.copy(),
-            plain=self.plain.copy(),
-            holders=self.holders.copy(),
-            clients=frozenset(self.clients),
-        )
-
-
 class Worker:
     """``with Worker(...) as w:`` connects, subscribes and waits for the SUBACK.
 
-    ``on_offer`` is called (on paho's network thread) after each update is handled, with
-    the reason it was refused or None when it was added.
+    ``on_update`` is called (on paho's network thread) with each update's
+    :class:`~coordinator.intake.Decision` once it is handled and its receipt queued.
     """
 
     def __init__(
         self,
         *,
-        name: str,
+        intake: Intake,
         group: str,
-        admission: Admission,
-        host: str = "127.0.0.1",
-        port: int = 1883,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        on_offer: Callable[[str | None], None] | None = None,
+        mqtt_settings: MqttSettings | None = None,
+        session_expiry_s: int = SESSION_EXPIRY_S,
+        on_update: Callable[[Decision], None] | None = None,
     ) -> None:
-        self.name = validate_id(name, field="name")
-        self.fleet = admission.fleet
-        self.admission = admission
-        self.host, self.port = host, port
-        self.max_payload_bytes = max_payload_bytes
+        self.intake = intake
+        self.name = intake.name
+        self.fleet = intake.fleet
+        self.settings = mqtt_settings or MqttSettings()
         self.filter = shared_update_filter(group, self.fleet)
-        self._on_offer = on_offer
-        self._lock = threading.Lock()
-        self._sums: dict[int, _Sums] = {}
-        self._rejected: Counter[str] = Counter()
+        self.session_expiry_s = session_expiry_s
+        self._on_update = on_update
         self._subscribed = threading.Event()
+        self._heard = threading.Event()
         self._refused: list[str] = []
+        #: A storage error stops the intake: nothing more is acknowledged, so the broker
+        #: delivers it again to this worker's session once it is restarted.
+        self.fault: BaseException | None = None
         # MQTT 5: shared subscriptions do not exist in 3.1.1, which the device-facing
-        # services speak. A clean start, so a restarted worker does not inherit a session
-        # whose queued updates the group already gave to another member.
+        # services speak (runtime/mqtt_link.py); hence a client of its own.
         self._client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=f"{self.fleet}-worker-{self.name}",
             protocol=mqtt.MQTTv5,
+            manual_ack=True,
         )
+        self._client.max_inflight_messages_set(1000)
+        credentials = load_credentials(self.settings)
+        if self.settings.username is not None:
+            self._client.username_pw_set(self.settings.username, credentials.password)
+        if credentials.tls is not None:
+            self._client.tls_set_context(credentials.tls)
         self._client.on_connect = self._on_connect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_message = self._on_message
 
     def start(self, *, timeout: float = 10.0) -> Worker:
-        self._client.connect(self.host, self.port, keepalive=30, clean_start=True)
+        properties = Properties(PacketTypes.CONNECT)
+        properties.SessionExpiryInterval = self.session_expiry_s
+        self._client.connect(
+            self.settings.host,
+            self.settings.port,
+            keepalive=self.settings.keepalive,
+            clean_start=False,
+            properties=properties,
+        )
         self._client.loop_start()
         if not self._subscribed.wait(timeout):
             self.stop()
@@ -118,6 +125,10 @@ class Worker:
             self.stop()
             raise ConnectionError(f"worker {self.name}: broker refused {self._refused}")
         return self
+
+    def wait_heard(self, timeout: float) -> bool:
+        """Whether the round topic's retained message came (and was judged) in time."""
+        return self._heard.wait(timeout)
 
     def stop(self) -> None:
         self._client.disconnect()
@@ -129,65 +140,7 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    @property
-    def rejected(self) -> dict[str, int]:
-        """Updates refused, by reason (the protocol's and the admission's names)."""
-        with self._lock:
-            return dict(self._rejected)
-
-    def partial(self, round_: int) -> PartialSum:
-        """What this worker holds of ``round_`` (empty if it saw none of it)."""
-        with self._lock:
-            sums = self._sums.get(round_)
-            if sums is None:
-                return PartialSum.empty(
-                    num_classes=self.admission.num_classes, dim=self.admission.dim
-                )
-            return sums.frozen()
-
-    def forget(self, round_: int) -> None:
-        """Drop a round's sums once the combiner has them."""
-        with self._lock:
-            self._sums.pop(round_, None)
-
-    def publish_partial(self, round_: int) -> mqtt.MQTTMessageInfo:
-        """Publish this worker's partial of ``round_`` (QoS 1) on its partial topic."""
-        message = PartialMessage(
-            fleet=self.fleet, round=round_, worker=self.name, partial=self.partial(round_)
-        )
-        return self._client.publish(partial_topic(self.fleet, self.name), message.to_wire(), qos=1)
-
-    def offer(self, payload: bytes | bytearray, *, topic: str) -> str | None:
-        """Decode, screen and add one update that came on ``topic``; the reason it was
-        refused, or None."""
-        try:
-            reason = self._add(payload, topic_client=parse_topic(topic).client)
-        except ProtocolError as exc:  # an unsafe id in the topic's client level
-            reason = exc.reason
-        if reason is not None:
-            with self._lock:
-                self._rejected[reason] += 1
-        if self._on_offer is not None:
-            self._on_offer(reason)
-        return reason
-
-    def _add(self, payload: bytes | bytearray, *, topic_client: str | None) -> str | None:
-        try:
-            update = PrototypeUpdate.from_wire(payload, max_bytes=self.max_payload_bytes)
-        except ProtocolError as exc:
-            return exc.reason
-        problem = self.admission.check(update, topic_client=topic_client)
-        if problem is not None:
-            return problem
-        one = partial_of([update], num_classes=self.admission.num_classes, dim=self.admission.dim)
-        with self._lock:
-            sums = self._sums.setdefault(
-                update.round, _Sums(self.admission.num_classes, self.admission.dim)
-            )
-            if update.client in sums.clients:
-                return "duplicate"  # QoS 1 may deliver twice; the first copy stands
-            sums.add(one)
-        return None
+    # -- paho's callbacks (its network thread) ------------------------------------------
 
     def _on_connect(
         self,
@@ -201,8 +154,16 @@ class Worker:
             self._refused.append(f"connect: {reason}")
             self._subscribed.set()
             return
+        # Subscribed again on every connect, the round topic too: the broker sends a
+        # retained message on a subscription, not on a resumed session.
         qos1 = SubscribeOptions(qos=1)
-        client.subscribe([(self.filter, qos1), (collect_topic(self.fleet), qos1)])
+        client.subscribe(
+            [
+                (round_topic(self.fleet), qos1),
+                (collect_topic(self.fleet), qos1),
+                (self.filter, qos1),
+            ]
+        )
 
     def _on_subscribe(
         self,
@@ -216,17 +177,95 @@ class Worker:
         self._subscribed.set()
 
     def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
-        if message.topic == collect_topic(self.fleet):
-            round_ = _round_of(message.payload)
-            if round_ is not None:
-                self.publish_partial(round_)  # not awaited: this is paho's network thread
+        # Nothing may escape into paho's network thread: an exception there ends it.
+        if self.fault is not None:
+            return  # unacknowledged: delivered again to this session after a restart
+        try:
+            self._handle(message)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("worker %s: storage error, intake stopped: %s", self.name, exc)
+            self.fault = exc
             return
-        self.offer(message.payload, topic=message.topic)
+        except Exception as exc:
+            log.exception("worker %s: unexpected error on %s", self.name, message.topic)
+            self.fault = exc
+            return
+        client.ack(message.mid, message.qos)
+
+    def _handle(self, message: mqtt.MQTTMessage) -> None:
+        if message.topic == round_topic(self.fleet):
+            self.intake.hear(message.payload)
+            self._heard.set()
+        elif message.topic == collect_topic(self.fleet):
+            self._answer(message.payload)
+        else:
+            decision = self.intake.offer(message.payload, topic=message.topic)
+            # Committed by now: the receipt says so, and is queued before the update
+            # is acknowledged.
+            if decision.digest is not None:
+                receipt = self.intake.receipt(decision)
+                assert decision.client is not None
+                self._client.publish(
+                    receipt_topic(self.fleet, decision.client), receipt.to_wire(), qos=1
+                )
+            if self._on_update is not None:
+                self._on_update(decision)
+
+    def _answer(self, payload: bytes | bytearray) -> None:
+        try:
+            request = CollectRequest.from_wire(payload)
+        except ProtocolError as exc:
+            log.warning("worker %s: a malformed collect request (%s)", self.name, exc)
+            return
+        if request.fleet != self.fleet or not request.addressed_to(self.name):
+            return
+        answer = self.intake.collect(run=request.run, round_=request.round, exclude=request.exclude)
+        # Not awaited: this is paho's network thread.
+        self._client.publish(partial_topic(self.fleet, self.name), answer.to_wire(), qos=1)
 
 
-def _round_of(payload: bytes | bytearray) -> int | None:
-    """A collect request's payload: the round number in ASCII decimal."""
-    text = payload.decode("ascii", errors="replace")
-    if not text.isdigit() or len(text) > 10 or int(text) > 2**31 - 1:
-        return None
-    return int(text)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m coordinator.worker",
+        description="One coordinator worker on the fleet's shared update subscription.",
+    )
+    parser.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML")
+    parser.add_argument("--name", required=True, help="this worker's id (its session too)")
+    parser.add_argument("--group", default="aggregators", help="the shared subscription group")
+    parser.add_argument("--db", type=Path, help="default: <state_dir>/worker-<name>.sqlite3")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    cfg = config_mod.load(args.config)
+    name = validate_id(args.name, field="name")
+    store = WorkerStore(
+        args.db or cfg.state_dir / f"worker-{name}.sqlite3", synchronous=cfg.sqlite_synchronous
+    )
+    intake = Intake(
+        name=name,
+        admission=cfg.admission_checks(),
+        keys=CoordinatorKeys.load(cfg.security),
+        store=store,
+        max_payload_bytes=cfg.mqtt.max_payload_bytes,
+    )
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    worker = Worker(intake=intake, group=args.group, mqtt_settings=cfg.mqtt).start()
+    try:
+        if not worker.wait_heard(10.0):
+            log.warning("worker %s: no announcement retained on the round topic yet", name)
+        log.info("worker %s ready", name)
+        while not stopping.wait(1.0):
+            if worker.fault is not None:
+                return 1
+        return 0
+    finally:
+        worker.stop()
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

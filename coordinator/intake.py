@@ -1,0 +1,238 @@
+"""A coordinator worker's intake, transport-free: what it does to an announcement, an
+update and a collect request (coordinator/worker.py carries them over MQTT).
+
+- **The open round** is learnt from the coordinator's retained announcement, taken only
+  when the coordinator signed it (unless the fleet runs insecure), and only forward: a
+  later round of the run it follows, or a run that started later. A replayed old
+  announcement cannot roll a worker back. It is kept in the worker's database, so a
+  restarted worker judges its redelivered updates before the broker repeats it.
+- **An update** passes the coordinator's own checks (:class:`coordinator.screening.
+  Screening`: admission, then the enrolled device's signature for the run), must be of
+  the open round, and is committed to the worker's database before anything answers it.
+  The first copy per (run, round, client) stands; a duplicate is answered with the
+  receipt of the stored copy, as the coordinator answers one.
+- **A receipt** is signed with the coordinator's key, which the worker holds: devices
+  check receipts against the coordinator key they pinned.
+- **A partial sum** is recomputed from the stored rows on every request, leaving out the
+  clients the combiner names (coordinator/partial_wire.py), and a round once collected
+  takes no more updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from coordinator.admission import Admission
+from coordinator.keys import CoordinatorKeys
+from coordinator.partial import PartialSum, merge, partial_of
+from coordinator.partial_wire import Copy, PartialMessage
+from coordinator.screening import Screening
+from coordinator.worker_store import OpenRound, WorkerStore
+from protocol import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, PrototypeUpdate, RoundAnnouncement
+from protocol.auth import Verifier, sign, signature_problem
+from protocol.receipts import Receipt, payload_digest
+from protocol.topics import parse_topic
+
+log = logging.getLogger(__name__)
+
+ACCEPTED = "accepted"
+#: An announcement may carry FedAvg's weights: far more than an update.
+MAX_ANNOUNCEMENT_BYTES = 64 << 20
+#: Updates decoded at once when a partial is recomputed: bounds its memory, not its sum.
+CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What became of one update: ``reason`` is ``accepted`` or why not; ``digest`` is
+    that of the stored copy when there is one (the receipt names it)."""
+
+    reason: str
+    round: int | None = None
+    client: str | None = None
+    digest: str | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason == ACCEPTED
+
+
+class Intake:
+    """One worker's judgement and state. Thread-safe; every method that writes commits
+    before it returns."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        admission: Admission,
+        keys: CoordinatorKeys,
+        store: WorkerStore,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.fleet = admission.fleet
+        self.admission = admission
+        self.keys = keys
+        self.store = store
+        self.max_payload_bytes = max_payload_bytes
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._rejected: Counter[str] = Counter()
+        store.bind(fleet=self.fleet, worker=name)
+        self._open = store.open_round()
+        self._screening = self._screen_for(self._open)
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def open_round(self) -> OpenRound | None:
+        with self._lock:
+            return self._open
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Messages refused, by reason (the coordinator's names)."""
+        with self._lock:
+            return dict(self._rejected)
+
+    def _refuse(self, reason: str) -> str:
+        with self._lock:
+            self._rejected[reason] += 1
+        return reason
+
+    def _screen_for(self, open_: OpenRound | None) -> Screening | None:
+        if open_ is None:
+            return None
+        return Screening(admission=self.admission, keys=self.keys, run_id=open_.run)
+
+    @property
+    def _coordinator(self) -> Verifier | None:
+        return None if self.keys.signer is None else self.keys.signer.public
+
+    # -- announcements ------------------------------------------------------------------
+
+    def hear(self, payload: bytes | bytearray) -> str | None:
+        """Take the announcement retained on the round topic; why not, or None if taken
+        (or already known). A refusal is counted as ``foreign_announcement``, an
+        announcement behind the one held as ``stale_announcement``."""
+        try:
+            heard = RoundAnnouncement.from_wire(payload, max_bytes=MAX_ANNOUNCEMENT_BYTES)
+        except ProtocolError as exc:
+            log.warning("worker %s: an undecodable announcement (%s)", self.name, exc)
+            return self._refuse("foreign_announcement")
+        problem = "wrong_fleet" if heard.fleet != self.fleet else None
+        if problem is None and not self.keys.insecure:
+            problem = signature_problem(heard, self._coordinator, run=heard.run)
+        if problem is not None:
+            log.warning(
+                "worker %s: an announcement of round %d not from the coordinator (%s): ignored",
+                self.name, heard.round, problem,
+            )  # fmt: skip
+            return self._refuse("foreign_announcement")
+        new = OpenRound(run=heard.run, run_started=heard.run_started, round=heard.round)
+        with self._lock:
+            old = self._open
+            if old is not None and not _later(new, old):
+                return None if new == old else self._refuse("stale_announcement")
+            self.store.save_open_round(new)
+            self._open, self._screening = new, self._screen_for(new)
+        log.info(
+            "worker %s: round %d of run %s is open", self.name, new.round, new.run,
+            extra={"event": "round_heard", "round": new.round, "run": new.run},
+        )  # fmt: skip
+        return None
+
+    # -- updates ------------------------------------------------------------------------
+
+    def offer(self, payload: bytes | bytearray, *, topic: str) -> Decision:
+        """Judge and store one update that came on ``topic``; refusals are counted."""
+        decision = self._judge(payload, topic)
+        if not decision.accepted:
+            self._refuse(decision.reason)
+        return decision
+
+    def _judge(self, payload: bytes | bytearray, topic: str) -> Decision:
+        try:
+            topic_client = parse_topic(topic).client
+            update = PrototypeUpdate.from_wire(payload, max_bytes=self.max_payload_bytes)
+        except ProtocolError as exc:
+            return Decision(exc.reason)
+        with self._lock:
+            open_, screening = self._open, self._screening
+        if screening is None:
+            # No round heard of yet: as the coordinator refuses an update of a round it
+            # has not opened. The device resends until a receipt names it.
+            problem = self.admission.check(update, topic_client=topic_client)
+            return Decision(problem or "wrong_round", update.round, update.client)
+        problem = screening.problem(update, topic_client=topic_client)
+        if problem is not None:
+            return Decision(problem, update.round, update.client)
+        assert open_ is not None
+        if update.round != open_.round or self.store.collected(open_.run, open_.round):
+            return Decision("wrong_round", update.round, update.client)
+        digest = payload_digest(payload)
+        stored = self.store.add(
+            run=open_.run, round_=update.round, client=update.client, digest=digest,
+            payload=bytes(payload), now=self._clock(),
+        )  # fmt: skip
+        if stored is not None:
+            return Decision("duplicate", update.round, update.client, stored)
+        return Decision(ACCEPTED, update.round, update.client, digest)
+
+    def receipt(self, decision: Decision) -> Receipt:
+        """The signed receipt of a stored update (accepted, or a duplicate of one)."""
+        assert decision.round is not None and decision.client is not None
+        assert decision.digest is not None
+        open_ = self.open_round
+        assert open_ is not None  # an update is stored only once a round is heard
+        receipt = Receipt(
+            fleet=self.fleet, round=decision.round, run=open_.run, client=decision.client,
+            digest=decision.digest,
+        )  # fmt: skip
+        if self.keys.signer is None:
+            return receipt
+        return sign(receipt, self.keys.signer, run=open_.run)
+
+    # -- partial sums -------------------------------------------------------------------
+
+    def collect(self, *, run: str, round_: int, exclude: Iterable[str] = ()) -> PartialMessage:
+        """This worker's partial of ``round_`` of ``run`` without the clients in
+        ``exclude``, recomputed from its stored rows. From now on the round takes no
+        more updates (it is recorded before the rows are read)."""
+        self.store.mark_collected(run, round_)
+        excluded = frozenset(exclude)
+        copies: dict[str, Copy] = {}
+        parts = [PartialSum.empty(num_classes=self.admission.num_classes, dim=self.admission.dim)]
+        chunk: list[PrototypeUpdate] = []
+        for row in self.store.updates(run, round_):
+            if row.client in excluded:
+                continue
+            copies[row.client] = Copy(digest=row.digest, stored_at=row.stored_at)
+            chunk.append(PrototypeUpdate.from_wire(row.payload, max_bytes=len(row.payload)))
+            if len(chunk) == CHUNK:
+                parts.append(self._partial_of(chunk))
+                chunk = []
+        if chunk:
+            parts.append(self._partial_of(chunk))
+        return PartialMessage(
+            fleet=self.fleet, run=run, round=round_, worker=self.name, partial=merge(parts),
+            copies=copies, excluded=excluded,
+        )  # fmt: skip
+
+    def _partial_of(self, updates: list[PrototypeUpdate]) -> PartialSum:
+        return partial_of(updates, num_classes=self.admission.num_classes, dim=self.admission.dim)
+
+
+def _later(new: OpenRound, old: OpenRound) -> bool:
+    """Whether ``new`` is ahead of ``old``: a later round of the same run, or a run that
+    started later (the coordinator's database was replaced), as a device decides."""
+    if new.run == old.run:
+        return new.round > old.round
+    return new.run_started > old.run_started
