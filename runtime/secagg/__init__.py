@@ -3,8 +3,11 @@ device's input.
 
 The protocol (Bonawitz et al., CCS 2017; SecAgg+ of Bell et al., CCS 2020 when each device
 pairs with a sparse set of neighbours rather than all) runs in four stages per round, each
-over MQTT once it is wired in; this package holds only the pure pieces they are built of,
-with no transport, state or wiring:
+over MQTT once it is wired in. This package holds the pure pieces they are built of and
+the two sides' state machines, transport-free: :class:`~runtime.secagg.device.SecAggDevice`
+and :class:`~runtime.secagg.server.SecAggServer`, exchanging the messages of
+:mod:`~runtime.secagg.messages` over a neighbour graph drawn from a public seed
+(:mod:`~runtime.secagg.graph`):
 
 1. Key advertisement: each device publishes two X25519 public keys, one to encrypt the
    shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks.
@@ -22,6 +25,9 @@ with no transport, state or wiring:
    (:func:`~runtime.secagg.quantise.decode`).
 
 The threshold ``t``, the neighbour count, the ring width, the clip bound, the scale and the
-noise parameter are public fleet settings. Imports: numpy, ``cryptography`` and the
-standard library only.
+noise parameter are public fleet settings (:mod:`~runtime.secagg.settings`). Imports:
+numpy, msgpack, ``cryptography``, the standard library and the wire conventions of
+``protocol/`` (the stage messages are signable like every other message). Not yet here:
+the signed consistency round against a coordinator that shows devices different survivor
+lists, and the MQTT wiring.
 """
