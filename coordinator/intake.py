@@ -25,9 +25,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from coordinator.admission import Admission
+from coordinator.decision import ACCEPTED, Decision
 from coordinator.keys import CoordinatorKeys
 from coordinator.partial import PartialSum, merge, partial_of
 from coordinator.partial_wire import Copy, PartialMessage
@@ -40,26 +40,10 @@ from protocol.topics import parse_topic
 
 log = logging.getLogger(__name__)
 
-ACCEPTED = "accepted"
 #: An announcement may carry FedAvg's weights: far more than an update.
 MAX_ANNOUNCEMENT_BYTES = 64 << 20
 #: Updates decoded at once when a partial is recomputed: bounds its memory, not its sum.
 CHUNK = 1024
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What became of one update: ``reason`` is ``accepted`` or why not; ``digest`` is
-    that of the stored copy when there is one (the receipt names it)."""
-
-    reason: str
-    round: int | None = None
-    client: str | None = None
-    digest: str | None = None
-
-    @property
-    def accepted(self) -> bool:
-        return self.reason == ACCEPTED
 
 
 class Intake:

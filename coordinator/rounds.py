@@ -15,11 +15,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
+from coordinator.decision import ACCEPTED, Decision
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.open_round import OpenRound
@@ -39,24 +39,6 @@ from protocol.receipts import payload_digest
 log = logging.getLogger(__name__)
 
 M = TypeVar("M")
-
-ACCEPTED = "accepted"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The outcome of offering one payload: ``reason`` is ``accepted`` or why not."""
-
-    reason: str
-    round: int | None = None
-    client: str | None = None
-    #: The SHA-256 of the update stored for (round, client), when one is: what the
-    #: device's receipt names (for a duplicate, the digest of the first copy).
-    digest: str | None = None
-
-    @property
-    def accepted(self) -> bool:
-        return self.reason == ACCEPTED
 
 
 class RoundManager:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 #: Bytes per database page, and the write-ahead log's checkpoint size.
@@ -78,27 +79,16 @@ class DamagedDatabase(sqlite3.DatabaseError):
         super().__init__("; ".join(problems[:3]))
 
 
-def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
-    """The database at ``path`` opened for the store (autocommit: the store begins its
-    own transactions), its tables created or brought up to date. sqlite3.Error if it
-    cannot be; the connection is closed then."""
+def open_checked(
+    path: Path, *, synchronous: str, schema: str, prepare: Callable[[sqlite3.Connection], object]
+) -> sqlite3.Connection:
+    """The database at ``path`` in autocommit (its owner begins its own transactions):
+    ``prepare`` sets its pragmas, then the sync level, then SQLite's own check of its pages
+    (:class:`DamagedDatabase`), then ``schema``. sqlite3.Error if it cannot be opened; the
+    connection is closed then."""
     db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
     try:
-        # Larger pages for a table of large BLOBs (an update is 5 kB to 1.3 MB): at the
-        # default 4 KiB a FedAvg update spans dozens of chained overflow pages, and a
-        # round of them wrote in 0.95 s against 0.53 s at 16 KiB (1,000 x 208 kB, WAL,
-        # development machine). Not larger: 64 KiB pages (0.43 s) made every small
-        # write cost a whole page, and a coordinator on a 4 MB disk ran out of it
-        # (tests/test_storage_faults.py). Takes effect on a new database only.
-        db.execute(f"PRAGMA page_size={PAGE_SIZE}")
-        db.execute("PRAGMA journal_mode=WAL")
-        # The log is folded back past about 4 MiB, as with SQLite's default pages (its
-        # default, 1,000 pages, would let it reach 16 MiB on a small disk), by the
-        # checkpointer's thread; the writer's own checkpoint is only the backstop.
-        db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // PAGE_SIZE}")
-        # A log that a burst grew is cut back once it starts afresh: the file must not
-        # keep its largest size on a small disk.
-        db.execute(f"PRAGMA journal_size_limit={2 * WAL_CHECKPOINT_BYTES}")
+        prepare(db)
         # NORMAL in WAL mode survives a process crash (kill -9); FULL also a power cut.
         db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
         # Damaged pages are found here, where the message can say what to do, not by a
@@ -106,7 +96,55 @@ def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
         problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
         if problems != ["ok"]:
             raise DamagedDatabase(path, problems)
-        db.executescript(SCHEMA)
+        db.executescript(schema)
+    except sqlite3.Error:
+        with contextlib.suppress(sqlite3.Error):
+            db.close()
+        raise
+    return db
+
+
+@contextlib.contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT; on an error, ROLLBACK if a transaction is still open
+    and raise the error itself. SQLite rolls back on its own after some errors (a full
+    disk among them); a ROLLBACK then fails with "no transaction is active", and raising
+    that would hide the cause."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+        raise
+
+
+def _tune(db: sqlite3.Connection) -> None:
+    # Larger pages for a table of large BLOBs (an update is 5 kB to 1.3 MB): at the
+    # default 4 KiB a FedAvg update spans dozens of chained overflow pages, and a
+    # round of them wrote in 0.95 s against 0.53 s at 16 KiB (1,000 x 208 kB, WAL,
+    # development machine). Not larger: 64 KiB pages (0.43 s) made every small
+    # write cost a whole page, and a coordinator on a 4 MB disk ran out of it
+    # (tests/test_storage_faults.py). Takes effect on a new database only.
+    db.execute(f"PRAGMA page_size={PAGE_SIZE}")
+    db.execute("PRAGMA journal_mode=WAL")
+    # The log is folded back past about 4 MiB, as with SQLite's default pages (its
+    # default, 1,000 pages, would let it reach 16 MiB on a small disk), by the
+    # checkpointer's thread; the writer's own checkpoint is only the backstop.
+    db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_BYTES // PAGE_SIZE}")
+    # A log that a burst grew is cut back once it starts afresh: the file must not
+    # keep its largest size on a small disk.
+    db.execute(f"PRAGMA journal_size_limit={2 * WAL_CHECKPOINT_BYTES}")
+
+
+def connect(path: Path, *, synchronous: str) -> sqlite3.Connection:
+    """The database at ``path`` opened for the store (autocommit: the store begins its
+    own transactions), its tables created or brought up to date. sqlite3.Error if it
+    cannot be; the connection is closed then."""
+    db = open_checked(path, synchronous=synchronous, schema=SCHEMA, prepare=_tune)
+    try:
         migrate(db)
     except sqlite3.Error:
         with contextlib.suppress(sqlite3.Error):

@@ -11,7 +11,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from coordinator.rounds import Decision, RoundManager
+from coordinator.decision import Decision
+from coordinator.rounds import RoundManager
 from coordinator.store import StorageFault
 from protocol import (
     RoundAnnouncement,

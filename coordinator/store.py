@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checkpointer import Checkpointer
-from coordinator.schema import PAGE_SIZE, WAL_CHECKPOINT_BYTES, DamagedDatabase, connect
+from coordinator.schema import (
+    PAGE_SIZE,
+    WAL_CHECKPOINT_BYTES,
+    DamagedDatabase,
+    connect,
+    immediate,
+)
 from coordinator.summary import read_summary, refusing_signature
 from runtime.cliutil import CommandFailed
 
@@ -113,26 +119,16 @@ class Store:
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
-        """BEGIN IMMEDIATE ... COMMIT; on an error, ROLLBACK if a transaction is still open
-        and raise the error itself. SQLite rolls back on its own after some errors (a full
-        disk among them); a ROLLBACK then fails with "no transaction is active", and
-        raising that would hide the cause."""
+        """One transaction (:func:`coordinator.schema.immediate`), or part of the open
+        batch's; a commit tells the checkpointer what it wrote."""
         if self._batching:
             yield  # part of the batch's transaction
             return
-        self._db.execute("BEGIN IMMEDIATE")
         # Any commit appends a few pages to the log (a row's, an index's) besides payloads.
         self._pending = 2 * PAGE_SIZE
-        try:
+        with immediate(self._db):
             yield
-            self._db.execute("COMMIT")
-        except BaseException:
-            if self._db.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-            raise
-        else:
-            self.checkpointer.committed(self._pending)
+        self.checkpointer.committed(self._pending)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

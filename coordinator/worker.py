@@ -40,7 +40,8 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from coordinator import config as config_mod
-from coordinator.intake import Decision, Intake
+from coordinator.decision import Decision
+from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
 from coordinator.partial_wire import CollectRequest, collect_topic, partial_topic
 from coordinator.worker_store import WorkerStore

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.schema import DamagedDatabase
+from coordinator.schema import immediate, open_checked
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -62,19 +62,10 @@ class StoredUpdate:
 def connect(path: Path, *, synchronous: str = "NORMAL") -> sqlite3.Connection:
     """The worker database at ``path`` (autocommit: the store begins its own
     transactions), its tables created. sqlite3.Error if it cannot be opened."""
-    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-    try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'FULL' else 'NORMAL'}")
-        problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
-        if problems != ["ok"]:
-            raise DamagedDatabase(path, problems)
-        db.executescript(SCHEMA)
-    except sqlite3.Error:
-        with contextlib.suppress(sqlite3.Error):
-            db.close()
-        raise
-    return db
+    return open_checked(
+        path, synchronous=synchronous, schema=SCHEMA,
+        prepare=lambda db: db.execute("PRAGMA journal_mode=WAL"),
+    )  # fmt: skip
 
 
 class WorkerStore:
@@ -92,16 +83,8 @@ class WorkerStore:
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
+        with self._lock, immediate(self._db):
+            yield self._db
 
     def bind(self, *, fleet: str, worker: str) -> None:
         """Refuse another fleet's or worker's file: two workers on one database would each

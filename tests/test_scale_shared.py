@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from coordinator.admission import Admission
-from coordinator.intake import Decision, Intake
+from coordinator.decision import Decision
+from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
 from coordinator.partial import RAW, OverlapError, global_prototypes, partial_of
 from coordinator.partial_wire import (

@@ -16,7 +16,8 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from coordinator.config import load as load_config
-from coordinator.intake import Decision, Intake
+from coordinator.decision import Decision
+from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
 from coordinator.partial import RAW, PartialSum, global_prototypes
 from coordinator.partial_wire import (

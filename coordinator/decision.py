@@ -1,0 +1,23 @@
+"""What became of one update offered to the coordinator or to one of its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of offering one payload: ``reason`` is ``accepted`` or why not."""
+
+    reason: str
+    round: int | None = None
+    client: str | None = None
+    #: The SHA-256 of the update stored for (round, client), when one is: what the
+    #: device's receipt names (for a duplicate, the digest of the first copy).
+    digest: str | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason == ACCEPTED
