@@ -46,6 +46,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "effnet-export": performance.effnet_export,
     "reliability": performance.reliability,
     "restart": performance.restart,
+    "compromised": performance.compromised,
     "privacy": performance.privacy,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),

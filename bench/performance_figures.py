@@ -169,6 +169,40 @@ def restart(r: Results) -> str:
     )
 
 
+#: The compromised-device settings, as bench/compromised_bench.py names them.
+COMPROMISED_SETTINGS = (
+    ("defaults", "defaults (count cap, norm clip, direction screen)"),
+    ("no_screen", "count cap and norm clip only"),
+    ("median", 'defaults, `rule = "median"`'),
+    ("trimmed_mean", 'defaults, `rule = "trimmed_mean"`'),
+    ("undefended", "no defence"),
+)
+
+
+def compromised(r: Results) -> str:
+    """One compromised device against each setting: the largest cosine of a final global
+    prototype to its vector and the longest global prototype (bench.compromised_bench)."""
+    key = "reliability.compromised_1_of_10_cosine"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+    rows = ["| setting | 1 of 3: cosine / norm | 1 of 10 | 1 of 100 |", "|---|---|---|---|"]
+    for name, what in COMPROMISED_SETTINGS:
+        cells = []
+        for n in (3, 10, 100):
+            cos = r.get(f"reliability.compromised_1_of_{n}_{name}_cosine")
+            norm = r.get(f"reliability.compromised_1_of_{n}_{name}_norm")
+            cells.append("-" if cos is None else f"{num(cos)} / {num(norm)}")
+        rows.append(f"| {what} | {' | '.join(cells)} |")
+    drop = r.get("reliability.compromised_1_of_10_accuracy_drop")
+    return "\n".join([
+        *rows, "",
+        f"Honest devices' accuracy at 1 of 10 under the defaults: {pct(r.get('reliability.compromised_1_of_10_loud_accuracy'))} "
+        f"under attack against {pct(r.get('reliability.compromised_1_of_10_clean_accuracy'))} without "
+        f"(a drop of {num(drop)} points; target <= 2, cosine target <= 0.3) (`make bench`: "
+        f"{r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip
+
+
 #: Issue-level targets of the fleet-scale keys: (key, what it is, bound, at most?).
 SCALE_TARGETS = (
     ("fleet.bytes_down_per_client_round_fedpcl_1000", "FedPCL bytes down per client and "
