@@ -12,11 +12,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coordinator import config as config_mod
+from coordinator import worker as worker_mod
 from coordinator.metrics import Metrics
+from coordinator.owner import RoundOwner, refusal
+from coordinator.owner_service import OwnerService
 from coordinator.rounds import RoundManager
 from coordinator.service import CoordinatorService
 from coordinator.store import StateError, StorageFault, Store
+from coordinator.worker_ledger import WorkerMetrics, worker_summary
 from runtime.cliutil import (
+    CommandFailed,
     UsageError,
     add_example_config,
     make_parser,
@@ -39,8 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
         "with every key.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p_run = sub.add_parser("run", help="serve rounds until stopped (or until max_rounds)")
+    p_run = sub.add_parser(
+        "run",
+        help="serve rounds until stopped (or until max_rounds); with [workers], as the "
+        "round owner over the workers",
+    )
     p_run.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
+    p_worker = sub.add_parser(
+        "worker", help="one worker of the sharded intake ([workers], docs/scale.md)"
+    )
+    p_worker.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
+    p_worker.add_argument(
+        "--name", required=True, help="this worker's id: one of [workers] names (w1... for count)"
+    )
+    p_worker.add_argument("--db", type=Path, help="default: <state_dir>/worker-<name>.sqlite3")
     p_status = sub.add_parser(
         "status", help="print the coordinator's state as JSON (read from its database)"
     )
@@ -52,9 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_run(args: argparse.Namespace) -> int:
     metrics = Metrics()
 
-    def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
+    def make(cfg: config_mod.CoordinatorConfig) -> CoordinatorService | OwnerService:
         with contextlib.ExitStack() as taken:  # released again if the start fails
             try:
+                problem = refusal(cfg) if cfg.workers.enabled else None
+                if problem is not None:
+                    raise CannotServe(problem)
                 # The broker's files first: nothing is opened for a config that cannot connect.
                 load_credentials(cfg.mqtt)
                 taken.enter_context(
@@ -66,13 +86,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             held.append(taken.pop_all())
         return service
 
-    def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService:
+    def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService | OwnerService:
         try:
             store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
         except StateError as exc:
             raise CannotServe(str(exc)) from exc
         try:
-            manager = RoundManager(config=cfg, store=store, metrics=metrics)
+            driver: RoundManager | RoundOwner
+            if cfg.workers.enabled:
+                if not per_worker:  # once per process: the registry outlives reloads
+                    per_worker.append(WorkerMetrics(metrics.registry))
+                driver = RoundOwner(
+                    config=cfg, store=store, metrics=metrics, worker_metrics=per_worker[0]
+                )
+            else:
+                driver = RoundManager(config=cfg, store=store, metrics=metrics)
         except (StateError, ValueError) as exc:
             store.close()
             raise CannotServe(str(exc)) from exc
@@ -92,14 +120,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                     raise CannotServe(
                         f"cannot serve metrics on {wanted[0]}:{wanted[1]}: {exc.strerror}"
                     ) from exc
-        return CoordinatorService(manager=manager)
+        if isinstance(driver, RoundOwner):
+            return OwnerService(owner=driver)
+        return CoordinatorService(manager=driver)
 
     def close(service: object) -> None:
-        assert isinstance(service, CoordinatorService)
-        service.manager.store.close()
+        if isinstance(service, OwnerService):
+            service.owner.close()
+            service.owner.store.close()
+        else:
+            assert isinstance(service, CoordinatorService)
+            service.manager.store.close()
         held.pop().close()  # before a reload's make(), which takes the lock again
 
     held: list[contextlib.ExitStack] = []
+    per_worker: list[WorkerMetrics] = []
     try:
         serve(
             name="edge-coordinator",
@@ -139,8 +174,28 @@ def cmd_status(args: argparse.Namespace) -> int:
         "running_pid": holder(cfg.run_lock),  # null: no coordinator has this database open
         **summary,
     }
+    if cfg.workers.enabled:  # the round owner's record of its workers' shares
+        report["workers"] = worker_summary(cfg.database, cfg.workers.members)
     json.dump(report, sys.stdout, indent=2)
     print()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config)
+    if args.name not in cfg.workers.members:
+        raise UsageError(
+            f"{args.config}: worker {args.name!r} is not one of [workers] names "
+            f"{list(cfg.workers.members)}: the round owner would not collect its updates"
+        )
+    try:
+        code = worker_mod.serve(cfg, name=args.name, db=args.db)
+    except (CredentialsError, StateError) as exc:
+        raise UsageError(str(exc)) from exc
+    except sqlite3.Error as exc:
+        raise StorageFault(exc) from exc
+    if code != 0:
+        raise CommandFailed(f"worker {args.name}: storage error, intake stopped (see the log)")
     return 0
 
 
@@ -148,5 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(
         build_parser(),
         argv,
-        handlers={"example-config": print_example_config, "run": cmd_run, "status": cmd_status},
+        handlers={
+            "example-config": print_example_config,
+            "run": cmd_run,
+            "status": cmd_status,
+            "worker": cmd_worker,
+        },
     )

@@ -164,6 +164,52 @@ class MetricsSettings:
             raise ValueError(f"metrics.port must be 0-65535 (0: no endpoint), got {self.port}")
 
 
+#: The most workers one owner collects from: each answers every collect request.
+MAX_WORKERS = 256
+
+
+@dataclass(frozen=True)
+class WorkersSettings:
+    """The sharded intake (docs/scale.md, docs/deploy.md): with workers named here,
+    ``edge-coordinator run`` is the round owner (coordinator/owner.py) and the updates go
+    to ``edge-coordinator worker --name NAME`` processes on the shared subscription
+    ``$share/<group>/...``. ``names`` or ``count`` (``w1`` ... ``wN``), not both; neither
+    runs the single coordinator. ``collect_retry_s``: how often a collect request is sent
+    again to a worker that has not answered it (a restarted worker answers from its
+    database). ``local_sets``: FedPCL's per-client sets (Eq. 7) do not sum, so a FedPCL
+    fleet with workers is refused unless this is ``"omit"`` (global prototypes only)."""
+
+    names: tuple[str, ...] = ()
+    count: int = 0
+    group: str = "aggregators"
+    collect_retry_s: float = 5.0
+    local_sets: Literal["refuse", "omit"] = "refuse"
+
+    def __post_init__(self) -> None:
+        if self.names and self.count:
+            raise ValueError("give names or count, not both")
+        if not 0 <= self.count <= MAX_WORKERS:
+            raise ValueError(f"count must be in 0..{MAX_WORKERS} (0: no workers), got {self.count}")
+        if len(self.names) > MAX_WORKERS:
+            raise ValueError(f"at most {MAX_WORKERS} names, got {len(self.names)}")
+        for name in self.names:
+            validate_id(name, field="workers.names")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("names must be unique")
+        validate_id(self.group, field="workers.group")
+        if not self.collect_retry_s > 0:
+            raise ValueError(f"collect_retry_s must be positive, got {self.collect_retry_s}")
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The workers the owner collects from: ``names``, or ``w1`` ... ``w<count>``."""
+        return self.names or tuple(f"w{i}" for i in range(1, self.count + 1))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.members)
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     fleet: str
@@ -178,6 +224,7 @@ class CoordinatorConfig:
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     agents: AgentsSettings = field(default_factory=AgentsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    workers: WorkersSettings = field(default_factory=WorkersSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")

@@ -62,6 +62,17 @@ CREATE TABLE IF NOT EXISTS contributions (
     last_at REAL NOT NULL,
     updates INTEGER NOT NULL
 );
+-- The round owner's record of its workers (coordinator/owner.py): per closed round and
+-- worker, the clients its first partial held (its share of the intake), the clients its
+-- final partial counted (after the exclusions) and when it answered.
+CREATE TABLE IF NOT EXISTS worker_partials (
+    round INTEGER NOT NULL,
+    worker TEXT NOT NULL,
+    held INTEGER NOT NULL,
+    counted INTEGER NOT NULL,
+    answered_at REAL NOT NULL,
+    PRIMARY KEY (round, worker)
+);
 """
 
 #: A database from before the contributions table: fill it from the updates it holds.

@@ -17,8 +17,9 @@ Two departures from paho's defaults, each for durability:
   gets the update again; one killed after it finds the copy stored and answers it as a
   duplicate, with the same receipt.
 
-``python -m coordinator.worker --config coordinator.toml --name w1`` runs one worker on
-the coordinator's own configuration (fleet, model, admission, ``[security]`` with the
+``edge-coordinator worker --config coordinator.toml --name w1`` (or ``python -m
+coordinator.worker``, the same options) runs one worker on the coordinator's own
+configuration (fleet, model, admission, ``[security]`` with the
 coordinator's key and the enrolled devices, ``[mqtt]``).
 """
 
@@ -47,6 +48,7 @@ from coordinator.partial_wire import CollectRequest, collect_topic, partial_topi
 from coordinator.worker_store import WorkerStore
 from protocol import ProtocolError, round_topic, update_filter, validate_id
 from protocol.topics import receipt_topic
+from runtime.sdnotify import Notifier, Watchdog
 from runtime.transport import MqttSettings, load_credentials
 
 log = logging.getLogger(__name__)
@@ -134,6 +136,12 @@ class Worker:
     def stop(self) -> None:
         self._client.disconnect()
         self._client.loop_stop()
+
+    def healthy(self) -> bool:
+        """For systemd's watchdog: no storage fault, and paho's network thread alive (its
+        death would mean no reconnects; paho keeps it in a private attribute)."""
+        thread = getattr(self._client, "_thread", None)
+        return self.fault is None and thread is not None and thread.is_alive()
 
     def __enter__(self) -> Worker:
         return self.start()
@@ -225,24 +233,21 @@ class Worker:
         self._client.publish(partial_topic(self.fleet, self.name), answer.to_wire(), qos=1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m coordinator.worker",
-        description="One coordinator worker on the fleet's shared update subscription.",
-    )
-    parser.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML")
-    parser.add_argument("--name", required=True, help="this worker's id (its session too)")
-    parser.add_argument("--group", default="aggregators", help="the shared subscription group")
-    parser.add_argument("--db", type=Path, help="default: <state_dir>/worker-<name>.sqlite3")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
-    )
-    cfg = config_mod.load(args.config)
-    name = validate_id(args.name, field="name")
+def serve(
+    cfg: config_mod.CoordinatorConfig,
+    *,
+    name: str,
+    group: str | None = None,
+    db: Path | None = None,
+    notifier: Notifier | None = None,
+) -> int:
+    """Run worker ``name`` until SIGTERM or SIGINT (0) or a storage fault (1), telling
+    systemd READY=1 once subscribed, WATCHDOG=1 while :meth:`Worker.healthy` and
+    STOPPING=1 on the way out (runtime/sdnotify.py; nothing outside systemd)."""
+    notifier = notifier or Notifier()
+    name = validate_id(name, field="name")
     store = WorkerStore(
-        args.db or cfg.state_dir / f"worker-{name}.sqlite3", synchronous=cfg.sqlite_synchronous
+        db or cfg.state_dir / f"worker-{name}.sqlite3", synchronous=cfg.sqlite_synchronous
     )
     intake = Intake(
         name=name,
@@ -252,20 +257,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_payload_bytes=cfg.mqtt.max_payload_bytes,
     )
     stopping = threading.Event()
+    # The main thread only waits on the event, with a timeout, so a Python handler runs
+    # promptly here (runtime/lifecycle.py's dispatch thread is for loops that block).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    worker = Worker(intake=intake, group=args.group, mqtt_settings=cfg.mqtt).start()
+    worker = Worker(intake=intake, group=group or cfg.workers.group, mqtt_settings=cfg.mqtt).start()
+    watchdog = Watchdog(notifier=notifier, healthy=worker.healthy)
     try:
         if not worker.wait_heard(10.0):
             log.warning("worker %s: no announcement retained on the round topic yet", name)
         log.info("worker %s ready", name)
+        notifier.ready(f"worker {name} serving")
+        watchdog.start()
         while not stopping.wait(1.0):
             if worker.fault is not None:
                 return 1
         return 0
     finally:
+        notifier.stopping()
+        watchdog.stop()
         worker.stop()
         store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m coordinator.worker",
+        description="One coordinator worker on the fleet's shared update subscription.",
+    )
+    parser.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML")
+    parser.add_argument("--name", required=True, help="this worker's id (its session too)")
+    parser.add_argument("--group", help="the shared subscription group (default: [workers] group)")
+    parser.add_argument("--db", type=Path, help="default: <state_dir>/worker-<name>.sqlite3")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    cfg = config_mod.load(args.config)
+    return serve(cfg, name=args.name, group=args.group, db=args.db)
 
 
 if __name__ == "__main__":

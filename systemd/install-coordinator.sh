@@ -53,6 +53,8 @@ fi
 
 here=$(cd "$(dirname "$0")" && pwd)
 install_unit edge-coordinator
+# The sharded intake's workers, one instance per [workers] name (docs/deploy.md).
+install_unit edge-coordinator-worker@
 install_config "$here/../coordinator/coordinator.toml" coordinator.toml
 install_docs
 run install -d -m 750 "$DESTDIR/var/lib/protofleet"
@@ -76,7 +78,8 @@ if [ -n "$certs" ]; then
   # in each signs that device's updates; remove a file and reload to take a device out).
   run install -d -m 750 "$DESTDIR/etc/protofleet/devices"
   for crt in "$certs"/clients/*.crt; do
-    [ "$(basename "$crt")" = coordinator.crt ] && continue
+    # The coordinator tier's own certificates are no devices.
+    case "$(basename "$crt")" in coordinator.crt|coordinator-worker.crt) continue ;; esac
     # A revoked certificate (make-certs.sh --revoke) enrols nobody.
     if ! openssl verify -crl_check -CAfile "$certs/ca.crt" -CRLfile "$certs/crl.pem" "$crt" >/dev/null 2>&1; then
       note "not enrolling $(basename "$crt" .crt): its certificate is revoked or not the fleet CA's"
@@ -92,4 +95,5 @@ cat <<EOM
 Installed the ProtoFleet coordinator under $DESTDIR$prefix.
 Next: edit /etc/protofleet/coordinator.toml (fleet, model.bundle, mqtt.tls_*), then:
 systemctl enable --now edge-coordinator$( [ "$with_mosquitto" = 1 ] && echo "; systemctl restart mosquitto")
+With [workers] in coordinator.toml, also one worker per name: systemctl enable --now edge-coordinator-worker@w1
 EOM
