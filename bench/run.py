@@ -46,6 +46,7 @@ SUITES: dict[str, list[str]] = {
         "bench.vector_bench",
         "bench.mqtt_fleet_bench",
         "bench.privacy_bench",
+        "bench.secagg_bench",
         "bench.effnet_bench",
         "bench.effnet_fleet_bench",
         "bench.reliability_bench",
