@@ -27,7 +27,9 @@ and :class:`~runtime.secagg.server.SecAggServer`, exchanging the messages of
 The threshold ``t``, the neighbour count, the ring width, the clip bound, the scale and the
 noise parameter are public fleet settings (:mod:`~runtime.secagg.settings`). Imports:
 numpy, msgpack, ``cryptography``, the standard library and the wire conventions of
-``protocol/`` (the stage messages are signable like every other message). Not yet here:
+``protocol/`` (the stage messages are signable like every other message). Over MQTT, signed, the
+rounds run through :mod:`~runtime.secagg.mqtt` (topics ``secagg/up`` and ``secagg/down``,
+docs/protocol.md) with :mod:`~runtime.secagg.wire` checking every message. Not yet here:
 the signed consistency round against a coordinator that shows devices different survivor
-lists, and the MQTT wiring.
+lists, and the hooks into the coordinator's rounds and the agent's answer.
 """
