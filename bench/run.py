@@ -50,6 +50,7 @@ SUITES: dict[str, list[str]] = {
         "bench.effnet_bench",
         "bench.effnet_fleet_bench",
         "bench.reliability_bench",
+        "bench.intake_bench",
         "bench.compromised_bench",
         "bench.restart_bench",
     ],

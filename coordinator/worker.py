@@ -7,7 +7,7 @@ admission, the open round, durable storage, receipts, partial sums); this module
 the messages: updates from the shared subscription, the coordinator's retained
 announcement, the combiner's collect requests, and the receipts and partials back.
 
-Two departures from paho's defaults, each for durability:
+Three departures from paho's defaults, two for durability and one for speed:
 
 - a persistent session (``clean_start=False`` and a session expiry): the broker keeps the
   worker's share of the group, and the updates it had sent but not had acknowledged, while
@@ -15,7 +15,13 @@ Two departures from paho's defaults, each for durability:
 - manual acknowledgement: a QoS 1 update is acknowledged only after it is committed (and
   its receipt queued), as coordinator/service.py does. A worker killed before its commit
   gets the update again; one killed after it finds the copy stored and answers it as a
-  duplicate, with the same receipt.
+  duplicate, with the same receipt;
+- bulk reading (runtime/bulkread.py, as the coordinator reads): every packet a ``recv()``
+  brings is handled (an MQTT 5 one by paho's own handler) and their acknowledgements go
+  out as one write, where paho reads one packet per ``select()``. A worker rejects wrongly
+  signed updates about a sixth faster with it (20,000 queued for one worker, four runs
+  each, 2026-11-26: 2,620-2,820 a second against 2,040-2,360), so a flood overflows the
+  broker's queue, and drops honest updates with it, later.
 
 ``edge-coordinator worker --config coordinator.toml --name w1`` (or ``python -m
 coordinator.worker``, the same options) runs one worker on the coordinator's own
@@ -48,6 +54,7 @@ from coordinator.partial_wire import CollectRequest, collect_topic, partial_topi
 from coordinator.worker_store import WorkerStore
 from protocol import ProtocolError, round_topic, update_filter, validate_id
 from protocol.topics import receipt_topic
+from runtime.bulkread import client_class
 from runtime.sdnotify import Notifier, Watchdog
 from runtime.transport import MqttSettings, load_credentials
 
@@ -94,7 +101,7 @@ class Worker:
         self.fault: BaseException | None = None
         # MQTT 5: shared subscriptions do not exist in 3.1.1, which the device-facing
         # services speak (runtime/mqtt_link.py); hence a client of its own.
-        self._client = mqtt.Client(
+        self._client = client_class()(
             mqtt.CallbackAPIVersion.VERSION2,
             client_id=f"{self.fleet}-worker-{self.name}",
             protocol=mqtt.MQTTv5,

@@ -36,6 +36,8 @@ from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_top
 from protocol.auth import Signer, Verifier, sign, signature_problem
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
+from runtime import bulkread
+from runtime.bulkread import BulkReadClient
 from runtime.keyfiles import generate_ed25519, load_signer
 from runtime.transport import MqttSettings
 from tests.coordinator_helpers import BUNDLE, CLASSES, DIM, coordinator_toml, stand_in_update
@@ -350,3 +352,59 @@ def test_a_worker_killed_mid_round_loses_nothing_and_counts_nothing_twice(
     (w2,) = [m for m in first if m.worker == "w2"]
     assert w2.partial.clients & {u.client for u in updates[2:10]}
     assert_equals_one_coordinator(merged, updates)
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_queued_burst_read_in_bulk_is_stored_receipted_and_acknowledged_once(
+    mosquitto: MosquittoBroker, tmp_path: Path
+) -> None:
+    # The worker reads its socket through runtime/bulkread.py (many MQTT 5 packets a
+    # recv(), the acknowledgements of a read sent together): a burst queued for its
+    # stopped session arrives back to back, every update is stored and receipted, and
+    # every one is acknowledged, so the next start of the session gets none of it again.
+    keys = make_keys(tmp_path, 61)
+    updates = signed_updates(keys, 61)
+    cfg = load_config(coordinator_toml(tmp_path, mosquitto.address.port, keys=keys.folder))
+    settings = MqttSettings(host=mosquitto.address.host, port=mosquitto.address.port)
+    db = tmp_path / "worker-w1.sqlite3"
+
+    def started(handled: Handled) -> tuple[Worker, WorkerStore]:
+        store = WorkerStore(db)
+        intake = Intake(
+            name="w1", admission=cfg.admission_checks(), keys=CoordinatorKeys.load(cfg.security),
+            store=store,
+        )  # fmt: skip
+        worker = Worker(intake=intake, group="agg", mqtt_settings=settings, on_update=handled)
+        return worker.start(), store
+
+    def stopped(worker: Worker, store: WorkerStore) -> None:
+        worker.stop()  # the session stays: persistent, a day's expiry
+        store.close()
+
+    with devices(mosquitto, keys) as (client, box):
+        client.publish(round_topic("lab"), signed_announcement(keys, 1), qos=1, retain=True)
+        worker, store = started(Handled([]))
+        assert worker.wait_heard(10)
+        if bulkread.supported():
+            assert isinstance(worker._client, BulkReadClient)
+        stopped(worker, store)
+        publish(client, updates[:60])  # queued for the stopped session
+        drained = Handled([])
+        worker, store = started(drained)
+        drained.wait(60)
+        assert box.wait(lambda r: len(r) >= 60)
+        stopped(worker, store)
+        # Started again: a redelivered update would come ahead of the new one.
+        again = Handled([])
+        worker, store = started(again)
+        publish(client, updates[60:])
+        again.wait(1)
+        rows = list(store.updates(RUN, 1))
+        stopped(worker, store)
+    assert [d.reason for d in drained.decisions] == 60 * ["accepted"]
+    assert [(d.client, d.reason) for d in again.decisions] == [("dev-60", "accepted")]
+    assert box.clients() == {u.client for u in updates}
+    assert {r.client: r.digest for r in rows} == {
+        u.client: payload_digest(u.to_wire()) for u in updates
+    }

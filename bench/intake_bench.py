@@ -1,0 +1,507 @@
+"""The sharded intake (issue 42): signed updates through real ``edge-coordinator worker``
+processes behind a real Mosquitto.
+
+- ``coordinator.signed_updates_per_s`` (one worker) and ``coordinator.signed_updates_per_s_2``
+  (two): stand-in updates of 10 classes x 256 dimensions (float16, about 5.5 kB), each
+  signed with its own enrolled Ed25519 key, from publish to durable receipt. So that the
+  publisher does not share the two cores with the workers, the broker's queue is filled
+  first: the workers create their persistent shared-subscription sessions, stop, the
+  updates are published, then the workers start again and drain them. The figure is the
+  burst over the time from the first receipt to the one that completes it (a worker sends
+  a receipt after its commit; the time a process takes to start is not the intake's).
+  The shipped broker queues 10,000 messages per session: this broker queues the whole
+  burst (``max_queued_messages`` raised), so the one-worker run loses nothing.
+  One and two workers alternate, each on a fresh broker and fresh databases, and each
+  figure is the median of its runs; ``coordinator.signed_intake_2_over_1`` is their ratio.
+  ``coordinator.signed_intake_cores_1`` and ``_2`` are the CPU cores the workers used
+  during the drain (medians): another process on the machine shows there, and the ratio
+  is bounded by what they got (the broker and the receipt clock take a little too).
+- ``reliability.signed_flood_honest_lost``: with two workers and the round owner
+  (``edge-coordinator run`` with ``[workers]``) on the shipped broker limits, 100,000
+  updates that name enrolled devices but carry another key's signature are published
+  while a few honest stand-in devices answer two rounds. A device resends, every 10 s and
+  doubling as the agent does, until a receipt names its update; the figure counts first
+  sends that no receipt ever named (lost, recovered only by a resend). Each resend
+  carries a new count so that its receipt is told apart from the first send's.
+  ``reliability.signed_flood_rounds_closed`` is the rounds the owner closed (2 when
+  nothing stalled), ``reliability.signed_flood_s`` the seconds from the first junk
+  message to the second close, ``reliability.signed_flood_resends`` the devices' resends
+  and ``reliability.signed_flood_broker_dropped`` the messages Mosquitto dropped from a
+  full queue (``$SYS``): junk and honest alike, the reason an honest update can be lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from bench.coordinator_bench import BUNDLE, CLASSES, DIM, make_updates
+from bench.reliability_bench import _wait, publish_burst
+from coordinator.owner_service import receipt_filter
+from fleet.transports.broker import BrokerAddress, MosquittoBroker
+from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
+from protocol.auth import Signer, sign, signature_problem
+from protocol.receipts import Receipt, payload_digest
+from runtime.bulkread import client_class
+from runtime.keyfiles import generate_ed25519, load_signer
+
+BIN = Path(sys.executable).parent
+FLEET = "bench"
+WORKERS = ("w1", "w2")
+#: Updates per drain: several seconds for one worker.
+BURST = 20_000
+#: Runs of each worker count, alternating 1, 2, 1, 2, ...
+REPEATS = 3
+JUNK = 100_000
+HONEST = 5
+#: Enrolled devices the junk claims to be (each junk message fails its signature check).
+BYSTANDERS = 50
+#: The agent's default ``[mqtt] resend_s``; it doubles after each resend.
+RESEND_S = 10.0
+#: The drain's run id, in the announcement the bench itself signs (no owner runs then).
+RUN = "run-bench"
+#: Flood messages published and not yet acknowledged by the broker, at most.
+WINDOW = 2_000
+#: Mosquitto's count of messages dropped because a session's queue was full.
+DROPPED = "$SYS/broker/publish/messages/dropped"
+
+
+@dataclasses.dataclass
+class Fleet:
+    """Signed fleet ``bench`` in ``root``: the coordinator's key and ``devices`` enrolled
+    devices (dev-00000 ...), whose signers stay in memory."""
+
+    root: Path
+    coordinator: Signer
+    devices: dict[str, Signer]
+
+    @classmethod
+    def create(cls, root: Path, devices: int) -> Fleet:
+        generate_ed25519(root / "coordinator.key", root / "coordinator.pub")
+        enrolled = root / "devices"
+        enrolled.mkdir(parents=True)
+        signers = {f"dev-{i:05d}": _enrolled(enrolled / f"dev-{i:05d}.pub") for i in range(devices)}
+        return cls(root, load_signer(root / "coordinator.key"), signers)
+
+    def config(self, port: int, state: Path, *, rounds: int = 2, quorum: int = HONEST) -> Path:
+        """A coordinator TOML naming both workers, for the round owner and each worker."""
+        path = state.with_suffix(".toml")
+        path.write_text(
+            f'fleet = "{FLEET}"\nstate_dir = "{state}"\n'
+            f'[model]\nmethod = "fedpcl"\nbundle = "{BUNDLE}"\n'
+            f"classes = {json.dumps([str(c) for c in range(CLASSES)])}\ndim = {DIM}\n"
+            f"[rounds]\nmin_clients = {quorum}\nwait_after_quorum_s = 0.0\n"
+            f"timeout_s = 600.0\nmax_rounds = {rounds}\n"
+            f"[mqtt]\nport = {port}\n"
+            f'[security]\nkey = "{self.root / "coordinator.key"}"\n'
+            f'devices = "{self.root / "devices"}"\n'
+            # What the round owner requires (coordinator/owner.py::refusal).
+            "[robust]\nmedian_count_cap = false\nmedian_norm_clip = false\n"
+            "median_direction_screen = false\n"
+            f'[workers]\nnames = {json.dumps(list(WORKERS))}\nlocal_sets = "omit"\n'
+            "collect_retry_s = 1.0\n"
+        )
+        return path
+
+    def signed(self, update: PrototypeUpdate, client: str, run: str) -> bytes:
+        return sign(
+            dataclasses.replace(update, client=client), self.devices[client], run=run
+        ).to_wire()
+
+
+def _enrolled(public: Path) -> Signer:
+    """A fresh Ed25519 device key, its public half written to ``public`` (enrolment)."""
+    key = ed25519.Ed25519PrivateKey.generate()
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return Signer(key)
+
+
+def publish_one(address: BrokerAddress, topic: str, payload: bytes, *, retain: bool) -> None:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-one")
+    client.connect(address.host, address.port)
+    client.loop_start()
+    try:
+        client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(30)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def start_workers(config: Path, names: tuple[str, ...]) -> list[subprocess.Popen[bytes]]:
+    logs = [config.parent / f"{config.stem}-{name}.log" for name in names]
+    return [
+        subprocess.Popen(
+            [str(BIN / "edge-coordinator"), "worker", "--config", str(config), "--name", name],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+        )
+        for name, log in zip(names, logs, strict=True)
+    ]
+
+
+def wait_ready(config: Path, names: tuple[str, ...], *, timeout: float = 60.0) -> None:
+    for name in names:
+        log = config.parent / f"{config.stem}-{name}.log"
+        _wait(lambda log=log, name=name: f"worker {name} ready" in log.read_text(),
+              timeout=timeout, what=f"ready worker {name}", every=0.05)  # fmt: skip
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM, as systemd stops a worker: it disconnects, its session stays."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (Linux /proc; 0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stored_rows(state: Path) -> int:
+    total = 0
+    for db in state.glob("worker-*.sqlite3"):
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            total += int(conn.execute("SELECT COUNT(*) FROM updates").fetchone()[0])
+    return total
+
+
+# -- the drain --------------------------------------------------------------------------------
+
+
+class ReceiptClock:
+    """Times the receipts of ``expected`` distinct clients: the first and the last.
+
+    It shares the two cores with the workers, so it reads through runtime/bulkread.py
+    rather than paho's one packet per ``select()``, and checks no signature (the tests
+    do: tests/test_worker_intake.py)."""
+
+    def __init__(self, address: BrokerAddress, expected: int) -> None:
+        self.expected = expected
+        self.clients: set[str] = set()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.done = threading.Event()
+        self._client = client_class()(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-clock")
+        self._client.on_message = self._on_message
+        subscribed = threading.Event()
+        self._client.on_subscribe = lambda *_: subscribed.set()
+        self._client.connect(address.host, address.port)
+        self._client.loop_start()
+        self._client.subscribe(receipt_filter(FLEET), qos=1)
+        if not subscribed.wait(10):
+            raise TimeoutError("no SUBACK for the receipt clock")
+
+    def _on_message(self, _c: object, _u: object, message: mqtt.MQTTMessage) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.clients.add(message.topic)
+        if len(self.clients) == self.expected and self.last is None:
+            self.last = now
+            self.done.set()
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    rate: float  # signed updates per second, from the broker's queue to durable receipts
+    cores: float  # the workers' CPU seconds per second of the drain
+
+
+def drain(fleet: Fleet, workers: int, payloads: list[bytes], topics: list[str]) -> Drain:
+    """One drain of ``payloads`` by ``workers`` workers (module text)."""
+    names = WORKERS[:workers]
+    with tempfile.TemporaryDirectory(dir=fleet.root) as tmp, MosquittoBroker(
+        extra_config=f"max_queued_messages {len(payloads) + 1_000}\n"
+    ) as broker:  # fmt: skip
+        state = Path(tmp) / "state"
+        config = fleet.config(broker.address.port, state)
+        announcement = RoundAnnouncement(
+            fleet=FLEET, round=1, run=RUN, run_started=1.0, bundle=BUNDLE, method="fedpcl",
+            classes=tuple(str(c) for c in range(CLASSES)), dim=DIM, deadline=2e9,
+        )  # fmt: skip
+        signed = sign(announcement, fleet.coordinator, run=RUN).to_wire()
+        publish_one(broker.address, round_topic(FLEET), signed, retain=True)
+        procs = start_workers(config, names)
+        try:
+            wait_ready(config, names)  # sessions made, the open round heard and stored
+        finally:
+            stop(procs)
+        clock = ReceiptClock(broker.address, len(payloads))
+        try:
+            publish_burst(broker.address, topics, payloads, client_id="bench-devices")
+            time.sleep(1.0)  # the broker settles; nothing else runs during the drain
+            spawned = time.perf_counter()
+            procs = start_workers(config, names)
+            pids = [broker.pid or 0, *(p.pid for p in procs)]
+            try:
+                _wait(lambda: clock.first is not None, timeout=120, what="first receipt")
+                before = [cpu_seconds(pid) for pid in pids]
+                if not clock.done.wait(600):
+                    raise TimeoutError(f"{len(clock.clients)} of {len(payloads)} receipts")
+                used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+            finally:
+                stop(procs)
+        finally:
+            clock.close()
+        assert clock.first is not None and clock.last is not None
+        rows = stored_rows(state)
+        if rows != len(payloads):
+            raise RuntimeError(f"{rows} rows stored for {len(payloads)} receipted updates")
+        rate = (len(payloads) - 1) / (clock.last - clock.first)
+        busy = ", ".join(f"{u / (clock.last - clock.first):.2f}" for u in used)
+        print(f"  {workers} worker(s): {rate:,.0f} updates/s; first receipt "
+              f"{clock.first - spawned:.2f} s after the start; cores busy (broker, "
+              f"workers): {busy}; load {os.getloadavg()[0]:.2f}", file=sys.stderr)  # fmt: skip
+        return Drain(rate=rate, cores=sum(used[1:]) / (clock.last - clock.first))
+
+
+def drain_rates(fleet: Fleet) -> dict[str, float]:
+    devices = sorted(fleet.devices)[:BURST]
+    updates = make_updates(BURST, round_=1, seed=3)
+    payloads = [fleet.signed(u, c, RUN) for u, c in zip(updates, devices, strict=True)]
+    topics = [update_topic(FLEET, c) for c in devices]
+    runs: dict[int, list[Drain]] = {1: [], 2: []}
+    for _ in range(REPEATS):
+        for workers in (1, 2):
+            runs[workers].append(drain(fleet, workers, payloads, topics))
+    one, two = (float(np.median([d.rate for d in runs[w]])) for w in (1, 2))
+    # How much of the machine the workers had: the ratio can be no better than the cores
+    # they got (another process on the machine takes its share).
+    cores = {w: float(np.median([d.cores for d in runs[w]])) for w in (1, 2)}
+    return {
+        "coordinator.signed_updates_per_s": one,
+        "coordinator.signed_updates_per_s_2": two,
+        "coordinator.signed_intake_2_over_1": two / one,
+        "coordinator.signed_intake_cores_1": cores[1],
+        "coordinator.signed_intake_cores_2": cores[2],
+    }
+
+
+# -- the flood --------------------------------------------------------------------------------
+
+
+class HonestDevices:
+    """``HONEST`` stand-in devices on one MQTT client. Each answers every round announced
+    before the last (round 0 once :meth:`release` lets it), and resends after
+    ``RESEND_S``, doubling, until a receipt signed by the coordinator names its round."""
+
+    def __init__(self, fleet: Fleet, address: BrokerAddress, *, rounds: int) -> None:
+        self.fleet = fleet
+        self.rounds = rounds
+        self.clients = sorted(fleet.devices)[:HONEST]
+        self.run: str | None = None
+        self.round = -1  # the latest announced
+        self.closed_at: float | None = None  # when the last round's close was heard
+        self.dropped = 0  # Mosquitto's count of messages its full queues dropped
+        self.released: set[str] = set()  # may send round 0
+        self.first: dict[tuple[int, str], str] = {}  # digest of each first send
+        self.named: dict[tuple[int, str], set[str]] = {}  # digests receipts named
+        self.resends = 0
+        self._due: dict[tuple[int, str], tuple[float, float]] = {}  # (when, interval)
+        self._lock = threading.Lock()
+        self._heard = threading.Event()
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-honest")
+        self._client.on_message = self._on_message
+        self._client.connect(address.host, address.port)
+        self._client.loop_start()
+        self._client.subscribe([(round_topic(FLEET), 1), (receipt_filter(FLEET), 1), (DROPPED, 0)])
+
+    def _on_message(self, _c: object, _u: object, message: mqtt.MQTTMessage) -> None:
+        if message.topic == DROPPED:
+            self.dropped = int(message.payload)
+        elif message.topic == round_topic(FLEET):
+            heard = RoundAnnouncement.from_wire(message.payload)
+            with self._lock:
+                self.run, self.round = heard.run, max(self.round, heard.round)
+                if heard.round >= self.rounds and self.closed_at is None:
+                    self.closed_at = time.perf_counter()
+            self._heard.set()
+        else:
+            receipt = Receipt.from_wire(message.payload)
+            if signature_problem(receipt, self.fleet.coordinator.public, run=self.run) is None:
+                with self._lock:
+                    self.named.setdefault((receipt.round, receipt.client), set()).add(
+                        receipt.digest
+                    )
+
+    def wait_run(self, timeout: float) -> str:
+        if not self._heard.wait(timeout):
+            raise TimeoutError("the round owner announced no round")
+        assert self.run is not None
+        return self.run
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self.released.add(self.clients[index])
+
+    def step(self, now: float) -> None:
+        """Send what is due: first sends of the open round, resends without a receipt."""
+        with self._lock:
+            round_, run, released = self.round, self.run, set(self.released)
+            pending = [key for key in self.first if key[0] == round_ and not self.named.get(key)]
+        if run is None or round_ >= self.rounds:
+            return
+        for client in self.clients:
+            key = (round_, client)
+            if key not in self.first and (round_ > 0 or client in released):
+                self.first[key] = self._send(round_, client, run, attempt=0)
+                self._due[key] = (now + RESEND_S, RESEND_S)
+        for key in pending:
+            when, interval = self._due[key]
+            if now >= when:
+                self.resends += 1
+                self._send(*key, run, attempt=self.resends)
+                self._due[key] = (now + 2 * interval, 2 * interval)
+
+    def _send(self, round_: int, client: str, run: str, *, attempt: int) -> str:
+        (update,) = make_updates(1, round_=round_, seed=self.clients.index(client))
+        # A resend's count differs, so a receipt tells which copy a worker stored.
+        update = dataclasses.replace(
+            update, counts=(update.counts[0] + attempt, *update.counts[1:])
+        )
+        payload = self.fleet.signed(update, client, run)
+        self._client.publish(update_topic(FLEET, client), payload, qos=1)
+        return payload_digest(payload)
+
+    def lost(self) -> int:
+        """First sends no receipt named."""
+        with self._lock:
+            return sum(d not in self.named.get(key, set()) for key, d in self.first.items())
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+def publish_flood(
+    address: BrokerAddress, payloads: list[bytes], topics: list[str], *, devices: HonestDevices
+) -> None:
+    """Publish ``JUNK`` messages, cycling through ``payloads``, at most ``WINDOW`` unacknowledged
+    (paho would otherwise hold every packet in memory); honest device i may send its round-0
+    update once (i + 1) / (HONEST + 1) of the flood is acknowledged."""
+    acked = [0]
+    cond = threading.Condition()
+    marks = [(i + 1) * JUNK // (HONEST + 1) for i in range(HONEST)]
+
+    def on_publish(*_: object) -> None:
+        with cond:
+            acked[0] += 1
+            if marks and acked[0] >= marks[0]:
+                marks.pop(0)
+                devices.release(HONEST - len(marks) - 1)
+            cond.notify_all()
+
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-junk")
+    pub.max_inflight_messages_set(1000)
+    pub.on_publish = on_publish
+    pub.connect(address.host, address.port)
+    pub.loop_start()
+
+    def acknowledged(count: int) -> None:
+        with cond:
+            if not cond.wait_for(lambda: acked[0] >= count, timeout=120):
+                raise TimeoutError("the broker stopped acknowledging the flood")
+
+    try:
+        for i in range(JUNK):
+            acknowledged(i - WINDOW)
+            k = i % len(payloads)
+            pub.publish(topics[k], payloads[k], qos=1)
+        acknowledged(JUNK)
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+
+
+def signed_flood(fleet: Fleet) -> dict[str, float]:
+    rounds = 2
+    with tempfile.TemporaryDirectory(dir=fleet.root) as tmp, MosquittoBroker(
+        extra_config="sys_interval 1\n"  # the shipped limits; $SYS counts the drops
+    ) as broker:  # fmt: skip
+        state = Path(tmp) / "state"
+        config = fleet.config(broker.address.port, state, rounds=rounds)
+        devices = HonestDevices(fleet, broker.address, rounds=rounds)
+        owner_log = state.with_suffix(".owner.log")
+        owner = subprocess.Popen(
+            [str(BIN / "edge-coordinator"), "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL, stderr=owner_log.open("ab"),
+        )  # fmt: skip
+        workers: list[subprocess.Popen[bytes]] = []
+        try:
+            run = devices.wait_run(60)
+            workers = start_workers(config, WORKERS)
+            wait_ready(config, WORKERS)
+            # Enrolled devices' names, another key's signatures: refused as bad_signature,
+            # each after its Ed25519 check.
+            stranger = Signer(ed25519.Ed25519PrivateKey.generate())  # enrolled nowhere
+            names = sorted(fleet.devices)[HONEST : HONEST + BYSTANDERS]
+            junk = [
+                sign(dataclasses.replace(u, client=c), stranger, run=run).to_wire()
+                for u, c in zip(make_updates(BYSTANDERS, round_=0, seed=9), names, strict=True)
+            ]
+            topics = [update_topic(FLEET, c) for c in names]
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                start = time.perf_counter()
+                flooding = pool.submit(publish_flood, broker.address, junk, topics, devices=devices)
+                while owner.poll() is None and time.perf_counter() - start < 600:
+                    devices.step(time.perf_counter())
+                    time.sleep(0.02)  # the devices' clock: resends are due in whole seconds
+                flooding.result(timeout=120)  # raises what the flood's publisher raised
+            time.sleep(1.0)  # receipts, and $SYS's count, still on their way
+            closed = devices.closed_at
+            out = {
+                "reliability.signed_flood_honest_lost": float(devices.lost()),
+                "reliability.signed_flood_rounds_closed": float(min(devices.round, rounds)),
+                "reliability.signed_flood_resends": float(devices.resends),
+                "reliability.signed_flood_broker_dropped": float(devices.dropped),
+            }
+            if closed is not None:
+                out["reliability.signed_flood_s"] = closed - start
+            print(f"  flood: {out}; owner exit {owner.poll()}", file=sys.stderr)
+            return out
+        finally:
+            stop([owner, *workers])
+            devices.close()
+
+
+def run() -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="protofleet-intake-") as tmp:
+        fleet = Fleet.create(Path(tmp), BURST)
+        return {**drain_rates(fleet), **signed_flood(fleet)}
