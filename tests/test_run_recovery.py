@@ -250,37 +250,15 @@ def _remove(database: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.broker
-def test_a_deleted_database_resumes_the_fleet_in_a_new_run(mosquitto, small_zoo, tmp_path):
-    coordinator, agent = _fleet(tmp_path, small_zoo, mosquitto.address.port)
-    served = coordinator_process(coordinator)
-    device = agent_process(agent)
-    try:
-        device.wait_for("round 2: update stored by the coordinator", timeout=120)
-        before = shown("edge-coordinator", coordinator)["run"]
-        assert served.stop() == 0
-        _remove(_database(coordinator))
-        served = coordinator_process(coordinator)
-        served.wait_for("no database at")
-        # The device adopts the new run and answers its round 0, which closes.
-        device.wait_for("the coordinator began a new run", timeout=60)
-        served.wait_for("round 0 closed with 1 update(s) from dev-a", timeout=60)
-        after = shown("edge-coordinator", coordinator)["run"]
-        assert after["id"] != before["id"] and after["started"] > before["started"]
-        assert shown("edge-agent", agent)["run"] == after["id"]
-        assert device.stop() == 0
-    finally:
-        device.close()
-        served.close()
-
-
-@pytest.mark.slow
-@pytest.mark.broker
-def test_a_rolled_back_database_resumes_past_the_devices_rounds(mosquitto, small_zoo, tmp_path):
+def test_a_rolled_back_then_deleted_database_resumes_the_fleet(mosquitto, small_zoo, tmp_path):
+    """One fleet, two losses (one agent's start-up and training serve both): the database
+    replaced by a copy taken rounds before the device's last answer, then deleted."""
     coordinator, agent = _fleet(tmp_path, small_zoo, mosquitto.address.port)
     database, backup = _database(coordinator), tmp_path / "backup.sqlite3"
     served = coordinator_process(coordinator)
     device = agent_process(agent)
     try:
+        # Rolled back: the same run, behind the device. It skips past the device's round.
         device.wait_for("round 1: update stored by the coordinator", timeout=120)
         kept = snapshot(database, backup)
         seen = device.wait_for(f"round {kept + 2}: update stored by the coordinator", timeout=120)
@@ -293,7 +271,19 @@ def test_a_rolled_back_database_resumes_past_the_devices_rounds(mosquitto, small
         skipped_to = int(said.split("opened round ", 1)[1].split()[0])
         assert skipped_to > kept + 2
         served.wait_for(f"round {skipped_to} closed with 1 update(s) from dev-a", after=line)
-        device.wait_for(f"round {skipped_to}: update stored by the coordinator", after=seen)
+        seen = device.wait_for(f"round {skipped_to}: update stored by the coordinator", after=seen)
+        before = shown("edge-coordinator", coordinator)["run"]
+
+        # Deleted: a new run, said out loud, which the device adopts; its round 0 closes.
+        assert served.stop() == 0
+        _remove(database)
+        served = coordinator_process(coordinator)
+        served.wait_for("no database at")
+        device.wait_for("the coordinator began a new run", after=seen, timeout=60)
+        served.wait_for("round 0 closed with 1 update(s) from dev-a", timeout=60)
+        after = shown("edge-coordinator", coordinator)["run"]
+        assert after["id"] != before["id"] and after["started"] > before["started"]
+        assert shown("edge-agent", agent)["run"] == after["id"]
         assert device.stop() == 0
     finally:
         device.close()
