@@ -311,15 +311,25 @@ def tls_client(
             messages.append(message)
             cond.notify_all()
 
+    closed = threading.Event()
+
+    def on_disconnect(c, u, flags, reason, props):
+        # A broker that refuses a certificate after a TLS 1.3 handshake closes the socket
+        # without a CONNACK: waiting for one would only run out the timeout.
+        with cond:
+            closed.set()
+            cond.notify_all()
+
     client.on_connect = on_connect
     client.on_message = on_message
+    client.on_disconnect = on_disconnect
     try:
         client.connect(broker.host, broker.port)
     except (ssl.SSLError, OSError):
         return client, None, messages, cond
     client.loop_start()
     with cond:
-        cond.wait_for(lambda: outcome, timeout=10)
+        cond.wait_for(lambda: outcome or closed.is_set(), timeout=10)
     if not outcome or not client.is_connected():
         client.loop_stop()
         return client, outcome[0] if outcome else None, messages, cond
