@@ -167,15 +167,11 @@ class Store:
                     "method or bundle."
                 )
 
-    def run_id(self) -> str:
-        """This fleet's coordinator run: drawn once, when the database is new. Signed
-        updates name it, so one from an earlier database cannot be replayed into this."""
-        return self.run()[0]
-
     def run(self, *, now: float | None = None) -> tuple[str, float]:
         """(id, start in Unix seconds) of this database's run, drawn and stamped with
         ``now`` (the clock's time by default) when the database is new. Devices follow one
-        run and adopt another only when it started later (protocol/announcement.py)."""
+        run and adopt another only when it started later (protocol/announcement.py); signed
+        updates name the id, so one from an earlier database cannot be replayed into this."""
         with self._lock:
             run = self._one("SELECT value FROM meta WHERE key = 'run'")
             started = self._one("SELECT value FROM meta WHERE key = 'run_started'")
