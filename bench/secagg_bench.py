@@ -17,7 +17,7 @@ for all:
   ``statistics_of``;
 - ``secagg``: each device quantises its statistics (``runtime.secagg.quantise``: clip to
   the declared dataset bound, scale ``SCALE``, stochastic rounding) and adds its share
-  ``N_Z(0, sigma^2 / t)``, with ``sigma^2`` from ``edge_agent.privacy.distributed``
+  ``N_Z(0, sigma^2 / t)``, with ``sigma^2`` from ``runtime.secagg.plan``
   (``THRESHOLD`` of the 1,000 devices must survive, ``COLLUDING`` may collude); the ring
   sum is decoded (``decode``) and solved;
 - ``noise off``: the same without noise: equal to ``exact`` within ``sum_error_bound``.
@@ -66,7 +66,7 @@ from edge_agent.closed_form import ClosedFormDevice, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import plan_features
-from edge_agent.privacy.distributed import (
+from runtime.secagg.plan import (
     DistributedPlan,
     SecureSum,
     check_ring,

@@ -16,6 +16,7 @@ from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
 from protocol.methods import wire_method
+from runtime.secagg.fleet import AGGREGATIONS, SECURE_METHODS, SecureAggregation
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -211,6 +212,19 @@ class WorkersSettings:
 
 
 @dataclass(frozen=True)
+class PrivacySettings:
+    """``aggregation``: ``plain``, each device's release reaches the coordinator, or
+    ``secure``, only the fleet's sum does (runtime/secagg/, the ``[secure_aggregation]``
+    table; lda and ridge)."""
+
+    aggregation: Literal["plain", "secure"] = "plain"
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}")
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     fleet: str
     state_dir: Path
@@ -225,10 +239,16 @@ class CoordinatorConfig:
     agents: AgentsSettings = field(default_factory=AgentsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     workers: WorkersSettings = field(default_factory=WorkersSettings)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
+    secure_aggregation: SecureAggregation = field(default_factory=SecureAggregation)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
         validate_id(self.coordinator_id, field="coordinator_id")
+        if self.secure:
+            problem = self.secure_problem()
+            if problem is not None:
+                raise ValueError(problem)
         if wire_method(self.model.method).closed_form and self.robust != RobustOptions():
             # Said, not ignored: the defences cap, clip or take medians of prototypes,
             # and a closed-form head is solved from sums (admission bounds them instead).
@@ -236,6 +256,27 @@ class CoordinatorConfig:
                 f"[robust] does not apply to {self.model.method}: its head is solved from the "
                 "summed statistics; leave the [robust] table out"
             )
+
+    @property
+    def secure(self) -> bool:
+        """Whether only the fleet's sum of the devices' statistics reaches this coordinator."""
+        return self.privacy.aggregation == "secure"
+
+    def secure_problem(self) -> str | None:
+        """Why this fleet cannot aggregate securely, in one line; None when it can."""
+        method = self.model.method
+        if method not in SECURE_METHODS:
+            return (
+                f'privacy.aggregation = "secure" sums the devices\' statistics, and {method} '
+                f"needs each device's own release: use {' or '.join(SECURE_METHODS)}, or "
+                f'aggregation = "plain"'
+            )
+        if self.workers.enabled:
+            return (
+                'privacy.aggregation = "secure" runs on the single coordinator: leave the '
+                "[workers] table out"
+            )
+        return self.secure_aggregation.problem()
 
     def stalled(self, *, round_: int, updates: int, extensions: int) -> str | None:
         """Why the open round cannot close, when it cannot: said by status and metrics."""

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
+
 from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.decision import ACCEPTED, Decision
@@ -28,13 +30,15 @@ from coordinator.rejections import Rejections
 from coordinator.run_history import RunHistory
 from coordinator.run_reports import RunReports
 from coordinator.screening import Screening
+from coordinator.secure_rounds import SecureOutcome
 from coordinator.statistics import FleetStatistics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
-from protocol.methods import wire_method
+from protocol.methods import BIAS, wire_method
 from protocol.receipts import payload_digest
+from runtime.secagg.fleet import SecureRelease, secure_release, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,17 @@ class RoundManager:
         # solves, announced again until new statistics come (coordinator/statistics.py).
         self._statistics: FleetStatistics | None = None
         wire = wire_method(config.model.method)
-        if wire.closed_form:
+        # A secure fleet (privacy.aggregation = "secure"): each round's head is solved from
+        # the sum its secure-aggregation round unmasks (coordinator/secure_rounds.py); no
+        # device's statistics are ever stored here, so none are summed update by update.
+        self.secure: SecureRelease | None = None
+        self._secure_outcome: SecureOutcome | None = None
+        if config.secure:
+            self.secure = secure_release(
+                config.secure_aggregation, k=config.model.dim, classes=len(config.model.classes),
+                gram=wire.gram, devices=len(self.keys.devices) or None,
+            )  # fmt: skip
+        elif wire.closed_form:
             assert isinstance(self.strategy, ClosedForm)  # the method's record says it is
             self._statistics = FleetStatistics(
                 store=store, strategy=self.strategy, num_classes=len(config.model.classes),
@@ -235,6 +249,10 @@ class RoundManager:
             ):
                 stored = open_.digests.get(update.client)
                 return Decision("duplicate", update.round, update.client, stored)
+            if self.secure is not None and update.classes:
+                # A device configured for plain aggregation in a secure fleet: its
+                # statistics are not kept, and its operator learns why from the count.
+                return Decision("not_secure", update.round, update.client)
             digest = open_.digests[update.client] = self._stored(update, payload)
             if self._statistics is not None and update.classes:
                 # Added to the round's sum now and let go: a round of 10,000 clients'
@@ -286,12 +304,26 @@ class RoundManager:
         target = self._open.deadline if due is None else due
         return max(0.0, target - now)
 
+    def take_secure(self, outcome: SecureOutcome) -> bool:
+        """The open round's secure aggregation has ended (coordinator/secure_rounds.py):
+        :meth:`poll` closes the round with it. False for another round's (a late one)."""
+        with self._lock:
+            if self._done or self.secure is None or outcome.round != self._open.number:
+                return False
+            self._secure_outcome = outcome
+            return True
+
     def poll(self) -> RoundAnnouncement | None:
         """Close the round if it is due; return the new announcement to publish, if any."""
         with self._lock:
             if self._done:
                 return None
             now = self._clock()
+            if self.secure is not None:
+                # Closed by its secure-aggregation round, whose stages have their own
+                # deadlines: not by updates, which carry no statistics here.
+                outcome, self._secure_outcome = self._secure_outcome, None
+                return None if outcome is None else self._close(now, secure=outcome)
             behind = self.reports.answered_past(
                 self._open, deadline_passed=now >= self._open.deadline
             )
@@ -376,13 +408,40 @@ class RoundManager:
         payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
-    def _close(self, now: float) -> RoundAnnouncement:
+    def _secure_result(self, outcome: SecureOutcome) -> Aggregate:
+        """The head of a secure round's unmasked sum; the head announced before when the
+        round aborted (the devices keep what they have)."""
+        assert self.secure is not None
+        release = self.secure
+        if outcome.total is None:
+            log.warning(
+                "round %d: secure aggregation aborted (%s); the last head stays",
+                outcome.round, outcome.why,
+                extra={"event": "secure_aborted", "round": outcome.round},
+            )  # fmt: skip
+            held = self._announcement
+            bias = held.extras.get(BIAS)
+            return Aggregate(
+                global_classes=held.global_classes,
+                global_prototypes=np.asarray(held.global_prototypes, dtype=np.float64),
+                extras={} if bias is None else {BIAS: np.asarray(bias, dtype=np.float64)},
+            )
+        stats = unflatten(
+            outcome.total, k=release.k, classes=release.classes, gram=release.gram,
+            devices=outcome.survivors,
+        )  # fmt: skip
+        assert isinstance(self.strategy, ClosedForm)  # config.secure_problem checked it
+        return self.strategy.solve_statistics(stats)
+
+    def _close(self, now: float, *, secure: SecureOutcome | None = None) -> RoundAnnouncement:
         started = time.perf_counter()
         closing = self._open
         clients = self.store.update_clients(closing.number)
         model = self.config.model
         fresh: list[str] = []
-        if self._statistics is not None:  # summed as they arrived
+        if secure is not None:
+            result = self._secure_result(secure)
+        elif self._statistics is not None:  # summed as they arrived
             result = self._statistics.solve()
             fresh = list(self._statistics.round_clients)
         else:
@@ -406,7 +465,7 @@ class RoundManager:
             self._statistics.committed()
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - closing.opened_at)
-        if len(clients) < self.config.rounds.min_clients:
+        if secure is None and len(clients) < self.config.rounds.min_clients:
             log.warning(
                 "round %d: closing with %d update(s), below min_clients = %d, after %d "
                 "deadline extensions (rounds.max_extensions)",
@@ -415,6 +474,13 @@ class RoundManager:
                 self.config.rounds.min_clients,
                 closing.extensions,
             )
+        if secure is not None and secure.total is not None:
+            log.info(
+                "round %d: head solved from the secure sum of %d device(s)",
+                closing.number, secure.survivors,
+                extra={"event": "secure_sum", "round": closing.number,
+                       "devices": secure.survivors},
+            )  # fmt: skip
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",
             closing.number,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.decision import Decision
 from coordinator.rounds import RoundManager
+from coordinator.secure_rounds import SecureRounds
 from coordinator.store import StorageFault
 from protocol import (
     RoundAnnouncement,
@@ -69,6 +70,8 @@ class CoordinatorService:
         self._reassert_due = False
         self._announce_due = False
         self._overwritten = 0
+        # A secure fleet's rounds are closed by their secure-aggregation rounds.
+        self.secure = SecureRounds(manager=manager, wake=self._wake.set) if manager.secure else None
         fleet = self.config.fleet
         self.link = MqttLink(
             settings=self.config.mqtt,
@@ -222,6 +225,9 @@ class CoordinatorService:
         """Retain ``announcement`` on the round topic. Only the main loop publishes there,
         so the broker takes the announcements in the order of :attr:`_echoes`; paho's
         thread asks for it instead (:meth:`_reassert_wait`)."""
+        if self.secure is not None and not announcement.params.get("final"):
+            # Listening before the devices hear of the round (once per round).
+            self.secure.begin(announcement.round)
         payload = announcement.to_wire()
         digest = payload_digest(payload)
         with self._round_lock:
@@ -290,6 +296,8 @@ class CoordinatorService:
     def _shutdown(self) -> None:
         # Our own disconnect below is not a lost connection to warn about.
         self._stop.set()
+        if self.secure is not None:
+            self.secure.stop()
         if self._fault is None:
             with contextlib.suppress(sqlite3.Error, OSError):  # already stopping for it
                 self.manager.flush_rejections()

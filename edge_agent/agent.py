@@ -27,6 +27,7 @@ from edge_agent.ignored import IgnoredAnnouncements
 from edge_agent.inference import dense_globals, rule_of
 from edge_agent.keys import AgentKeys
 from edge_agent.methods import device_method
+from edge_agent.privacy.accounting import gaussian_release
 from edge_agent.privacy.modes import LocalTraining, make_mode
 from edge_agent.startup import load_training_data, new_head, open_runtime
 from edge_agent.state import StateDir
@@ -34,6 +35,8 @@ from edge_agent.train import LocalModel, embed, make_optimiser
 from export.runtime import BackboneRuntime
 from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.faults import crash_point
+from runtime.secagg.fleet import flatten, ledger_multiplier, secure_release
+from runtime.secagg.settings import SecAggSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,21 @@ class Decision:
     payload: bytes | None = None
     #: For a round this device cannot take part in: what an operator should fix.
     mismatch: str = ""
+    #: A secure fleet's round: what this device adds to the fleet's sum.
+    secure: SecureInput | None = None
+
+
+@dataclass(frozen=True)
+class SecureInput:
+    """This device's part of round ``round``'s secure sum (``privacy.aggregation =
+    "secure"``): its statistics ``vector`` for the protocol's ``settings``, under the
+    coordinator run ``run``; ``version`` names the data they are of."""
+
+    round: int
+    run: str
+    vector: np.ndarray
+    settings: SecAggSettings
+    version: str
 
 
 class Agent:
@@ -297,6 +315,8 @@ class Agent:
         # What the statistics are of: the data, and the method and size they are taken in
         # (another [closed_form] dim or method over the same data is another release).
         version = f"{self.data_version}:{cfg.method}:{closed.dim}"
+        if cfg.secure:
+            return self._answer_securely(announcement, version=version)
         sent = self.state.snapshot.extra.get("statistics_stored") == version
         made = (
             (StatisticsRelease.nothing(closed.dim), self.mode.spent())
@@ -326,6 +346,56 @@ class Agent:
                               counts=exact.counts, update=payload, metrics=record)  # fmt: skip
         log.info("round %d answered: %s", round_, "statistics" if not sent else "no new data")
         return Decision("answered", update=update, payload=payload)
+
+    def _answer_securely(self, announcement: RoundAnnouncement, *, version: str) -> Decision:
+        """A secure fleet's answer: this device's statistics go into the round's secure sum
+        (the service runs the protocol), once per data version, and no update carries
+        them. The ledger pays for the sum's noise first, as the sum's epsilon for one
+        round (:func:`runtime.secagg.fleet.ledger_multiplier`): a round this device joins
+        but that aborts is paid for all the same."""
+        closed, cfg, round_ = self.closed, self.cfg, announcement.round
+        assert closed is not None
+        if self.state.snapshot.extra.get("statistics_summed") == version:
+            self._settle(round_, summed=False)
+            log.info("round %d: statistics of this data already in the fleet's sum", round_)
+            return Decision("nothing_new")
+        release = secure_release(
+            cfg.secure_aggregation, k=closed.dim, classes=self.num_classes,
+            gram=self.record.wire.gram,
+        )  # fmt: skip
+        if release.plan is not None:
+            event = gaussian_release(ledger_multiplier(release.plan))
+            ledger = self.mode.ledger
+            if not ledger.allows([event]):
+                return self._exhausted(round_)
+            ledger.record(round_, [event])
+        vector = flatten(closed.statistics(), gram=release.gram)
+        self._settle(round_, summed=True)
+        run = announcement.auth.run if announcement.auth is not None else announcement.run
+        return Decision(
+            "secure",
+            secure=SecureInput(round=round_, run=run, vector=vector,
+                               settings=release.settings, version=version),
+        )  # fmt: skip
+
+    def _settle(self, round_: int, *, summed: bool) -> None:
+        """Round ``round_`` answered with nothing to publish on the update topic."""
+        closed = self.closed
+        assert closed is not None
+        exact = closed.statistics()
+        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
+        record: dict[str, Any] = {
+            "loss": 0.0, "train_seconds": 0.0, "time": time.time(), "bytes_up": 0,
+            "bytes_down": None, "statistics_sent": summed, "secure": True,
+        }  # fmt: skip
+        self.state.save_round(round_, model=None, prototypes=means.astype(np.float32),
+                              counts=exact.counts, update=b"", metrics=record)  # fmt: skip
+        self.state.mark_published(round_)
+
+    def summed(self, secure: SecureInput) -> None:
+        """The round's secure sum holds this device's statistics (it was a survivor):
+        the same data need not be summed again."""
+        self.state.record(statistics_summed=secure.version)
 
     def confirmed(self, round_: int) -> None:
         """The coordinator stored this device's update of ``round_`` (its receipt came):

@@ -11,6 +11,7 @@ from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.train_config import TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
+from runtime.secagg.fleet import SECURE_METHODS, SecureAggregation
 from runtime.security import AgentSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -89,6 +90,13 @@ class AgentConfig:
     # lda, ridge, fedcof (edge_agent/closed_form.py).
     closed_form: ClosedFormSettings = field(default_factory=ClosedFormSettings)
     security: AgentSecurity = field(default_factory=AgentSecurity)
+    # The fleet's public secure-aggregation settings (privacy.aggregation = "secure").
+    secure_aggregation: SecureAggregation = field(default_factory=SecureAggregation)
+
+    @property
+    def secure(self) -> bool:
+        """Whether this device's statistics reach the coordinator only inside the fleet's sum."""
+        return self.privacy.aggregation == "secure"
 
     @property
     def run_lock(self) -> Path:
@@ -112,10 +120,29 @@ class AgentConfig:
                 f"takes {', '.join(sorted(method.modes))}); {mechanism} is for "
                 f"{', '.join(takers)}"
             )
+        if self.secure:
+            self._check_secure()
         if len(set(self.classes)) != len(self.classes) or not self.classes:
             raise ValueError("classes must be a non-empty list of unique names")
         if self.history < 1:
             raise ValueError(f"history must be at least 1 round, got {self.history}")
+
+    def _check_secure(self) -> None:
+        if self.method not in SECURE_METHODS:
+            raise ValueError(
+                f'privacy.aggregation = "secure" sums the devices\' statistics, and '
+                f"{self.method} needs each device's own release: use "
+                f'{" or ".join(SECURE_METHODS)}, or aggregation = "plain"'
+            )
+        if self.privacy.mechanism != "none":
+            raise ValueError(
+                f'privacy.aggregation = "secure" noises the fleet\'s sum '
+                f"([secure_aggregation] epsilon); privacy.mechanism = "
+                f'{self.privacy.mechanism!r} would noise each device\'s part too: set it to "none"'
+            )
+        problem = self.secure_aggregation.problem()
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def load(path: Path) -> AgentConfig:

@@ -1,4 +1,4 @@
-"""The distributed discrete Gaussian's plan and account (edge_agent/privacy/distributed.py):
+"""The distributed discrete Gaussian's plan and account (runtime/secagg/plan.py):
 a calibration worked by hand, KLS's tau by hand, the rounding's sensitivity checked on real
 statistics, monotonicity, the epsilon recomputed by Opacus's RDP accountant, and the ring
 that a sum could wrap refused."""
@@ -14,7 +14,7 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-from edge_agent.privacy.distributed import (
+from runtime.secagg.plan import (
     CONVERSION_SLACK,
     DistributedPlan,
     SecureSum,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from edge_agent.privacy.accounting import ACCOUNTANTS
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismSpec
 from edge_agent.privacy.randomness import guarantee
+from runtime.secagg.fleet import AGGREGATIONS
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,13 @@ class PrivacySettings:
     # Experiments only: mechanism randomness replayable from this seed. It voids the
     # guarantee, and every update, ledger entry, status and report says so.
     reproducible_noise_seed: int | None = None
+    # plain: the device's release reaches the coordinator; secure: only the fleet's sum of
+    # the devices' statistics does, noised by the [secure_aggregation] table (lda, ridge).
+    aggregation: str = "plain"
 
     def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"privacy.aggregation must be one of {', '.join(AGGREGATIONS)}")
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"privacy.mechanism must be one of {', '.join(MECHANISMS)}")
         if self.accountant not in ACCOUNTANTS:

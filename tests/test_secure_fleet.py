@@ -1,0 +1,178 @@
+"""A secure fleet end to end (``privacy.aggregation = "secure"``): real agents and the
+coordinator's service over a real Mosquitto, the statistics summed by secure aggregation.
+
+The coordinator's head is the plain LDA of the devices' summed statistics within the
+quantisation bound (noise off), no device's statistics are in its database or its log,
+and the devices refuse to sum the same data twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.config import (
+    CoordinatorConfig,
+    ModelSettings,
+    PrivacySettings,
+    RoundSettings,
+)
+from coordinator.rounds import RoundManager
+from coordinator.secure_rounds import SecureOutcome
+from coordinator.service import CoordinatorService
+from coordinator.store import Store
+from coordinator.strategies.closed_form import LDA
+from edge_agent.agent import Agent
+from edge_agent.config import ClosedFormSettings
+from edge_agent.privacy.settings import PrivacySettings as AgentPrivacy
+from edge_agent.service import AgentService
+from export.bundle import load as load_bundle
+from fleet.transports.broker import MosquittoBroker
+from runtime import closed_form as cf
+from runtime.secagg.fleet import SecureAggregation, flatten, unflatten
+from runtime.secagg.quantise import sum_error_bound
+from runtime.security import CoordinatorSecurity
+from runtime.transport import MqttSettings
+from tests.agent_helpers import CLASSES, agent_config
+
+K = 12
+DOMAINS = ("clean", "inverted", "colour")
+TRAIN = 120  # agent_helpers' training samples per device
+
+
+def _table(**overrides: object) -> SecureAggregation:
+    base = dict(threshold=2, epsilon=0.0, dataset_size=TRAIN, stage_timeout_s=20.0)
+    return SecureAggregation(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def _coordinator(
+    tmp_path: Path, port: int, bundle: str, table: SecureAggregation
+) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        fleet="lab",
+        state_dir=tmp_path / "coordinator",
+        model=ModelSettings(method="lda", bundle=bundle, classes=CLASSES, dim=K),
+        rounds=RoundSettings(
+            min_clients=len(DOMAINS), wait_after_quorum_s=0.0, timeout_s=600.0, max_rounds=2
+        ),
+        mqtt=MqttSettings(port=port),
+        security=CoordinatorSecurity(insecure=True),
+        privacy=PrivacySettings(aggregation="secure"),
+        secure_aggregation=table,
+    )
+
+
+def _agents(tmp_path: Path, bundle: Path, port: int, table: SecureAggregation) -> list[Agent]:
+    agents = []
+    for i, domain in enumerate(DOMAINS):
+        cfg = agent_config(tmp_path / f"dev-{i}", bundle, agent_id=f"dev-{i}", domain=domain,
+                           method="lda", port=port)  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg, closed_form=ClosedFormSettings(dim=K),
+            privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table,
+        )  # fmt: skip
+        agents.append(Agent(cfg))
+    return agents
+
+
+@contextmanager
+def _running(services: list[AgentService], coordinator: CoordinatorService) -> Iterator[None]:
+    threads = [threading.Thread(target=s.run, daemon=True) for s in services]
+    ready = threading.Event()
+    main = threading.Thread(target=coordinator.run, kwargs={"ready": ready}, daemon=True)
+    main.start()
+    assert ready.wait(20)
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for s in services:
+            s.stop()
+        coordinator.stop()
+        for t in [*threads, main]:
+            t.join(30)
+
+
+def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
+    small_zoo: Path,
+    tmp_path: Path,
+    mosquitto: MosquittoBroker,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO)
+    # A short stage deadline: round 1 waits it out for advertisements that never come.
+    table = _table(stage_timeout_s=3.0)
+    port = mosquitto.address.port
+    bundle_id = load_bundle(small_zoo).id
+    agents = _agents(tmp_path, small_zoo, port, table)
+    config = _coordinator(tmp_path, port, bundle_id, table)
+    manager = RoundManager(config=config, store=Store(config.database))
+    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
+    services = [AgentService(agent=a) for a in agents]
+    # What the secure round hands the manager: the unmasked sum (and nothing else).
+    outcomes: list[SecureOutcome] = []
+    take = manager.take_secure
+    monkeypatch.setattr(manager, "take_secure", lambda o: outcomes.append(o) or take(o))
+    finished = threading.Event()
+    with _running(services, coordinator):
+        # Round 0 is the secure round; round 1 (final) carries its head.
+        while not finished.wait(0.2):
+            if manager.done or all(a.state.snapshot.extra.get("final_round") for a in agents):
+                finished.set()
+    assert manager.done
+    announcement = manager.announcement
+    assert announcement.global_classes, "the final announcement carries the solved head"
+
+    # The unmasked sum is the plain sum of the devices' statistics within the
+    # quantisation bound, and the announced head is the one solved from it.
+    exact = [a.closed.statistics() for a in agents if a.closed is not None]
+    total = np.sum([flatten(s, gram=True) for s in exact], axis=0)
+    assert len(outcomes) == 2 and outcomes[1].total is None  # round 1: nobody has new data
+    summed = outcomes[0]
+    assert summed.survivors == len(DOMAINS) and summed.total is not None
+    assert manager.secure is not None
+    bound = sum_error_bound(len(exact), spec=manager.secure.settings.spec)
+    assert 0 < np.abs(summed.total - total).max() < bound
+    solved = LDA().solve_statistics(unflatten(summed.total, k=K, classes=len(CLASSES),
+                                              gram=True, devices=len(exact)))  # fmt: skip
+    assert announcement.global_classes == solved.global_classes
+    np.testing.assert_array_equal(
+        announcement.global_prototypes,
+        np.asarray(solved.global_prototypes).astype(announcement.global_prototypes.dtype),
+    )
+
+    # Every device's statistics were summed once: the data is marked so.
+    assert all(a.state.snapshot.extra.get("statistics_summed") for a in agents)
+
+    # Nothing of a device's statistics is in the coordinator's database or log.
+    db = sqlite3.connect(config.database)
+    blobs: list[bytes] = []
+    for (table_name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+        for row in db.execute(f'SELECT * FROM "{table_name}"'):
+            blobs.extend(bytes(v) if isinstance(v, memoryview) else v for v in row
+                         if isinstance(v, (bytes, memoryview)))  # fmt: skip
+    assert db.execute("SELECT COUNT(*) FROM updates").fetchone()[0] == 0
+    db.close()
+    for s in exact:
+        for values in (s.sums, s.counts, cf.upper_triangle(s.gram)):  # type: ignore[arg-type]
+            held = np.asarray(values).ravel()
+            held = held[np.abs(held) > 1e-3][:8]  # distinctive values of this device's
+            for dtype in (np.float64, np.float32, np.float16):
+                needle = np.asarray(held, dtype=dtype).tobytes()[:8]
+                assert not any(needle in blob for blob in blobs), dtype
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("coordinator"))
+    for s in exact:
+        for value in s.sums.ravel()[:20]:
+            if abs(value) > 1e-3:
+                assert f"{value:.6g}" not in text
+    assert "head solved from the secure sum of 3 device(s)" in text
