@@ -15,7 +15,9 @@ update and a collect request (coordinator/worker.py carries them over MQTT).
   check receipts against the coordinator key they pinned.
 - **A partial sum** is recomputed from the stored rows on every request, leaving out the
   clients the combiner names (coordinator/partial_wire.py), and a round once collected
-  takes no more updates.
+  takes no more updates. For a closed-form method it carries the summed statistics of
+  the updates that hold some, and those of the earlier copies the combiner asks for
+  back (coordinator/partial_statistics.py, coordinator/owner_statistics.py).
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from coordinator.admission import Admission
 from coordinator.decision import ACCEPTED, Decision
 from coordinator.keys import CoordinatorKeys
 from coordinator.partial import PartialSum, merge, partial_of
+from coordinator.partial_statistics import StatisticsPart, merge_parts, part_of
 from coordinator.partial_wire import Copy, PartialMessage
 from coordinator.screening import Screening
 from coordinator.worker_store import OpenRound, WorkerStore
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, PrototypeUpdate, RoundAnnouncement
 from protocol.auth import Verifier, sign, signature_problem
+from protocol.methods import wire_method
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import parse_topic
 
@@ -186,32 +190,69 @@ class Intake:
 
     # -- partial sums -------------------------------------------------------------------
 
-    def collect(self, *, run: str, round_: int, exclude: Iterable[str] = ()) -> PartialMessage:
+    def collect(
+        self,
+        *,
+        run: str,
+        round_: int,
+        exclude: Iterable[str] = (),
+        retract: Mapping[str, int] | None = None,
+    ) -> PartialMessage:
         """This worker's partial of ``round_`` of ``run`` without the clients in
-        ``exclude``, recomputed from its stored rows. From now on the round takes no
-        more updates (it is recorded before the rows are read)."""
+        ``exclude``, recomputed from its stored rows, with the summed statistics of the
+        earlier copies ``retract`` names (client -> round) that it holds. From now on the
+        round takes no more updates (it is recorded before the rows are read)."""
         self.store.mark_collected(run, round_)
         excluded = frozenset(exclude)
         copies: dict[str, Copy] = {}
         parts = [PartialSum.empty(num_classes=self.admission.num_classes, dim=self.admission.dim)]
+        closed_form = self.admission.statistics
+        statistics = [self._statistics_of([])] if closed_form else []
         chunk: list[PrototypeUpdate] = []
+
+        def add(batch: list[PrototypeUpdate]) -> None:
+            parts.append(self._partial_of(batch))
+            if closed_form:
+                statistics.append(self._statistics_of(batch))
+
         for row in self.store.updates(run, round_):
             if row.client in excluded:
                 continue
             copies[row.client] = Copy(digest=row.digest, stored_at=row.stored_at)
-            chunk.append(PrototypeUpdate.from_wire(row.payload, max_bytes=len(row.payload)))
+            chunk.append(_decoded(row.payload))
             if len(chunk) == CHUNK:
-                parts.append(self._partial_of(chunk))
+                add(chunk)
                 chunk = []
         if chunk:
-            parts.append(self._partial_of(chunk))
+            add(chunk)
+        retract = dict(retract or {})
         return PartialMessage(
             fleet=self.fleet, run=run, round=round_, worker=self.name, partial=merge(parts),
             copies=copies, excluded=excluded,
+            statistics=merge_parts(statistics) if closed_form else None,
+            retract=retract, retraction=self._retraction(run, retract) if retract else None,
         )  # fmt: skip
 
     def _partial_of(self, updates: list[PrototypeUpdate]) -> PartialSum:
         return partial_of(updates, num_classes=self.admission.num_classes, dim=self.admission.dim)
+
+    def _statistics_of(self, updates: Iterable[PrototypeUpdate]) -> StatisticsPart:
+        return part_of(
+            updates, num_classes=self.admission.num_classes, dim=self.admission.dim,
+            gram=wire_method(self.admission.method).gram,
+        )  # fmt: skip
+
+    def _retraction(self, run: str, retract: Mapping[str, int]) -> StatisticsPart:
+        """The statistics of the earlier copies named, as this worker stored them: one at
+        a time (a client's replaced statistics are few). A copy it does not hold, or one
+        without statistics, is left out; the owner sees which from the clients."""
+        earlier = (self.store.update(run, r, client) for client, r in sorted(retract.items()))
+        return self._statistics_of(_decoded(row.payload) for row in earlier if row is not None)
+
+
+def _decoded(payload: bytes) -> PrototypeUpdate:
+    """A stored update: it passed the checks when it came, so its own size is its cap."""
+    return PrototypeUpdate.from_wire(payload, max_bytes=len(payload))
 
 
 def _later(new: OpenRound, old: OpenRound) -> bool:

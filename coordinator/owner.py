@@ -24,10 +24,16 @@ updates) and does the rest of what coordinator/rounds.py does for a single coord
   those workers again without them, merges exactly (``combine``), divides once
   (coordinator/partial.py::global_prototypes) and announces round r+1 in the same
   transaction as closing r (``Store.advance``).
+- **Closed-form methods** (lda, ridge, fedcof): the partials carry the summed statistics
+  of their updates; in the same second phase the owner asks for the earlier statistics
+  of the clients whose new ones replace them, and solves the head from the fleet's total
+  with the single coordinator's strategy (coordinator/owner_statistics.py says how, and
+  why so).
 
-Only methods whose aggregation is a ratio of sums run here (:data:`SPLITS`), with the rows
-and counts as sent (``RAW``: a worker's partial cannot apply a median defence); anything
-else is refused at start with one line (:func:`refusal`).
+Only methods whose aggregation is a ratio of sums (:data:`SPLITS`) or a sum of statistics
+run here; the ratios with the rows and counts as sent (``RAW``: a worker's partial cannot
+apply a median defence). Anything else is refused at start with one line
+(:func:`refusal`).
 
 A restarted owner has lost the open round's receipt count: it collects at the round's
 deadline at the latest, whatever its count, and the merged partials decide; below
@@ -40,7 +46,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -51,21 +58,20 @@ from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.open_round import OpenRound
+from coordinator.owner_collect import Collect, plan
+from coordinator.owner_statistics import OwnerStatistics
 from coordinator.partial import Mean, PartialSum, global_prototypes
-from coordinator.partial_wire import (
-    CollectRequest,
-    PartialMessage,
-    combine,
-    exclusions,
-)
+from coordinator.partial_wire import CollectRequest, PartialMessage, combine
 from coordinator.store import Store
-from coordinator.strategies import Aggregate
+from coordinator.strategies import Aggregate, make_strategy
 from coordinator.strategies.base import RAW
+from coordinator.strategies.closed_form import ClosedForm
 from coordinator.worker_ledger import Answer, WorkerLedger, WorkerMetrics
 from protocol import ProtocolError, RoundAnnouncement
 from protocol.auth import signature_problem
-from protocol.methods import wire_method
+from protocol.methods import WIRE_METHODS, wire_method
 from protocol.receipts import Receipt
+from runtime import closed_form as cf
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +89,13 @@ _MEDIANS = ("median_count_cap", "median_norm_clip", "median_direction_screen")
 def refusal(cfg: CoordinatorConfig) -> str | None:
     """Why ``cfg`` cannot run over workers, in one line naming the setting; None if it can."""
     method = cfg.model.method
+    record = wire_method(method)
+    if record.closed_form:
+        # Its statistics are sums (coordinator/owner_statistics.py), and the configuration
+        # already refuses a [robust] table for it: nothing here to refuse.
+        return None
     if method not in SPLITS:
-        record = wire_method(method)
-        if record.closed_form:
-            why = "its statistics are sums, but the workers do not send them (not built)"
-        elif record.averaged:
+        if record.averaged:
             why = "its announcement averages the weights every update carries"
         elif record.extras != "none":
             why = "its aggregation is per client"
@@ -95,7 +103,7 @@ def refusal(cfg: CoordinatorConfig) -> str | None:
             why = "it has no server step to split"
         return (
             f"[workers]: model.method = {method!r} does not run over workers ({why}); "
-            f"supported: {', '.join(sorted(SPLITS))}. Leave [workers] out to run the single "
+            f"supported: {', '.join(_supported())}. Leave [workers] out to run the single "
             "coordinator"
         )
     if wire_method(method).local_sets and cfg.workers.local_sets != "omit":
@@ -127,43 +135,23 @@ def refusal(cfg: CoordinatorConfig) -> str | None:
     return None
 
 
-# -- the collect -------------------------------------------------------------------------
-
-
-@dataclass
-class Collect:
-    """One round's collect: every worker's first answer, then the answers without the
-    clients another worker keeps (``drop``), asked again every ``retry_s``."""
-
-    round: int
-    started: float
-    first: dict[str, PartialMessage] = field(default_factory=dict)
-    drop: dict[str, frozenset[str]] | None = None  # None until every first answer is in
-    final: dict[str, PartialMessage] = field(default_factory=dict)
-    answered_at: dict[str, float] = field(default_factory=dict)
-    asked_at: float = -np.inf
-
-    def waiting(self, members: Iterable[str]) -> list[str]:
-        """The workers whose answer the current phase still lacks."""
-        if self.drop is None:
-            return [w for w in members if w not in self.first]
-        return [w for w in self.drop if w not in self.final]
-
-    def request(self, fleet: str, run: str, worker: str) -> CollectRequest:
-        exclude = frozenset() if self.drop is None else self.drop[worker]
-        return CollectRequest(fleet=fleet, run=run, round=self.round, worker=worker,
-                              exclude=exclude)  # fmt: skip
+def _supported() -> list[str]:
+    return sorted({*SPLITS, *(m.name for m in WIRE_METHODS.values() if m.closed_form)})
 
 
 @dataclass(frozen=True)
 class Closed:
-    """What the owner made of a round: the merged partial sum and the float64 global
-    prototypes (C, d) and mask, before the announcement's cast to ``announce_dtype``."""
+    """What the owner made of a round: the merged partial sum, the float64 global
+    prototypes (C, d) and mask, before the announcement's cast to ``announce_dtype``, and
+    the aggregate announced (for a closed-form method, its head, whose weight rows are
+    ``values[has]``; ``statistics`` is then the fleet's total it was solved from)."""
 
     round: int
     merged: PartialSum
     values: np.ndarray
     has: np.ndarray
+    result: Aggregate = field(default_factory=Aggregate)
+    statistics: cf.Statistics | None = None
 
 
 Outgoing: TypeAlias = RoundAnnouncement | CollectRequest
@@ -190,7 +178,8 @@ class RoundOwner:
         self.members = config.workers.members
         self.metrics = metrics or Metrics()
         self.worker_metrics = worker_metrics
-        self._mean = SPLITS[config.model.method](config)
+        record = wire_method(config.model.method)
+        self._mean: Mean | None = None if record.closed_form else SPLITS[record.name](config)
         self._clock = clock
         self._lock = threading.RLock()
         self.keys = CoordinatorKeys.load(config.security)
@@ -222,12 +211,31 @@ class RoundOwner:
         self._count_unknown = resumed
         self._collect: Collect | None = None
         self.closed: Closed | None = None
+        #: Partials refused before they were looked at, by reason (``malformed``: not a
+        #: partial this code decodes; ``wrong_shape``: of other classes, dimensions or
+        #: statistics than the fleet's).
+        self.refused: Counter[str] = Counter()
         self.ledger = WorkerLedger(store.path)
+        # Closed-form methods: the fleet's statistics and the head they solve, kept beside
+        # the rounds in the coordinator's database (coordinator/owner_statistics.py).
+        self._statistics: OwnerStatistics | None = None
+        if record.closed_form:
+            strategy = make_strategy(
+                record.name, robust=config.robust, **dict(config.model.strategy)
+            )
+            assert isinstance(strategy, ClosedForm)  # the method's record says it is
+            self._statistics = OwnerStatistics(
+                path=store.path, strategy=strategy, num_classes=len(config.model.classes),
+                dim=config.model.dim, gram=record.gram, open_round=latest.round,
+                synchronous=config.sqlite_synchronous,
+            )  # fmt: skip
         self.metrics.current_round.set(self._open.number)
         self.metrics.round_opened.set(self._open.opened_at)
 
     def close(self) -> None:
         self.ledger.close()
+        if self._statistics is not None:
+            self._statistics.close()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -275,11 +283,18 @@ class RoundOwner:
         return True
 
     def take_partial(self, payload: bytes | bytearray) -> bool:
-        """Keep a worker's answer to the open collect; whether it was one."""
+        """Keep a worker's answer to the open collect; whether it was one. A partial that
+        does not decode, or not to the fleet's shapes, is refused and counted."""
         try:
             message = PartialMessage.from_wire(payload)
         except ProtocolError as exc:
             log.warning("a malformed partial sum (%s): ignored", exc)
+            self._refuse("malformed")
+            return False
+        problem = self._shape_problem(message)
+        if problem is not None:
+            log.warning("a partial sum from %s %s: ignored", message.worker, problem)
+            self._refuse("wrong_shape")
             return False
         with self._lock:
             collect = self._collect
@@ -291,9 +306,11 @@ class RoundOwner:
             ):
                 return False
             now = self._clock()
-            if collect.drop is None and not message.excluded:
+            if collect.asks is None and not message.excluded and not message.retract:
                 collect.first.setdefault(message.worker, message)
-            elif collect.drop is not None and collect.drop.get(message.worker) == message.excluded:
+            elif collect.asks is not None and message.worker in collect.asks:
+                if not collect.asks[message.worker].answered_by(message):
+                    return False
                 collect.final.setdefault(message.worker, message)
             else:
                 return False
@@ -302,6 +319,30 @@ class RoundOwner:
                 self.worker_metrics.answered.labels(worker=message.worker).set(now)
                 self.worker_metrics.unanswered.labels(worker=message.worker).set(0)
         return True
+
+    def _shape_problem(self, message: PartialMessage) -> str | None:
+        """Why ``message`` cannot be merged into this fleet's sums (a worker on another
+        configuration), or None: checked here, so that the close never meets it."""
+        model = self.config.model
+        shape = (len(model.classes), model.dim)
+        if (message.partial.num_classes, message.partial.dim) != shape:
+            return (
+                f"is of {message.partial.num_classes} classes x {message.partial.dim}, not {shape}"
+            )
+        parts = [p for p in (message.statistics, message.retraction) if p is not None]
+        if self._statistics is None:
+            return "carries statistics, which this fleet's method does not" if parts else None
+        if message.statistics is None:
+            return "carries no statistics"
+        if any(p.gram != self._statistics.gram for p in parts):
+            return "carries another method's statistics"
+        return None
+
+    def _refuse(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+        if self.worker_metrics is not None:
+            self.worker_metrics.refused.labels(reason=reason).inc()
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -375,16 +416,18 @@ class RoundOwner:
         collect = self._collect
         assert collect is not None
         waiting = collect.waiting(self.members)
-        if not waiting and collect.drop is None:
-            collect.drop = exclusions(collect.first.values())
-            collect.asked_at = -np.inf
-            if collect.drop:
-                log.info(
-                    "round %d: %d client(s) held by two workers; asking %s again without them",
-                    collect.round, len(set().union(*collect.drop.values())),
-                    ", ".join(collect.drop),
-                )  # fmt: skip
-            waiting = collect.waiting(self.members)
+        if not waiting:
+            asks = plan(collect, members=self.members, statistics=self._statistics)
+            if collect.asks is None or asks != collect.asks:
+                changed = collect.ask(asks)
+                if changed:
+                    log.info(
+                        "round %d: asking %s again: %d client(s) left out (held by another "
+                        "worker), %d client(s)' earlier statistics taken back", collect.round,
+                        ", ".join(changed), sum(len(a.exclude) for a in asks.values()),
+                        sum(len(a.retract) for a in asks.values()),
+                    )  # fmt: skip
+                waiting = collect.waiting(self.members)
         if not waiting:
             return [self._close(now)]
         retry = self.config.workers.collect_retry_s
@@ -402,45 +445,67 @@ class RoundOwner:
                 self.worker_metrics.unanswered.labels(worker=worker).set(now - collect.started)
         collect.asked_at = now
         fleet = self.config.fleet
-        if collect.drop is None and len(waiting) == len(self.members):
+        if collect.asks is None and len(waiting) == len(self.members):
             return [CollectRequest(fleet=fleet, run=self.run_id, round=collect.round)]
         return [collect.request(fleet, self.run_id, worker) for worker in waiting]
+
+    def _globals(
+        self, values: np.ndarray, has: np.ndarray, merged: PartialSum, round_: int
+    ) -> Aggregate:
+        """The global prototypes to announce: the merged partials', or, below
+        ``rounds.floor`` (only after a restart lost the count), the last global state."""
+        floor = self.config.rounds.floor
+        if len(merged.clients) >= floor:
+            return Aggregate(
+                global_classes=tuple(int(c) for c in np.flatnonzero(has)),
+                global_prototypes=values[has],
+            )
+        last = self._announcement
+        log.warning(
+            "round %d: collected %d update(s), below rounds.floor = %d; opening round %d "
+            "with the last global state", round_, len(merged.clients), floor, round_ + 1,
+        )  # fmt: skip
+        return Aggregate(
+            global_classes=last.global_classes,
+            global_prototypes=np.asarray(last.global_prototypes, dtype=np.float64),
+        )
 
     def _close(self, now: float) -> RoundAnnouncement:
         started = time.perf_counter()
         collect, closing = self._collect, self._open
-        assert collect is not None and collect.drop is not None
+        assert collect is not None and collect.asks is not None
         answers = {**collect.first, **collect.final}
         merged = combine(answers.values(), fleet=self.config.fleet, run=self.run_id,
                          round_=closing.number)  # fmt: skip
-        values, has = global_prototypes(merged, mean=self._mean)
-        self.closed = Closed(round=closing.number, merged=merged, values=values, has=has)
         rounds = self.config.rounds
-        if len(merged.clients) >= rounds.floor:
-            result = Aggregate(
-                global_classes=tuple(int(c) for c in np.flatnonzero(has)),
-                global_prototypes=values[has],
-            )
-        else:  # only after a restart lost the count: keep the fleet's last global state
-            last = self._announcement
-            result = Aggregate(
-                global_classes=last.global_classes,
-                global_prototypes=np.asarray(last.global_prototypes, dtype=np.float64),
-            )
-            log.warning(
-                "round %d: collected %d update(s), below rounds.floor = %d; opening round %d "
-                "with the last global state", closing.number, len(merged.clients),
-                rounds.floor, closing.number + 1,
-            )  # fmt: skip
+        statistics, solved = self._statistics, None
+        if statistics is not None:
+            # Counted whatever rounds.floor says: the devices sent them once, have their
+            # receipts and will not send them again.
+            solved = statistics.solve(answers, round_=closing.number)
+            result = solved.result
+            values, has = _dense(result, self.config)
+        else:
+            assert self._mean is not None
+            values, has = global_prototypes(merged, mean=self._mean)
+            result = self._globals(values, has, merged, closing.number)
+        self.closed = Closed(
+            round=closing.number, merged=merged, values=values, has=has, result=result,
+            statistics=None if solved is None else solved.total,
+        )  # fmt: skip
         self.metrics.aggregation_seconds.observe(time.perf_counter() - started)
         finished = closing.number + 1
         final = rounds.max_rounds > 0 and finished >= rounds.max_rounds
         deadline = now if final else now + rounds.timeout_s
         nxt = self.announcer.announce(finished, result, deadline=deadline, final=final)
+        if statistics is not None and solved is not None:
+            statistics.save(solved)  # before the close commits: see its docstring
         self.store.advance(
             closing.number, closed_at=now, announcement=nxt.to_wire(), deadline=deadline,
             keep_rounds=rounds.keep_rounds, final=final,
         )  # fmt: skip
+        if statistics is not None and solved is not None:
+            statistics.committed(solved)
         shares = [
             Answer(worker=w, held=len(collect.first[w].partial.clients),
                    counted=len(answers[w].partial.clients), answered_at=collect.answered_at[w])
@@ -468,3 +533,13 @@ class RoundOwner:
         self.metrics.round_opened.set(now)
         self.metrics.current_round.set(finished)
         return nxt
+
+
+def _dense(result: Aggregate, config: CoordinatorConfig) -> tuple[np.ndarray, np.ndarray]:
+    """An announced head's weight rows in the dense (C, d) layout, and its class mask."""
+    values = np.zeros((len(config.model.classes), config.model.dim))
+    has = np.zeros(len(config.model.classes), dtype=bool)
+    classes = list(result.global_classes)
+    values[classes] = result.global_prototypes
+    has[classes] = True
+    return values, has

@@ -15,6 +15,16 @@ each copy; :func:`exclusions` picks one copy of every client that two partials s
 the combiner asks the other workers again, naming the clients to leave out
 (:class:`CollectRequest` ``exclude``). The merge (:func:`combine`) then counts every
 client once, and still refuses partials that share one.
+
+Closed-form methods (version 3): a partial also carries the summed statistics of the
+updates it holds (``statistics``, coordinator/partial_statistics.py), and, when the
+combiner asks for them (:class:`CollectRequest` ``retract``: client -> the earlier round),
+the summed statistics of the earlier copies named (``retraction``), which the clients'
+new statistics replace (coordinator/owner_statistics.py). The second moment travels as
+its upper triangle (``runtime/closed_form/triangles.py``, 1 MB at 512 dimensions);
+FedCOF's per-class scatter whole, (C, d, d): 21 MB at 10 classes of 512 dimensions, so a
+partial that also carries a retraction stays within the byte cap up to about 60 classes
+at 512.
 """
 
 from __future__ import annotations
@@ -27,13 +37,16 @@ from typing import Any
 import numpy as np
 
 from coordinator.partial import PartialSum, merge
+from coordinator.partial_statistics import StatisticsPart
 from protocol.codec import pack, unpack
 from protocol.errors import MalformedPayload
 from protocol.ids import validate_id
 from protocol.limits import MAX_CLASSES
+from runtime import closed_form as cf
 
 TIER_ROOT = "protofleet-tier/v1"
-VERSION = 2
+#: 3: the closed-form statistics and their retraction (2 had neither).
+VERSION = 3
 #: A partial's byte cap: arrays of 4,096 classes x 1,024 dimensions and a million clients'
 #: ids, digests and times fit; the arrays are a few hundred kB at a realistic 10 x 256, the
 #: rest grows with the slice (about 52 bytes a client at 11-character ids).
@@ -45,7 +58,11 @@ MAX_ROUND = 2**31 - 1
 DIGEST_BYTES = 32
 _KEYS = {"v", "type", "fleet", "run", "round", "worker", "weighted", "counts", "plain"}
 _KEYS |= {"holders", "classes", "dim", "clients", "digests", "stored_at", "excluded"}
-_COLLECT_KEYS = {"v", "type", "fleet", "run", "round", "worker", "exclude"}
+_KEYS |= {"statistics", "retract", "retraction"}
+_COLLECT_KEYS = {"v", "type", "fleet", "run", "round", "worker", "exclude", "retract"}
+_STATISTICS_KEYS = {"counts", "sums", "gram", "scatter", "holders", "devices"}
+#: A sum over at most this many devices (float64 integers are exact below 2**53).
+MAX_DEVICES = 2**53
 
 
 def partial_topic(fleet: str, worker: str) -> str:
@@ -81,7 +98,9 @@ class Copy:
 @dataclass(frozen=True)
 class CollectRequest:
     """The combiner asks for the partial sums of ``round`` of ``run``: every worker's
-    (``worker`` None) or one worker's, leaving out the clients in ``exclude``.
+    (``worker`` None) or one worker's, leaving out the clients in ``exclude``, and with
+    the summed statistics of the earlier copies in ``retract`` (client -> the round of
+    the copy, before ``round``; closed-form methods).
 
     A worker that answers a request takes no more updates for that round: its partial of
     the round is final from then on, so a receipt it sent is for an update the merge holds.
@@ -92,6 +111,8 @@ class CollectRequest:
     round: int
     worker: str | None = None
     exclude: frozenset[str] = frozenset()
+    # hash=False: a mapping is not hashable; equality still compares it.
+    retract: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
@@ -102,8 +123,9 @@ class CollectRequest:
             validate_id(self.worker, field="worker")
         for client in self.exclude:
             validate_id(client, field="exclude")
-        if self.exclude and self.worker is None:
+        if (self.exclude or self.retract) and self.worker is None:
             raise ValueError("clients are excluded from one worker's partial, not every one's")
+        object.__setattr__(self, "retract", _retract(self.retract, self.round))
 
     def to_wire(self) -> bytes:
         return pack(
@@ -115,6 +137,7 @@ class CollectRequest:
                 "round": self.round,
                 "worker": self.worker,
                 "exclude": sorted(self.exclude),
+                "retract": dict(sorted(self.retract.items())),
             }
         )
 
@@ -134,6 +157,7 @@ class CollectRequest:
                 round=_int(obj, "round", 0, MAX_ROUND),
                 worker=worker,
                 exclude=frozenset(exclude),
+                retract=_rounds(obj, "retract"),
             )
         except ValueError as exc:
             raise MalformedPayload(f"bad collect request: {exc}") from exc
@@ -145,7 +169,10 @@ class CollectRequest:
 @dataclass(frozen=True)
 class PartialMessage:
     """One worker's partial sum of ``round`` of ``run``; ``copies`` says, for each client
-    the sum covers, which copy of its update it holds; ``excluded`` echoes the request."""
+    the sum covers, which copy of its update it holds; ``excluded`` and ``retract`` echo
+    the request. Closed-form methods: ``statistics`` sums the statistics of the updates
+    that carry some (a subset of the partial's clients), ``retraction`` those of the
+    earlier copies ``retract`` names that the worker holds (None when it names none)."""
 
     fleet: str
     run: str
@@ -154,13 +181,27 @@ class PartialMessage:
     partial: PartialSum
     copies: Mapping[str, Copy] = field(default_factory=dict)
     excluded: frozenset[str] = frozenset()
+    statistics: StatisticsPart | None = None
+    retract: Mapping[str, int] = field(default_factory=dict)
+    retraction: StatisticsPart | None = None
 
     def __post_init__(self) -> None:
         if set(self.copies) != self.partial.clients:
             raise ValueError("copies must name exactly the partial sum's clients")
         if self.excluded & self.partial.clients:
             raise ValueError("an excluded client is in the partial sum")
+        shape = (self.partial.num_classes, self.partial.dim)
+        for part in (self.statistics, self.retraction):
+            if part is not None and (part.stats.num_classes, part.stats.dim) != shape:
+                raise ValueError(f"statistics of another shape than the partial sum's {shape}")
+        if self.statistics is not None and not self.statistics.clients <= self.partial.clients:
+            raise ValueError("statistics of a client the partial sum does not hold")
+        if (self.retraction is None) != (not self.retract):
+            raise ValueError("a retraction answers a request that names earlier copies, only")
+        if self.retraction is not None and not self.retraction.clients <= set(self.retract):
+            raise ValueError("a retraction of a client the request did not name")
         object.__setattr__(self, "copies", MappingProxyType(dict(self.copies)))
+        object.__setattr__(self, "retract", _retract(self.retract, self.round))
 
     def to_wire(self) -> bytes:
         p = self.partial
@@ -185,6 +226,9 @@ class PartialMessage:
                     [self.copies[c].stored_at for c in clients], dtype="<f8"
                 ).tobytes(),
                 "excluded": sorted(self.excluded),
+                "statistics": _part_fields(self.statistics),
+                "retract": dict(sorted(self.retract.items())),
+                "retraction": _part_fields(self.retraction),
             }
         )
 
@@ -199,6 +243,8 @@ class PartialMessage:
         n = len(clients)
         digests = _blob(obj, "digests", n * DIGEST_BYTES)
         stored_at = _array(obj, "stored_at", "<f8", (n,))
+        statistics = _part_from(obj["statistics"], "statistics", c, d)
+        retraction = _part_from(obj["retraction"], "retraction", c, d)
         try:
             for client in (*clients, *excluded):
                 validate_id(client, field="clients")
@@ -226,6 +272,9 @@ class PartialMessage:
                 partial=partial,
                 copies=copies,
                 excluded=frozenset(excluded),
+                statistics=statistics,
+                retract=_rounds(obj, "retract"),
+                retraction=retraction,
             )
         except ValueError as exc:  # the ids', PartialSum's and Copy's own checks
             raise MalformedPayload(f"bad partial sum: {exc}") from exc
@@ -304,3 +353,89 @@ def _blob(obj: dict[str, Any], key: str, size: int) -> bytes:
 def _array(obj: dict[str, Any], key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     data = _blob(obj, key, int(np.prod(shape)) * 8)
     return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype[1:])
+
+
+def _retract(retract: Mapping[str, int], round_: int) -> Mapping[str, int]:
+    """``retract`` checked (ids, earlier rounds) and frozen."""
+    for client, earlier in retract.items():
+        validate_id(client, field="retract")
+        if type(earlier) is not int or not 0 <= earlier < round_:
+            raise ValueError(f"the earlier copy of {client} must be of a round before {round_}")
+    return MappingProxyType(dict(retract))
+
+
+def _rounds(obj: dict[str, Any], key: str) -> dict[str, int]:
+    value = obj[key]
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int for k, v in value.items()
+    ):
+        raise MalformedPayload("must be a map of client ids to rounds", field=key)
+    return value
+
+
+def statistics_fields(stats: cf.Statistics) -> dict[str, Any]:
+    """Summed closed-form statistics as msgpack fields: raw little-endian float64 (int64
+    for ``holders``), the second moment as its upper triangle, and FedCOF's scatter whole.
+    Also the owner's form on disk (coordinator/owner_statistics.py)."""
+    gram = None if stats.gram is None else cf.upper_triangle(stats.gram)
+    return {
+        "counts": _f8(stats.counts),
+        "sums": _f8(stats.sums),
+        "gram": None if gram is None else _f8(gram),
+        "scatter": None if stats.scatter is None else _f8(stats.scatter),
+        "holders": np.ascontiguousarray(stats.holders, "<i8").tobytes(),
+        "devices": stats.devices,
+    }
+
+
+def _f8(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, "<f8").tobytes()
+
+
+def statistics_from(obj: object, *, num_classes: int, dim: int) -> cf.Statistics:
+    """The statistics of :func:`statistics_fields` for ``num_classes`` x ``dim``, checked:
+    every key and length, exactly one of a second moment and a scatter, finite values,
+    holders within the devices. Any problem is a ``MalformedPayload``."""
+    if not isinstance(obj, dict) or set(obj) != _STATISTICS_KEYS:
+        raise MalformedPayload(f"statistics must be a map of {sorted(_STATISTICS_KEYS)}")
+    c, d = num_classes, dim
+    if (obj["gram"] is None) == (obj["scatter"] is None):
+        raise MalformedPayload("statistics carry a second moment or a scatter", field="gram")
+    triangle = (d * (d + 1) // 2,)
+    try:
+        gram = None if obj["gram"] is None else _array(obj, "gram", "<f8", triangle)
+        scatter = None if obj["scatter"] is None else _array(obj, "scatter", "<f8", (c, d, d))
+        return cf.Statistics(
+            counts=_array(obj, "counts", "<f8", (c,)),
+            sums=_array(obj, "sums", "<f8", (c, d)),
+            gram=None if gram is None else cf.from_upper_triangle(gram),
+            scatter=scatter,
+            holders=_array(obj, "holders", "<i8", (c,)),
+            devices=_int(obj, "devices", 0, MAX_DEVICES),
+        )
+    except ValueError as exc:  # Statistics' own checks: finite, holders within devices
+        raise MalformedPayload(f"bad statistics: {exc}") from exc
+
+
+def _part_fields(part: StatisticsPart | None) -> dict[str, Any] | None:
+    if part is None:
+        return None
+    return {**statistics_fields(part.stats), "clients": sorted(part.clients)}
+
+
+def _part_from(obj: object, key: str, c: int, d: int) -> StatisticsPart | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or "clients" not in obj:
+        raise MalformedPayload("must be nil or a map of summed statistics", field=key)
+    fields = {k: v for k, v in obj.items() if k != "clients"}
+    clients = _strings(obj, "clients")
+    stats = statistics_from(fields, num_classes=c, dim=d)
+    try:
+        for client in clients:
+            validate_id(client, field=key)
+        if len(set(clients)) != len(clients):
+            raise ValueError("a client is listed twice")
+        return StatisticsPart(stats=stats, clients=frozenset(clients))
+    except ValueError as exc:
+        raise MalformedPayload(f"bad {key}: {exc}", field=key) from exc

@@ -235,7 +235,10 @@ class Worker:
             return
         if request.fleet != self.fleet or not request.addressed_to(self.name):
             return
-        answer = self.intake.collect(run=request.run, round_=request.round, exclude=request.exclude)
+        answer = self.intake.collect(
+            run=request.run, round_=request.round, exclude=request.exclude,
+            retract=request.retract,
+        )  # fmt: skip
         # Not awaited: this is paho's network thread.
         self._client.publish(partial_topic(self.fleet, self.name), answer.to_wire(), qos=1)
 

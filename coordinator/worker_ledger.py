@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from coordinator.schema import immediate
 
@@ -108,5 +108,12 @@ class WorkerMetrics:
             "protofleet_worker_unanswered_seconds",
             "Seconds a worker has left the open collect request unanswered (0: answered)",
             ["worker"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "protofleet_worker_partials_refused",
+            "Partial sums the owner refused unread: malformed, or wrong_shape (not the "
+            "fleet's classes, dimensions or statistics: a worker on another configuration)",
+            ["reason"],
             registry=registry,
         )

@@ -6,7 +6,9 @@ round is recomputed from these rows whenever it is asked for, so after ``kill -9
 restart it is exactly what was committed: nothing lost, nothing counted twice. It also
 holds the round the worker last heard announced, so a restarted worker judges the updates
 its persistent session redelivers before the retained announcement reaches it again, and
-the rounds the combiner has collected, which take no more updates.
+the rounds the combiner has collected, which take no more updates. For closed-form
+methods its rows are also where a client's earlier statistics are read back from when
+its later ones replace them (:meth:`WorkerStore.update`, coordinator/owner_statistics.py).
 
 Opened as the coordinator's database is (coordinator/schema.py): write-ahead log, NORMAL
 sync (survives a process crash; FULL also a power cut), ``quick_check`` on open.
@@ -126,8 +128,23 @@ class WorkerStore:
         for client, digest, stored_at, payload in rows:
             yield StoredUpdate(client, digest, float(stored_at), bytes(payload))
 
+    def update(self, run: str, round_: int, client: str) -> StoredUpdate | None:
+        """The stored update of ``client`` in ``round_`` of ``run``, None if none is."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT digest, stored_at, payload FROM updates "
+                "WHERE run = ? AND round = ? AND client = ?",
+                (run, round_, client),
+            ).fetchone()
+        if row is None:
+            return None
+        digest, stored_at, payload = row
+        return StoredUpdate(client, digest, float(stored_at), bytes(payload))
+
     def forget(self, run: str, round_: int) -> None:
-        """Drop a round's updates once the combiner has merged it."""
+        """Drop a round's updates once the combiner has merged it. Not for a closed-form
+        fleet's rounds: the owner may ask for a client's statistics back from any earlier
+        round, when the client's later ones replace them (nothing calls this yet)."""
         with self._transaction() as db:
             db.execute("DELETE FROM updates WHERE run = ? AND round = ?", (run, round_))
 

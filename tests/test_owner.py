@@ -35,6 +35,7 @@ from coordinator.worker_store import WorkerStore
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.auth import Verifier, sign, signature_problem
+from protocol.methods import wire_method
 from protocol.receipts import Receipt
 from runtime.settings import ConfigError
 from tests.coordinator_helpers import DIM, config, coordinator_toml, stand_in_update
@@ -55,9 +56,23 @@ collect_retry_s = 1.0
 """
 
 
-def sharded_toml(tmp_path: Path, port: int, keys: Keys, *, clients: int) -> Path:
-    path = coordinator_toml(tmp_path, port, keys=keys.folder, clients=clients)
-    path.write_text(path.read_text() + SHARDED)
+#: A closed-form fleet's: it takes no [robust] table (coordinator/config.py).
+CLOSED_FORM = f"""
+[workers]
+names = {json.dumps(list(WORKERS))}
+collect_retry_s = 1.0
+"""
+
+
+def sharded_toml(
+    tmp_path: Path, port: int, keys: Keys, *, clients: int, method: str = "fedpcl", rounds: int = 1
+) -> Path:
+    """The signed coordinator TOML of the tier (``rounds``: ``max_rounds``, 0 for no end)."""
+    path = coordinator_toml(
+        tmp_path, port, keys=keys.folder, clients=clients, method=method, rounds=rounds
+    )
+    closed_form = wire_method(method).closed_form
+    path.write_text(path.read_text() + (CLOSED_FORM if closed_form else SHARDED))
     return path
 
 
@@ -83,7 +98,6 @@ def sharded(method: str = "fedpcl", **changes: object) -> CoordinatorConfig:
         (sharded("fedavg"), "model.method = 'fedavg'"),
         (sharded("fpl"), "model.method = 'fpl'"),
         (sharded("feddbp"), "model.method = 'feddbp'"),
-        (sharded("lda", robust=RobustOptions()), "model.method = 'lda'"),
         (sharded("solo"), "model.method = 'solo'"),
         (sharded(workers=WorkersSettings(count=2)), "local_sets"),
         (
@@ -112,6 +126,17 @@ def test_what_does_not_split_is_refused_in_one_line_naming_the_setting(
 @pytest.mark.parametrize("method", ["fedpcl", "fedproto"])
 def test_the_sums_methods_run_over_workers_with_raw_options(method: str) -> None:
     assert refusal(sharded(method)) is None
+
+
+@pytest.mark.parametrize("method", ["lda", "ridge", "fedcof"])
+def test_the_closed_form_methods_run_over_workers_as_configured(method: str) -> None:
+    # A closed-form fleet takes no [robust] table (coordinator/config.py): the defaults.
+    assert refusal(sharded(method, robust=RobustOptions())) is None
+
+
+def test_the_refusal_names_every_method_that_runs_over_workers() -> None:
+    why = refusal(sharded("fpl"))
+    assert why is not None and "supported: fedcof, fedpcl, fedproto, lda, ridge." in why
 
 
 def test_the_command_refuses_an_unsupported_fleet_before_opening_anything(tmp_path: Path) -> None:
@@ -167,8 +192,17 @@ class Tier:
     """An owner and in-memory worker intakes on one signed configuration: what the broker
     would carry, handed over by hand."""
 
-    def __init__(self, tmp_path: Path, keys: Keys, *, clients: int, timeout_s: float = 600.0):
-        path = sharded_toml(tmp_path, 1, keys, clients=clients)
+    def __init__(
+        self,
+        tmp_path: Path,
+        keys: Keys,
+        *,
+        clients: int,
+        timeout_s: float = 600.0,
+        method: str = "fedpcl",
+        rounds: int = 1,
+    ):
+        path = sharded_toml(tmp_path, 1, keys, clients=clients, method=method, rounds=rounds)
         path.write_text(path.read_text().replace("timeout_s = 600.0", f"timeout_s = {timeout_s}"))
         self.cfg = load_config(path)
         self.clock = Clock()
@@ -206,8 +240,9 @@ class Tier:
             for name in workers:
                 if request.addressed_to(name):
                     answer = self.intakes[name].collect(
-                        run=request.run, round_=request.round, exclude=request.exclude
-                    )
+                        run=request.run, round_=request.round, exclude=request.exclude,
+                        retract=request.retract,
+                    )  # fmt: skip
                     assert self.owner.take_partial(answer.to_wire())
 
 
