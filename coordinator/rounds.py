@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-import numpy as np
-
 from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.decision import ACCEPTED, Decision
@@ -30,13 +28,13 @@ from coordinator.rejections import Rejections
 from coordinator.run_history import RunHistory
 from coordinator.run_reports import RunReports
 from coordinator.screening import Screening
-from coordinator.secure_rounds import SecureOutcome
+from coordinator.secure_rounds import SUM_KEY, FleetSum, SecureOutcome
 from coordinator.statistics import FleetStatistics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate, Strategy, make_strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
-from protocol.methods import BIAS, wire_method
+from protocol.methods import wire_method
 from protocol.receipts import payload_digest
 from runtime.secagg.fleet import SecureRelease, secure_release, unflatten
 
@@ -115,11 +113,15 @@ class RoundManager:
         # device's statistics are ever stored here, so none are summed update by update.
         self.secure: SecureRelease | None = None
         self._secure_outcome: SecureOutcome | None = None
+        self._secure_sum: FleetSum | None = None
         if config.secure:
             self.secure = secure_release(
                 config.secure_aggregation, k=config.model.dim, classes=len(config.model.classes),
                 gram=wire.gram, devices=len(self.keys.devices) or None,
             )  # fmt: skip
+            self._secure_sum = FleetSum.load(
+                store.meta_value(SUM_KEY), length=self.secure.settings.length
+            )
         elif wire.closed_form:
             assert isinstance(self.strategy, ClosedForm)  # the method's record says it is
             self._statistics = FleetStatistics(
@@ -408,30 +410,26 @@ class RoundManager:
         payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
-    def _secure_result(self, outcome: SecureOutcome) -> Aggregate:
-        """The head of a secure round's unmasked sum; the head announced before when the
-        round aborted (the devices keep what they have)."""
-        assert self.secure is not None
-        release = self.secure
+    def _secure_result(self, outcome: SecureOutcome) -> tuple[Aggregate, FleetSum]:
+        """The fleet's running sum with the round's added, and the head it solves (the
+        same head again when the round aborted)."""
+        release, before = self.secure, self._secure_sum
+        assert release is not None and before is not None
         if outcome.total is None:
             log.warning(
-                "round %d: secure aggregation aborted (%s); the last head stays",
+                "round %d: secure aggregation aborted (%s); the fleet's sum stays as it was",
                 outcome.round, outcome.why,
                 extra={"event": "secure_aborted", "round": outcome.round},
             )  # fmt: skip
-            held = self._announcement
-            bias = held.extras.get(BIAS)
-            return Aggregate(
-                global_classes=held.global_classes,
-                global_prototypes=np.asarray(held.global_prototypes, dtype=np.float64),
-                extras={} if bias is None else {BIAS: np.asarray(bias, dtype=np.float64)},
-            )
+        after = before.plus(outcome)
+        if after.devices == 0:
+            return Aggregate(), after
         stats = unflatten(
-            outcome.total, k=release.k, classes=release.classes, gram=release.gram,
-            devices=outcome.survivors,
+            after.total, k=release.k, classes=release.classes, gram=release.gram,
+            devices=after.devices,
         )  # fmt: skip
         assert isinstance(self.strategy, ClosedForm)  # config.secure_problem checked it
-        return self.strategy.solve_statistics(stats)
+        return self.strategy.solve_statistics(stats), after
 
     def _close(self, now: float, *, secure: SecureOutcome | None = None) -> RoundAnnouncement:
         started = time.perf_counter()
@@ -439,8 +437,10 @@ class RoundManager:
         clients = self.store.update_clients(closing.number)
         model = self.config.model
         fresh: list[str] = []
+        meta: dict[str, str] = {}
         if secure is not None:
-            result = self._secure_result(secure)
+            result, fleet_sum = self._secure_result(secure)
+            meta[SUM_KEY] = fleet_sum.to_meta()
         elif self._statistics is not None:  # summed as they arrived
             result = self._statistics.solve()
             fresh = list(self._statistics.round_clients)
@@ -460,9 +460,12 @@ class RoundManager:
             keep_rounds=self.config.rounds.keep_rounds,
             final=final,
             statistics=fresh,
+            meta=meta,
         )
         if self._statistics is not None:
             self._statistics.committed()
+        if secure is not None:
+            self._secure_sum = fleet_sum
         self.metrics.rounds_completed.inc()
         self.metrics.round_duration.observe(now - closing.opened_at)
         if secure is None and len(clients) < self.config.rounds.min_clients:

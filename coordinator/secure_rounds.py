@@ -19,6 +19,8 @@ database or the log: the announced head is what is kept, as for every other meth
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -51,6 +53,58 @@ class SecureOutcome:
     total: np.ndarray | None
     survivors: int = 0
     why: str = ""
+
+
+#: The meta-table key of a secure fleet's running sum (coordinator/store.py).
+SUM_KEY = "secure_sum"
+
+
+@dataclass(frozen=True)
+class FleetSum:
+    """A secure fleet's statistics: the sum of every secure round's unmasked sum. A device
+    adds its statistics once per data version, and after new data the difference from
+    what it added before (edge_agent/agent.py), so the running sum is every device's
+    latest, as a plain fleet's coordinator/statistics.py holds it. ``devices``: how many
+    device inputs went into it (a device that adds a difference counts again)."""
+
+    total: np.ndarray
+    devices: int = 0
+
+    @classmethod
+    def empty(cls, length: int) -> FleetSum:
+        return cls(total=np.zeros(length))
+
+    def plus(self, outcome: SecureOutcome) -> FleetSum:
+        """This sum and ``outcome``'s (itself when the round aborted)."""
+        if outcome.total is None:
+            return self
+        return FleetSum(total=self.total + outcome.total, devices=self.devices + outcome.survivors)
+
+    def to_meta(self) -> str:
+        return json.dumps(
+            {"devices": self.devices, "total": base64.b64encode(self.total.tobytes()).decode()}
+        )
+
+    @classmethod
+    def load(cls, text: str | None, *, length: int) -> FleetSum:
+        """The sum the store kept (an empty one when it kept none). A kept sum of another
+        length (the fleet's k or classes changed) is not the fleet's: it is left out, said."""
+        if text is None:
+            return cls.empty(length)
+        try:
+            data = json.loads(text)
+            total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64).copy()
+            devices = int(data["devices"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("the stored secure sum is unreadable and left out: %s", exc)
+            return cls.empty(length)
+        if total.shape != (length,):
+            log.warning(
+                "the stored secure sum has %d values, not this fleet's %d: left out",
+                total.size, length,
+            )  # fmt: skip
+            return cls.empty(length)
+        return cls(total=total, devices=devices)
 
 
 class SecureRounds:

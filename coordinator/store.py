@@ -299,6 +299,7 @@ class Store:
         final: bool = False,
         statistics: Sequence[str] = (),
         next_round: int | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> None:
         """Close round ``closed`` and open ``next_round`` (by default ``closed + 1``; later
         when a rolled-back database skips the rounds its devices already answered)
@@ -313,8 +314,13 @@ class Store:
         ``statistics``: the clients whose closed-form updates of the round carried class
         statistics: each update is copied to the statistics table in the same transaction,
         replacing that client's previous one, and outlives ``keep_rounds`` (the fleet's
-        head is solved from every client's latest, :meth:`statistics_of`)."""
+        head is solved from every client's latest, :meth:`statistics_of`).
+
+        ``meta``: values the close sets in the meta table, in the same transaction (a
+        secure fleet's running sum, :meth:`meta_value`)."""
         with self._lock, self._transaction():
+            for key, value in (meta or {}).items():
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
             for client in statistics:
                 self._db.execute(
                     "INSERT OR REPLACE INTO statistics (client, round, payload) "
@@ -342,6 +348,12 @@ class Store:
                     "WHERE round < ? AND length(announcement) > 0",
                     (oldest_kept,),
                 )
+
+    def meta_value(self, key: str) -> str | None:
+        """The meta table's value of ``key`` (None when unset)."""
+        with self._lock:
+            value = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return None if value is None else str(value)
 
     def statistics_clients(self) -> list[str]:
         """The clients whose statistics the statistics table holds, in client order."""

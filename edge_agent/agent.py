@@ -57,14 +57,17 @@ class Decision:
 @dataclass(frozen=True)
 class SecureInput:
     """This device's part of round ``round``'s secure sum (``privacy.aggregation =
-    "secure"``): its statistics ``vector`` for the protocol's ``settings``, under the
-    coordinator run ``run``; ``version`` names the data they are of."""
+    "secure"``): ``vector``, its statistics less what the sum holds of it already, for the
+    protocol's ``settings``, under the coordinator run ``run``; ``version`` names the data
+    they are of."""
 
     round: int
     run: str
     vector: np.ndarray
     settings: SecAggSettings
     version: str
+    #: The statistics the fleet's sum holds of this device once ``vector`` is added.
+    statistics: np.ndarray
 
 
 class Agent:
@@ -369,13 +372,16 @@ class Agent:
             if not ledger.allows([event]):
                 return self._exhausted(round_)
             ledger.record(round_, [event])
-        vector = flatten(closed.statistics(), gram=release.gram)
+        statistics = flatten(closed.statistics(), gram=release.gram)
+        # The fleet's sum is a running one: new data adds its difference from the data
+        # summed before (the same sensitivity to one example as the statistics).
+        vector = statistics - self.state.load_summed(statistics.size)
         self._settle(round_, summed=True)
         run = announcement.auth.run if announcement.auth is not None else announcement.run
         return Decision(
             "secure",
-            secure=SecureInput(round=round_, run=run, vector=vector,
-                               settings=release.settings, version=version),
+            secure=SecureInput(round=round_, run=run, vector=vector, settings=release.settings,
+                               version=version, statistics=statistics),
         )  # fmt: skip
 
     def _settle(self, round_: int, *, summed: bool) -> None:
@@ -395,6 +401,7 @@ class Agent:
     def summed(self, secure: SecureInput) -> None:
         """The round's secure sum holds this device's statistics (it was a survivor):
         the same data need not be summed again."""
+        self.state.save_summed(secure.statistics)
         self.state.record(statistics_summed=secure.version)
 
     def confirmed(self, round_: int) -> None:

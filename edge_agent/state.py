@@ -270,6 +270,22 @@ class StateDir:
                 return None
             return {k: data[k] for k in data.files if k != "version"}
 
+    def save_summed(self, vector: np.ndarray) -> None:
+        """Keep the statistics vector a secure fleet's sum now holds of this device: a
+        later data version adds only its difference from it. It never leaves the device."""
+        atomic_write(self.root / "secure_summed.npz", npz_bytes({"vector": vector}))
+
+    def load_summed(self, length: int) -> np.ndarray:
+        """What :meth:`save_summed` kept, or zeros when nothing of this length was summed
+        (the fleet's k or classes changed: a new sum)."""
+        path = self.root / "secure_summed.npz"
+        if path.exists():
+            with np.load(path, allow_pickle=False) as data:
+                vector = np.asarray(data["vector"], dtype=np.float64)
+            if vector.shape == (length,):
+                return vector
+        return np.zeros(length)
+
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
         return self._load_pair("prototypes.npz", "prototypes", "counts")
 

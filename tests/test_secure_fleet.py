@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -24,9 +25,10 @@ from coordinator.config import (
     ModelSettings,
     PrivacySettings,
     RoundSettings,
+    WorkersSettings,
 )
 from coordinator.rounds import RoundManager
-from coordinator.secure_rounds import SecureOutcome
+from coordinator.secure_rounds import SUM_KEY, FleetSum, SecureOutcome
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from coordinator.strategies.closed_form import LDA
@@ -41,7 +43,7 @@ from runtime.secagg.fleet import SecureAggregation, flatten, unflatten
 from runtime.secagg.quantise import sum_error_bound
 from runtime.security import CoordinatorSecurity
 from runtime.transport import MqttSettings
-from tests.agent_helpers import CLASSES, agent_config
+from tests.agent_helpers import CLASSES, agent_config, announcement
 
 K = 12
 DOMAINS = ("clean", "inverted", "colour")
@@ -151,6 +153,11 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
         np.asarray(solved.global_prototypes).astype(announcement.global_prototypes.dtype),
     )
 
+    # The fleet's running sum is kept (the sum, not a device's part) for a restart.
+    kept = FleetSum.load(Store(config.database).meta_value(SUM_KEY), length=total.size)
+    np.testing.assert_array_equal(kept.total, summed.total)
+    assert kept.devices == len(DOMAINS)
+
     # Every device's statistics were summed once: the data is marked so.
     assert all(a.state.snapshot.extra.get("statistics_summed") for a in agents)
 
@@ -176,3 +183,99 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
             if abs(value) > 1e-3:
                 assert f"{value:.6g}" not in text
     assert "head solved from the secure sum of 3 device(s)" in text
+
+
+def _secure_agent(tmp_path: Path, bundle: Path, *, budget: float, **table: object) -> Agent:
+    cfg = agent_config(tmp_path, bundle, agent_id="dev-0", domain="clean", method="lda")
+    cfg = dataclasses.replace(
+        cfg,
+        closed_form=ClosedFormSettings(dim=K),
+        privacy=AgentPrivacy(aggregation="secure", epsilon=budget),
+        secure_aggregation=_table(**table),
+    )
+    return Agent(cfg)
+
+
+def test_a_device_pays_for_the_sums_noise_before_it_joins_and_joins_once_per_data(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    agent = _secure_agent(tmp_path, small_zoo, budget=2.5, epsilon=1.0)
+    bundle = agent.bundle_id
+    first = agent.handle(announcement(bundle, 0, "lda", dim=K))
+    assert first.reason == "secure" and first.secure is not None and first.payload is None
+    spent = agent.epsilon_spent
+    # The ledger's accountant prices the sum's Gaussian at no more than the plan's
+    # (looser) zCDP conversion does: the round's epsilon, 1.
+    assert 0.5 < spent <= 1.0
+    assert agent.mode.ledger.spends[-1].round == 0
+    exact = flatten(agent.closed.statistics(), gram=True)  # type: ignore[union-attr]
+    np.testing.assert_array_equal(first.secure.vector, exact)  # nothing summed before
+    # Its round ended without it in the sum (it left, or the round aborted): it joins
+    # the next round again, and pays again.
+    second = agent.handle(announcement(bundle, 1, "lda", dim=K))
+    assert second.reason == "secure" and agent.epsilon_spent > spent
+    # Summed now: the same data does not join again, nor pay.
+    assert second.secure is not None
+    agent.summed(second.secure)
+    paid = agent.epsilon_spent
+    assert agent.handle(announcement(bundle, 2, "lda", dim=K)).reason == "nothing_new"
+    assert agent.epsilon_spent == paid
+    # What the sum holds of it stays on the device: a new data version adds the
+    # difference only.
+    np.testing.assert_array_equal(agent.state.load_summed(exact.size), exact)
+    assert not agent.state.load_summed(exact.size + 1).any()
+
+
+def test_a_device_whose_budget_would_be_exceeded_does_not_join(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    agent = _secure_agent(tmp_path, small_zoo, budget=1.0, epsilon=1.0)
+    bundle = agent.bundle_id
+    assert agent.handle(announcement(bundle, 0, "lda", dim=K)).reason == "secure"
+    spent = agent.epsilon_spent
+    assert agent.handle(announcement(bundle, 1, "lda", dim=K)).reason == "budget_exhausted"
+    assert agent.epsilon_spent == spent
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"method": "fedpcl"}, "fedpcl needs each device's own release: use lda or ridge"),
+        ({"method": "fedcof"}, "fedcof needs each device's own release"),
+        ({"privacy": AgentPrivacy(aggregation="secure", mechanism="dp-features")}, "set it to"),
+        ({"secure_aggregation": SecureAggregation(dataset_size=20)}, "threshold must be set"),
+        ({"secure_aggregation": SecureAggregation(threshold=3)}, "dataset_size must be set"),
+    ],
+)
+def test_a_device_configuration_that_cannot_sum_securely_is_refused_in_one_line(
+    tmp_path: Path, change: dict[str, object], says: str
+) -> None:
+    cfg = agent_config(tmp_path, tmp_path / "bundle", agent_id="dev-0", domain="clean",
+                       method="lda")  # fmt: skip
+    base = {"privacy": AgentPrivacy(aggregation="secure"), "secure_aggregation": _table()}
+    with pytest.raises(ValueError, match=re.escape(says)) as info:
+        dataclasses.replace(cfg, **{**base, **change})  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"method": "fedproto"}, "fedproto needs each device's own release"),
+        ({"workers": WorkersSettings(count=2)}, "leave the [workers] table out"),
+        ({"secure": SecureAggregation(dataset_size=20)}, "threshold must be set"),
+    ],
+)
+def test_a_coordinator_configuration_that_cannot_sum_securely_is_refused_in_one_line(
+    tmp_path: Path, change: dict[str, object], says: str
+) -> None:
+    config = _coordinator(tmp_path, 1883, "f" * 64, _table())
+    model = dataclasses.replace(config.model, method=str(change.get("method", "lda")))
+    with pytest.raises(ValueError, match=re.escape(says)) as info:
+        dataclasses.replace(
+            config,
+            model=model,
+            workers=change.get("workers", config.workers),  # type: ignore[arg-type]
+            secure_aggregation=change.get("secure", config.secure_aggregation),  # type: ignore[arg-type]
+        )
+    assert "\n" not in str(info.value)
