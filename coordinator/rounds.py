@@ -479,10 +479,10 @@ class RoundManager:
             )
         if secure is not None and secure.total is not None:
             log.info(
-                "round %d: head solved from the secure sum of %d device(s)",
-                closing.number, secure.survivors,
+                "round %d: head solved from the secure sum of %d device(s) (%.1f s)",
+                closing.number, secure.survivors, secure.seconds,
                 extra={"event": "secure_sum", "round": closing.number,
-                       "devices": secure.survivors},
+                       "devices": secure.survivors, "seconds": secure.seconds},
             )  # fmt: skip
         log.info(
             "round %d closed with %d update(s) from %s; opened round %d%s",

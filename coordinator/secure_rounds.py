@@ -20,9 +20,11 @@ database or the log: the announced head is what is kept, as for every other meth
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,8 @@ class SecureOutcome:
     total: np.ndarray | None
     survivors: int = 0
     why: str = ""
+    #: From the round's link subscribing to its outcome.
+    seconds: float = 0.0
 
 
 #: The meta-table key of a secure fleet's running sum (coordinator/store.py).
@@ -145,6 +149,7 @@ class SecureRounds:
             expected=tuple(manager.keys.devices) or None,
             logger=log,
         )  # fmt: skip
+        started = time.monotonic()
         link.start()
         if not link.link.wait_connected(CONNECT_S):
             log.warning(
@@ -153,10 +158,13 @@ class SecureRounds:
             )  # fmt: skip
         self._round, self._link = round_, link
         threading.Thread(
-            target=self._run, args=(link, round_), name=f"secagg-round-{round_}", daemon=True
+            target=self._run,
+            args=(link, round_, started),
+            name=f"secagg-round-{round_}",
+            daemon=True,
         ).start()
 
-    def _run(self, link: SecAggCoordinatorLink, round_: int) -> None:
+    def _run(self, link: SecAggCoordinatorLink, round_: int, started: float) -> None:
         try:
             result = link.run()
             outcome = SecureOutcome(
@@ -169,6 +177,7 @@ class SecureRounds:
             outcome = SecureOutcome(round=round_, total=None, why=f"{type(exc).__name__}: {exc}")
         finally:
             link.close()
+        outcome = dataclasses.replace(outcome, seconds=time.monotonic() - started)
         if self._stopping.is_set():
             return
         if self.manager.take_secure(outcome):

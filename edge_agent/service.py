@@ -80,7 +80,7 @@ class AgentService:
         self._pending: _Pending | None = None
         self._open_round: int | None = None  # the newest round announced
         # A secure fleet: the round this device is adding its statistics to, and its link.
-        self._secure: tuple[SecureInput, SecAggDeviceLink] | None = None
+        self._secure: tuple[SecureInput, SecAggDeviceLink, float] | None = None
         self._stop = False
         self.malformed = 0
         # The reason of the retained online status, when it says why rounds are ignored.
@@ -326,7 +326,7 @@ class AgentService:
             client_id=f"{cfg.agent_id}-secagg", logger=log,
         )  # fmt: skip
         link.start()
-        self._secure = (secure, link)
+        self._secure = (secure, link, time.monotonic())
         log.info("round %d: joining the fleet's secure sum", secure.round)
 
     def _settle_secure(self, announcement: RoundAnnouncement) -> None:
@@ -337,10 +337,16 @@ class AgentService:
         joined = self._secure
         if joined is None:
             return
-        secure, link = joined
+        secure, link, started = joined
         if (announcement.round, announcement.run) == (secure.round, secure.run):
             return  # the same round, announced again
         self._secure = None
+        sent, received = link.traffic
+        # The round's record gets the protocol's traffic (its update carried nothing).
+        self.agent.state.amend_round(
+            secure.round, secagg_bytes_up=sent, secagg_bytes_down=received,
+            secagg_seconds=time.monotonic() - started,
+        )  # fmt: skip
         abort = link.abort
         if abort is not None:
             log.warning(

@@ -183,6 +183,10 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
             if abs(value) > 1e-3:
                 assert f"{value:.6g}" not in text
     assert "head solved from the secure sum of 3 device(s)" in text
+    # Each device's round record has the protocol's traffic.
+    for a in agents:
+        (record,) = [h for h in a.state.snapshot.history if h["round"] == 0]
+        assert record["secagg_bytes_up"] > 1000 and record["secagg_bytes_down"] > 500
 
 
 def _secure_agent(tmp_path: Path, bundle: Path, *, budget: float, **table: object) -> Agent:

@@ -335,6 +335,7 @@ class SecAggDeviceLink:
         self._abort: Abort | None = None
         self._advertised = False
         self._closed = False
+        self._bytes_out = self._bytes_in = 0
         self._last: mqtt.MQTTMessageInfo | None = None
         self._worker = threading.Thread(
             target=self._work, name=f"secagg-{device.client}", daemon=True
@@ -383,6 +384,12 @@ class SecAggDeviceLink:
             return tuple(self._answered)
 
     @property
+    def traffic(self) -> tuple[int, int]:
+        """Payload bytes this device has sent and received in the round so far."""
+        with self._cond:
+            return self._bytes_out, self._bytes_in
+
+    @property
     def abort(self) -> Abort | None:
         """The coordinator's abort notice, once one arrived."""
         with self._cond:
@@ -407,7 +414,10 @@ class SecAggDeviceLink:
             self._inbox.put(_Signal.ADVERTISE)
 
     def _received(self, message: mqtt.MQTTMessage) -> bool:
-        self._inbox.put(bytes(message.payload))
+        payload = bytes(message.payload)
+        with self._cond:
+            self._bytes_in += len(payload)
+        self._inbox.put(payload)
         return True
 
     # -- the worker thread --------------------------------------------------------------
@@ -461,9 +471,11 @@ class SecAggDeviceLink:
         self._publish(answer)
 
     def _publish(self, answer: SecAggMessage) -> None:
-        info = self.link.publish(self._up_topic, self.wire.encode(answer))
+        payload = self.wire.encode(answer)
+        info = self.link.publish(self._up_topic, payload)
         stage = _ANSWERS[type(answer)]
         with self._cond:
+            self._bytes_out += len(payload)
             self._last = info
             if stage not in self._answered:
                 self._answered.append(stage)
