@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 from edge_agent.methods import CORE, METHODS, device_method
-from fleet.cli.options import SweepOptions, parse_seeds, refuse_vector, split_list, sweep_options
+from fleet.cli.options import (
+    SweepOptions,
+    parse_seeds,
+    refuse_sharded,
+    refuse_vector,
+    split_list,
+    sweep_options,
+)
 from fleet.cli.resume import run_or_resume, sweep_dir
 from fleet.data.bundles import ensure_bundle
 from fleet.data.partition import Partition
@@ -43,6 +50,8 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
         for method in methods:
             refuse_vector(method, resume=args.resume)
     options = sweep_options(args, method=methods[0])
+    for method in methods[1:]:  # the first was checked by sweep_options
+        refuse_sharded(options, method)
     # Everything a sweep's options can get wrong is checked before the zoo is built, which
     # takes minutes the first time: the data too, whose first partition the sweep reuses.
     first = options.data.partition(seeds[0])

@@ -13,7 +13,8 @@ from typing import Any
 
 from fleet.data.bundles import resolve_bundle
 from fleet.data.partition import Partition, digits5, from_directory, from_npz
-from fleet.transports.mqtt import parse_broker_url
+from fleet.transports.configs import planned_workers_refusal
+from fleet.transports.mqtt import broker_refusal, parse_broker_url
 from fleet.transports.protocols import protocol_train
 from fleet.transports.runner import vector_refusal
 from fleet.transports.spec import RunSpec
@@ -79,6 +80,7 @@ class SweepOptions:
     transport: str
     broker: str | None
     workers: int
+    coordinator_workers: int | None  # None: the single coordinator
     out: Path  # the sweep's report folder
     progress: bool
     resume: bool
@@ -111,6 +113,7 @@ class SweepOptions:
             transport=self.transport,
             broker=self.broker,
             workers=self.workers,
+            coordinator_workers=self.coordinator_workers,
             out_dim=self.out_dim,
             epochs=self.epochs,
             downlink_budget=self.downlink_budget,
@@ -131,9 +134,9 @@ def sweep_options(
     swept_splits: Sequence[str] = (),
 ) -> SweepOptions:
     """The shared options of ``args``, checked (bundle, data, output folder, transport,
-    broker URL, every run setting) before the zoo is built. ``method`` is the sweep's first;
-    ``split`` and ``swept_splits`` are the digits-5 settings of a sweep over several
-    (``privacy``), in place of ``--split``."""
+    broker URL, coordinator workers, every run setting) before the zoo is built.
+    ``method`` is the sweep's first; ``split`` and ``swept_splits`` are the digits-5
+    settings of a sweep over several (``privacy``), in place of ``--split``."""
     backbone = args.backbone or "zoo"
     bundle = resolve_bundle(args.bundle, backbone=args.backbone)
     data = resolve_data(args, split=split, swept_splits=swept_splits)
@@ -170,18 +173,33 @@ def sweep_options(
         transport=args.transport,
         broker=args.broker,
         workers=workers,
+        # `privacy` has no such option: its sweep always runs solo, which no worker tier
+        # can serve.
+        coordinator_workers=getattr(args, "coordinator_workers", None),
         out=args.out,
         progress=not args.no_progress,
         resume=args.resume,
         config=_config(args, resolved),
     )
     options.spec(method=method, seed=0, out=args.out)  # the run settings, checked by RunSpec
+    refuse_sharded(options, method)
     return options
 
 
 def _config(args: argparse.Namespace, resolved: Mapping[str, Any]) -> dict[str, Any]:
     values = {k: resolved.get(k, v) for k, v in vars(args).items() if k not in _NOT_REPORTED}
     return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
+
+
+def refuse_sharded(options: SweepOptions, method: str) -> None:
+    """What the round owner (its one line) or the broker would refuse of ``method`` over
+    ``--coordinator-workers``, refused before anything starts."""
+    if options.coordinator_workers is None:
+        return
+    spec = options.spec(method=method, seed=0, out=options.out)
+    for problem in (planned_workers_refusal(spec), broker_refusal(spec)):
+        if problem is not None:
+            raise UsageError(problem)
 
 
 def refuse_vector(method: str, *, resume: bool) -> None:

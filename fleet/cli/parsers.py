@@ -67,9 +67,12 @@ def add_common_options(
     clients: int,
     out: str,
     one_split: bool = True,
+    sharded: bool = False,
 ) -> None:
     """The data, federation and output options. ``one_split=False`` hides ``--split`` from
-    the help of a command that sweeps several (it still parses, to be refused by name)."""
+    the help of a command that sweeps several (it still parses, to be refused by name).
+    ``sharded`` offers ``--coordinator-workers``, to commands whose every method may run
+    over the worker tier (not ``privacy``, whose floor, solo, has no server step)."""
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
@@ -135,6 +138,12 @@ def add_common_options(
     tr.add_argument("--broker", help="external broker mqtt://host:port (default: start one)")
     tr.add_argument("--workers", type=int,
                     help="worker processes hosting the agents over mqtt (default 2)")  # fmt: skip
+    if sharded:
+        tr.add_argument("--coordinator-workers", type=int, metavar="N",
+                        help="mqtt: run the coordinator sharded, as the round owner over N "
+                             "edge-coordinator worker processes on a shared subscription, for "
+                             "the methods whose aggregation splits (fedpcl then announces no "
+                             "local sets; docs/fleet.md) (default: the single coordinator)")  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
     )
@@ -154,7 +163,7 @@ def add_parsers(sub: Any) -> None:
                            epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
     p_run.add_argument("--method", choices=METHODS, default=CORE, help=f"default {CORE}")
     p_run.add_argument("--seed", type=int, default=0)
-    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet")
+    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet", sharded=True)
 
     p_cmp = sub.add_parser("compare", help="several methods x seeds on the same partitions",
                            description="Every method and seed on the same bundle and partitions.",
@@ -162,7 +171,7 @@ def add_parsers(sub: Any) -> None:
     p_cmp.add_argument("--methods", default=",".join(METHODS),
                        help=f"comma-separated (default {','.join(METHODS)})")  # fmt: skip
     p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
-    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare")
+    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare", sharded=True)
 
     p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto, "
                             "fedpcl and lda on 5 feature-shifted devices over MQTT",
@@ -170,4 +179,4 @@ def add_parsers(sub: Any) -> None:
                             "fedpcl and lda with 5 devices over a private Mosquitto.")  # fmt: skip
     p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl,lda")
-    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo")
+    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo", sharded=True)

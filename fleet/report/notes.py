@@ -29,6 +29,8 @@ def settings(config: dict[str, Any], train: dict[str, dict[str, Any]] | None = N
         parts.append(f"head output {config['out_dim']}")
     if "transport" in config:
         parts.append(f"{config['transport']} transport")
+    if workers := config.get("coordinator_workers"):  # the aggregation differs (docs/fleet.md)
+        parts.append(f"coordinator sharded over {workers} worker{'' if workers == 1 else 's'}")
     budget = config.get("downlink_budget", DEFAULT_BUDGET)
     if budget != DEFAULT_BUDGET:  # named when not the deployed default
         parts.append("every local set announced" if budget == 0 else f"downlink {budget:,} bytes")

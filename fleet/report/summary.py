@@ -135,7 +135,7 @@ def build_report(
 
 def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
     """One arm's full settings: protocol, every [train] key (defaults included), how it
-    predicts, rounds, transport and privacy."""
+    predicts, rounds, transport (and coordinator workers) and privacy."""
     if spec.method == CENTRAL:
         inference = "classifier (one head on every client's training data pooled)"
     else:
@@ -146,6 +146,8 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
         "inference": inference,
         "rounds": spec.rounds,
         "transport": spec.transport,
+        # How many workers the coordinator took the updates in over; None: one process.
+        "coordinator_workers": spec.coordinator_workers,
         "downlink_budget": spec.downlink_budget,
         "stats_dim": spec.stats_dim,
         "privacy": dict(spec.privacy) or {"mechanism": "none"},

@@ -1,5 +1,6 @@
 """The files a simulated fleet is set up from: each agent's and the coordinator's
-configuration tables (written as TOML) and the fleet's signing keys."""
+configuration tables (written as TOML), the coordinator's worker tier when it is sharded,
+and the fleet's signing keys."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.config import CoordinatorConfig
+from coordinator.owner import refusal
 from edge_agent.config import ClosedFormSettings
 from fleet.data.partition import ClientData
 from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.methods import wire_method
 from runtime.keyfiles import generate_ed25519
+from runtime.settings import ConfigError, build
 
 
 def toml_value(value: Any) -> str:
@@ -135,7 +139,52 @@ def coordinator_tables(
             "max_rounds": spec.rounds,
         },
         **({"security": security} if security is not None else {}),
+        **workers_tables(spec),
     }
+
+
+def workers_tables(spec: RunSpec) -> dict[str, Any]:
+    """With ``spec.coordinator_workers``, the coordinator's [workers] table (``w1`` ...
+    ``wN``) and what the round owner needs besides (coordinator/owner.py::refusal);
+    nothing for the single coordinator."""
+    if spec.coordinator_workers is None:
+        return {}
+    record = wire_method(spec.method)
+    # FedPCL's per-client local sets (Eq. 7) do not sum, so no partial carries them: the
+    # announcement has the global prototypes only (docs/fleet.md says what that means).
+    sets = {"local_sets": "omit"} if record.local_sets else {}
+    tables: dict[str, Any] = {"workers": {"count": spec.coordinator_workers, **sets}}
+    if not record.closed_form:  # a closed-form coordinator takes no [robust] table at all
+        # The default defences take medians over every update of a round, which no
+        # worker holds: the owner runs only with them off.
+        tables["robust"] = {
+            "median_count_cap": False,
+            "median_norm_clip": False,
+            "median_direction_screen": False,
+        }
+    return tables
+
+
+def workers_refusal(tables: dict[str, Any]) -> str | None:
+    """Why ``edge-coordinator run`` would refuse the coordinator of ``tables`` over its
+    workers, as one line of edge-fleet's; None if it would not (or has no workers)."""
+    if "workers" not in tables:
+        return None
+    try:
+        config = build(CoordinatorConfig, tables)
+    except ConfigError as exc:
+        return f"--coordinator-workers: the coordinator's configuration: {exc}"
+    problem = refusal(config)
+    return None if problem is None else f"--coordinator-workers: {problem}"
+
+
+def planned_workers_refusal(spec: RunSpec) -> str | None:
+    """:func:`workers_refusal` asked before the bundle, the data and the keys exist: the
+    model's sizes and classes, and the keys, stand in as placeholders (the owner's
+    refusal reads the method, its strategy, [workers] and [robust], none of them)."""
+    tables = coordinator_tables(spec, "unset", ("0",), 1, dim=1, feature_dim=1,
+                                security={"insecure": True})  # fmt: skip
+    return workers_refusal(tables)
 
 
 def write_config(path: Path, tables: dict[str, Any]) -> Path:

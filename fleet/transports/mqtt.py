@@ -1,8 +1,9 @@
 """The ``mqtt`` transport: a broker (Mosquitto from PATH, else amqtt in-process, or
-``--broker URL``), ``edge-coordinator run`` as its own process, and the agents hosted in a
-few worker processes (``python -m fleet.transports.worker``), each agent with its own state
-directory and MQTT session, all agents of a worker sharing one set of ONNX Runtime
-sessions."""
+``--broker URL``), ``edge-coordinator run`` as its own process (with
+``--coordinator-workers N``, as the round owner over N ``edge-coordinator worker``
+processes: docs/scale.md), and the agents hosted in a few worker processes (``python -m
+fleet.transports.worker``), each agent with its own state directory and MQTT session, all
+agents of a worker sharing one set of ONNX Runtime sessions."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from coordinator.config import WorkersSettings
 from fleet.transports import tether
 from fleet.transports.amqtt_broker import AmqttBroker
 from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
-from fleet.transports.configs import write_config
+from fleet.transports.configs import workers_refusal, write_config
+from fleet.transports.layout import RunLayout
 from fleet.transports.procmem import FleetMemory
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import RunSpec
@@ -65,6 +68,23 @@ def workers_for(agents: int, asked: int) -> int:
     return max(min(asked, agents), needed)
 
 
+def broker_refusal(spec: RunSpec) -> str | None:
+    """Why the broker ``spec`` would run on cannot serve its coordinator workers, or None."""
+    if spec.coordinator_workers is None or spec.broker or find_mosquitto() is not None:
+        return None
+    # amqtt speaks MQTT 3.1.1 alone: a worker's session is MQTT 5, for the shared
+    # subscription that splits the updates among the workers.
+    return (
+        "--coordinator-workers needs MQTT 5 shared subscriptions, which the embedded amqtt "
+        "broker does not have: install mosquitto (or give --broker)"
+    )
+
+
+def coordinator_worker_log(layout: RunLayout, name: str) -> Path:
+    """The log of coordinator worker ``name``, beside the coordinator's."""
+    return layout.logs / f"coordinator-{name}.log"
+
+
 @contextmanager
 def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
     """(host, port, broker pid or None): the external broker, else Mosquitto, else amqtt."""
@@ -72,6 +92,9 @@ def broker_for(spec: RunSpec) -> Iterator[tuple[str, int, int | None]]:
         host, port = parse_broker_url(spec.broker)
         yield host, port, None
         return
+    refused = broker_refusal(spec)
+    if refused is not None:
+        raise UsageError(refused)
     broker: Any
     if find_mosquitto() is not None:
         broker = MosquittoBroker()
@@ -127,6 +150,9 @@ def run_mqtt(spec: RunSpec, agents: Mapping[str, dict[str, Any]], coord: dict[st
     """Run the fleet of ``agents`` (each agent's tables by its name) and the coordinator of
     ``coord``; each configuration is written, with the broker's [mqtt] table, where the
     run's layout puts it. The peak of the fleet's summed resident memory, in MiB."""
+    refused = workers_refusal(coord)  # before a broker or process starts
+    if refused is not None:
+        raise UsageError(refused)
     stop = _StopRequest()
     actions = stop.actions()
     try:
@@ -142,10 +168,19 @@ def run_mqtt(spec: RunSpec, agents: Mapping[str, dict[str, Any]], coord: dict[st
 def _run_mqtt_fleet(
     spec: RunSpec, agents: Mapping[str, dict[str, Any]], coord: dict[str, Any], stop: _StopRequest
 ) -> float:
-    bin_dir = Path(sys.executable).parent
+    coordinator_bin = str(Path(sys.executable).parent / "edge-coordinator")
     layout = spec.layout
     layout.logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
+    # What to call each process -> (process, its log), for the liveness check and the end.
+    named: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+
+    def start(what: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+        proc = _spawn(argv, log_path)
+        procs.append(proc)
+        named[what] = (proc, log_path)
+        return proc
+
     with broker_for(spec) as (host, port, broker_pid):
         # The deployed payload limits, as the memory transport's (fleet/transports/memory.py).
         mqtt = {"host": host, "port": port, "keepalive": 60}
@@ -160,15 +195,23 @@ def _run_mqtt_fleet(
             memory.pids.append(broker_pid)
         try:
             watcher = Watcher(host, port, expected=len(configs))
-            procs.append(
-                _spawn(
-                    tether.command(
-                        os.getpid(),
-                        [str(bin_dir / "edge-coordinator"), "run", "--config", str(coord_cfg)],
-                    ),
-                    layout.coordinator_log,
-                )
+            config_args = ["--config", str(coord_cfg)]
+            coordinator = start(
+                "the coordinator",
+                tether.command(os.getpid(), [coordinator_bin, "run", *config_args]),
+                layout.coordinator_log,
             )
+            # After the owner: a worker learns the open round from its retained
+            # announcement (one that has not yet heard it refuses updates, which the
+            # agents then resend).
+            for name in WorkersSettings(count=spec.coordinator_workers or 0).members:
+                start(
+                    f"coordinator worker {name}",
+                    tether.command(
+                        os.getpid(), [coordinator_bin, "worker", "--name", name, *config_args]
+                    ),
+                    coordinator_worker_log(layout, name),
+                )
             for w in range(workers):
                 spec_file = layout.worker_spec(w)
                 spec_file.write_text(
@@ -180,23 +223,20 @@ def _run_mqtt_fleet(
                         }
                     )
                 )
-                procs.append(
-                    _spawn(
-                        [sys.executable, "-m", "fleet.transports.worker", str(spec_file)],
-                        layout.worker_log(w),
-                    )
+                start(
+                    f"worker {w}",
+                    [sys.executable, "-m", "fleet.transports.worker", str(spec_file)],
+                    layout.worker_log(w),
                 )
-            coordinator = procs[0]
             memory.pids += [p.pid for p in procs]
-            named = {"the coordinator": (procs[0], layout.coordinator_log)}
-            named |= {f"worker {w}": (p, layout.worker_log(w)) for w, p in enumerate(procs[1:])}
             alive = _liveness(named, memory.sample, stop.check)
             with progress_bar(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
             log.info("%s: %d agents online", spec.method, len(configs))
             with progress_bar(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
                 watcher.wait_rounds(spec.rounds, bar, alive, lambda r: log_round(spec, r))
-            # The coordinator exits by itself once it has announced the last round.
+            # The coordinator exits by itself once it has announced the last round; its
+            # workers serve until stopped, as the agents' hosts do.
             del named["the coordinator"]
             watcher.wait_finished(_liveness(named, memory.sample, stop.check))
             memory.sample()
@@ -205,9 +245,9 @@ def _run_mqtt_fleet(
             watcher.close()
         finally:
             _stop_all(procs)
-    for w, proc in enumerate(procs[1:]):
-        if proc.returncode != 0:  # a worker stops with 0 after SIGTERM
-            raise CommandFailed(f"a worker did not stop cleanly; see {layout.worker_log(w)}")
+    for what, (proc, log_path) in named.items():
+        if proc.returncode != 0:  # a worker of either kind stops with 0 after SIGTERM
+            raise CommandFailed(f"{what} did not stop cleanly; see {log_path}")
     return memory.peak_mb
 
 

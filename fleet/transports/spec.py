@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.config import MAX_WORKERS
 from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.train_config import TrainConfig
 from fleet.transports.layout import RunLayout
@@ -30,6 +31,9 @@ class RunSpec:
     transport: str = "mqtt"
     broker: str | None = None  # mqtt://host:port of an external broker
     workers: int = 2
+    # The coordinator sharded over this many ``edge-coordinator worker`` processes and a
+    # round owner (docs/scale.md); None runs the single coordinator. mqtt only.
+    coordinator_workers: int | None = None
     out_dim: int = 256
     epochs: int = 1
     progress: bool = True
@@ -54,6 +58,17 @@ class RunSpec:
             raise UsageError(f"--transport must be one of {', '.join(TRANSPORTS)}")
         if self.rounds < 1 or self.workers < 1 or self.epochs < 1:
             raise UsageError("--rounds, --workers and --epochs must be at least 1")
+        if self.coordinator_workers is not None:
+            if not 1 <= self.coordinator_workers <= MAX_WORKERS:
+                raise UsageError(
+                    f"--coordinator-workers must be in 1..{MAX_WORKERS}, "
+                    f"got {self.coordinator_workers}"
+                )
+            if self.transport != "mqtt":
+                raise UsageError(
+                    f"--coordinator-workers applies to --transport mqtt; the {self.transport} "
+                    "transport runs its coordinator in this one process"
+                )
         if self.out_dim < 1:
             raise UsageError(f"--out-dim must be at least 1, got {self.out_dim}")
         if self.stats_dim < 0:
