@@ -48,6 +48,8 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "restart": performance.restart,
     "compromised": performance.compromised,
     "privacy": performance.privacy,
+    "secure-aggregation": performance.secure_aggregation,
+    "secure-cost": performance.secure_cost,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),
     "glyphs-table": accuracy.glyphs_table,

@@ -240,3 +240,49 @@ def scale(r: Results) -> str:
             where.append(section)
     runs = "; ".join(f"{s.removeprefix('bench.')}: {r.provenance(s)}" for s in where)
     return "\n".join([f"`make bench` ({runs or 'not run'}).", "", *rows])
+
+
+def secure_aggregation(r: Results) -> str:
+    """Each device noising its own statistics against the distributed discrete Gaussian
+    on the secure sum, a one-shot LDA at 1,000 devices (bench.secagg_bench)."""
+    key = "privacy.secagg_1000_eps1_acc"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+    rows = [
+        "| release (best k of each, fair protocol) | epsilon 1 | epsilon 8 | no noise |",
+        "|---|---:|---:|---:|",
+        f"| each device noises its own (`dp-features`) | {pct(r.get('privacy.local_1000_eps1_acc'))} "
+        f"| {pct(r.get('privacy.local_1000_eps8_acc'))} | |",
+        f"| distributed discrete Gaussian, secure sum | {pct(r.get(key))} "
+        f"| {pct(r.get('privacy.secagg_1000_eps8_acc'))} | |",
+        f"| exact sum | | | {pct(r.get('privacy.secagg_1000_exact_acc'))} |",
+        f"| secure sum, noise off | | | {pct(r.get('privacy.secagg_1000_noise_off_acc'))} |",
+    ]
+    error = r.get("privacy.secagg_1000_noise_off_max_error")
+    bound = r.get("privacy.secagg_1000_noise_off_bound")
+    return "\n".join([
+        *rows, "",
+        f"Noise off, the decoded sum is within {num(error)} of the exact one per coordinate "
+        f"(bound {num(bound)}). Targets: epsilon 1 >= 70 and >= the local release + 20 "
+        f"(`make bench`: {r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip
+
+
+def secure_cost(r: Results) -> str:
+    """What a secure round costs over Mosquitto with real agents (bench.secagg_cost_bench)."""
+    key = "fleet.secagg_bytes_per_device"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+    devices = r.get("fleet.secagg_devices")
+    rows = ["| key | value |", "|---|---:|"]
+    for name, what in (
+        ("fleet.secagg_bytes_per_device", "bytes per device, up and down, one secure round"),
+        ("fleet.secagg_seconds", "seconds of the secure round at the coordinator"),
+        ("fleet.secagg_vector_length", "values in each device's statistics vector"),
+        ("fleet.secagg_neighbours", "neighbours each device pairs with"),
+    ):
+        rows.append(f"| `{name}`: {what} | {num(r.get(name))} |")
+    return "\n".join([
+        f"{num(devices)} real agents over Mosquitto, lda:", "", *rows, "",
+        f"(`make bench`: {r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip

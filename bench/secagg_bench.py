@@ -66,6 +66,12 @@ from edge_agent.closed_form import ClosedFormDevice, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import plan_features
+from fleet.engine.batch import FleetFeatures
+from fleet.transports.spec import FLEET
+from runtime import closed_form as cf
+from runtime.secagg.device import SecAggDevice
+from runtime.secagg.masks import Bits, ring_add
+from runtime.secagg.noise import device_noise
 from runtime.secagg.plan import (
     DistributedPlan,
     SecureSum,
@@ -73,12 +79,6 @@ from runtime.secagg.plan import (
     plan_distributed,
     statistics_clip,
 )
-from fleet.engine.batch import FleetFeatures
-from fleet.transports.spec import FLEET
-from runtime import closed_form as cf
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.masks import Bits, ring_add
-from runtime.secagg.noise import device_noise
 from runtime.secagg.quantise import QuantiseSpec, decode, round_scaled, sum_error_bound, to_ring
 from runtime.secagg.server import SecAggServer
 from runtime.secagg.settings import SecAggSettings

@@ -14,6 +14,7 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
+from runtime import closed_form as cf
 from runtime.secagg.plan import (
     CONVERSION_SLACK,
     DistributedPlan,
@@ -27,7 +28,6 @@ from runtime.secagg.plan import (
     zcdp_epsilon,
     zcdp_for_epsilon,
 )
-from runtime import closed_form as cf
 from runtime.secagg.quantise import QuantiseSpec, max_devices, stochastic_round
 
 #: ln(1/delta) = 4: the hand computations stay in square roots.

@@ -29,7 +29,8 @@ noise parameter are public fleet settings (:mod:`~runtime.secagg.settings`). Imp
 numpy, msgpack, ``cryptography``, the standard library and the wire conventions of
 ``protocol/`` (the stage messages are signable like every other message). Over MQTT, signed, the
 rounds run through :mod:`~runtime.secagg.mqtt` (topics ``secagg/up`` and ``secagg/down``,
-docs/protocol.md) with :mod:`~runtime.secagg.wire` checking every message. Not yet here:
-the signed consistency round against a coordinator that shows devices different survivor
-lists, and the hooks into the coordinator's rounds and the agent's answer.
+docs/protocol.md) with :mod:`~runtime.secagg.wire` checking every message; a fleet's
+rounds use them through :mod:`~runtime.secagg.fleet` (coordinator/secure_rounds.py, the
+agent's service). Not built: the signed consistency round against a coordinator that shows
+devices different survivor lists (docs/privacy.md says what that leaves open).
 """
