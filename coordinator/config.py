@@ -16,7 +16,7 @@ from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
 from protocol.methods import wire_method
-from runtime.secagg.fleet import AGGREGATIONS, SECURE_METHODS, SecureAggregation
+from runtime.secagg.fleet import AGGREGATIONS, SecureAggregation, method_problem
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -264,19 +264,28 @@ class CoordinatorConfig:
 
     def secure_problem(self) -> str | None:
         """Why this fleet cannot aggregate securely, in one line; None when it can."""
-        method = self.model.method
-        if method not in SECURE_METHODS:
-            return (
-                f'privacy.aggregation = "secure" sums the devices\' statistics, and {method} '
-                f"needs each device's own release: use {' or '.join(SECURE_METHODS)}, or "
-                f'aggregation = "plain"'
-            )
+        table = self.secure_aggregation
+        problem = method_problem(table, self.model.method)
+        if problem is not None:
+            return problem
         if self.workers.enabled:
             return (
                 'privacy.aggregation = "secure" runs on the single coordinator: leave the '
                 "[workers] table out"
             )
-        return self.secure_aggregation.problem()
+        robust = self.robust
+        if not wire_method(self.model.method).closed_form and (
+            robust.median_count_cap or robust.median_norm_clip or robust.median_direction_screen
+            or robust.rule != "mean"
+        ):  # fmt: skip
+            # Said, not switched off quietly: the defaults are the safe ones, and a secure
+            # sum cannot apply them (the device's quantiser bounds each coordinate instead).
+            return (
+                f"[robust] medians need each device's rows, which a secure {self.model.method} "
+                "fleet never sees: set median_count_cap, median_norm_clip and "
+                'median_direction_screen to false (rule = "mean")'
+            )
+        return table.problem()
 
     def stalled(self, *, round_: int, updates: int, extensions: int) -> str | None:
         """Why the open round cannot close, when it cannot: said by status and metrics."""

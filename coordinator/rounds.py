@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
+
 from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.decision import ACCEPTED, Decision
@@ -36,7 +38,13 @@ from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement, Status
 from protocol.methods import wire_method
 from protocol.receipts import payload_digest
-from runtime.secagg.fleet import SecureRelease, secure_release, unflatten
+from runtime.secagg.fleet import (
+    SecureRelease,
+    global_prototypes,
+    prototype_release,
+    secure_release,
+    unflatten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +122,19 @@ class RoundManager:
         self.secure: SecureRelease | None = None
         self._secure_outcome: SecureOutcome | None = None
         self._secure_sum: FleetSum | None = None
-        if config.secure:
+        if config.secure and not wire.closed_form:
+            # FedProto: each round's global prototypes from that round's summed rows.
+            self.secure = prototype_release(
+                config.secure_aggregation, dim=config.model.dim, classes=len(config.model.classes)
+            )
+        elif config.secure:
             self.secure = secure_release(
-                config.secure_aggregation, k=config.model.dim, classes=len(config.model.classes),
-                gram=wire.gram, devices=len(self.keys.devices) or None,
-            )  # fmt: skip
+                config.secure_aggregation,
+                k=config.model.dim,
+                classes=len(config.model.classes),
+                gram=wire.gram,
+                devices=len(self.keys.devices) or None,
+            )
             self._secure_sum = FleetSum.load(
                 store.meta_value(SUM_KEY), length=self.secure.settings.length
             )
@@ -410,17 +426,20 @@ class RoundManager:
         payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
-    def _secure_result(self, outcome: SecureOutcome) -> tuple[Aggregate, FleetSum]:
+    def _secure_result(self, outcome: SecureOutcome) -> tuple[Aggregate, FleetSum | None]:
         """The fleet's running sum with the round's added, and the head it solves (the
         same head again when the round aborted)."""
         release, before = self.secure, self._secure_sum
-        assert release is not None and before is not None
+        assert release is not None
         if outcome.total is None:
             log.warning(
-                "round %d: secure aggregation aborted (%s); the fleet's sum stays as it was",
+                "round %d: secure aggregation aborted (%s); the last global state stays",
                 outcome.round, outcome.why,
                 extra={"event": "secure_aborted", "round": outcome.round},
             )  # fmt: skip
+        if release.prototypes:
+            return self._secure_prototypes(outcome), before
+        assert before is not None
         after = before.plus(outcome)
         if after.devices == 0:
             return Aggregate(), after
@@ -431,6 +450,22 @@ class RoundManager:
         assert isinstance(self.strategy, ClosedForm)  # config.secure_problem checked it
         return self.strategy.solve_statistics(stats), after
 
+    def _secure_prototypes(self, outcome: SecureOutcome) -> Aggregate:
+        """FedProto's global prototypes of the round's sum; the announced ones again when
+        the round aborted."""
+        release = self.secure
+        assert release is not None
+        if outcome.total is None:
+            held = self._announcement
+            return Aggregate(
+                global_classes=held.global_classes,
+                global_prototypes=np.asarray(held.global_prototypes, dtype=np.float64),
+            )
+        rows, has = global_prototypes(outcome.total, dim=release.k, classes=release.classes)
+        return Aggregate(
+            global_classes=tuple(int(c) for c in np.flatnonzero(has)), global_prototypes=rows[has]
+        )
+
     def _close(self, now: float, *, secure: SecureOutcome | None = None) -> RoundAnnouncement:
         started = time.perf_counter()
         closing = self._open
@@ -440,7 +475,8 @@ class RoundManager:
         meta: dict[str, str] = {}
         if secure is not None:
             result, fleet_sum = self._secure_result(secure)
-            meta[SUM_KEY] = fleet_sum.to_meta()
+            if fleet_sum is not None:
+                meta[SUM_KEY] = fleet_sum.to_meta()
         elif self._statistics is not None:  # summed as they arrived
             result = self._statistics.solve()
             fresh = list(self._statistics.round_clients)

@@ -35,7 +35,13 @@ from edge_agent.train import LocalModel, embed, make_optimiser
 from export.runtime import BackboneRuntime
 from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.faults import crash_point
-from runtime.secagg.fleet import flatten, ledger_multiplier, secure_release
+from runtime.secagg.fleet import (
+    flatten,
+    flatten_prototypes,
+    ledger_multiplier,
+    prototype_release,
+    secure_release,
+)
 from runtime.secagg.settings import SecAggSettings
 
 log = logging.getLogger(__name__)
@@ -66,8 +72,9 @@ class SecureInput:
     vector: np.ndarray
     settings: SecAggSettings
     version: str
-    #: The statistics the fleet's sum holds of this device once ``vector`` is added.
-    statistics: np.ndarray
+    #: The statistics the fleet's sum holds of this device once ``vector`` is added
+    #: (None for a prototype method, whose sums are the round's alone).
+    statistics: np.ndarray | None
 
 
 class Agent:
@@ -263,6 +270,8 @@ class Agent:
         # the mode's release.
         protos, counts = protos_t.numpy(), counts_t.numpy()
         held = np.flatnonzero(counts > 0)
+        if cfg.secure:
+            return self._prototypes_securely(announcement, trained, protos, counts, received_bytes)
         release, spent = mode.release(round_, z, self.train_labels)
         extras = update_extras(
             method=cfg.method, model=self.model, held=held, z=z, labels=self.train_labels,
@@ -384,6 +393,40 @@ class Agent:
                                version=version, statistics=statistics),
         )  # fmt: skip
 
+    def _prototypes_securely(
+        self,
+        announcement: RoundAnnouncement,
+        trained: Any,
+        protos: np.ndarray,
+        counts: np.ndarray,
+        received_bytes: int | None,
+    ) -> Decision:
+        """A secure FedProto fleet's answer: the round's prototypes go into the round's
+        secure sum (rows of the classes held and a holder count each; no noise, no ledger
+        entry: the claim is that the coordinator sees the sum only), never in an update."""
+        cfg, round_ = self.cfg, announcement.round
+        release = prototype_release(
+            cfg.secure_aggregation, dim=protos.shape[1], classes=self.num_classes
+        )
+        vector = flatten_prototypes(protos, counts > 0)
+        record: dict[str, Any] = trained.record | {
+            "loss": trained.metrics.loss, "train_seconds": trained.metrics.seconds,
+            "time": time.time(), "bytes_up": 0, "bytes_down": received_bytes, "secure": True,
+        }  # fmt: skip
+        if self.evaluator is not None:
+            record.update(self.evaluator.after_training(self.mode.predictor, protos, counts,
+                                                        rule=self.mode.predict_rule))  # fmt: skip
+        self.mode.save()
+        self.state.save_round(round_, model=self.mode.predictor, prototypes=protos,
+                              counts=counts, update=b"", metrics=record)  # fmt: skip
+        self.state.mark_published(round_)
+        run = announcement.auth.run if announcement.auth is not None else announcement.run
+        return Decision(
+            "secure",
+            secure=SecureInput(round=round_, run=run, vector=vector, settings=release.settings,
+                               version=f"round {round_}", statistics=None),
+        )  # fmt: skip
+
     def _settle(self, round_: int, *, summed: bool) -> None:
         """Round ``round_`` answered with nothing to publish on the update topic."""
         closed = self.closed
@@ -401,6 +444,8 @@ class Agent:
     def summed(self, secure: SecureInput) -> None:
         """The round's secure sum holds this device's statistics (it was a survivor):
         the same data need not be summed again."""
+        if secure.statistics is None:
+            return  # a prototype method's round: nothing carries over
         self.state.save_summed(secure.statistics)
         self.state.record(statistics_summed=secure.version)
 

@@ -11,7 +11,7 @@ from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.train_config import TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
-from runtime.secagg.fleet import SECURE_METHODS, SecureAggregation
+from runtime.secagg.fleet import SecureAggregation, method_problem
 from runtime.security import AgentSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
@@ -128,16 +128,13 @@ class AgentConfig:
             raise ValueError(f"history must be at least 1 round, got {self.history}")
 
     def _check_secure(self) -> None:
-        if self.method not in SECURE_METHODS:
-            raise ValueError(
-                f'privacy.aggregation = "secure" sums the devices\' statistics, and '
-                f"{self.method} needs each device's own release: use "
-                f'{" or ".join(SECURE_METHODS)}, or aggregation = "plain"'
-            )
+        problem = method_problem(self.secure_aggregation, self.method)
+        if problem is not None:
+            raise ValueError(problem)
         if self.privacy.mechanism != "none":
             raise ValueError(
-                f'privacy.aggregation = "secure" noises the fleet\'s sum '
-                f"([secure_aggregation] epsilon); privacy.mechanism = "
+                'privacy.aggregation = "secure" noises the fleet\'s sum '
+                "([secure_aggregation] epsilon); privacy.mechanism = "
                 f'{self.privacy.mechanism!r} would noise each device\'s part too: set it to "none"'
             )
         problem = self.secure_aggregation.problem()

@@ -13,7 +13,7 @@ import logging
 import re
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from coordinator.rounds import RoundManager
 from coordinator.secure_rounds import SUM_KEY, FleetSum, SecureOutcome
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
+from coordinator.strategies import RobustOptions
 from coordinator.strategies.closed_form import LDA
 from edge_agent.agent import Agent
 from edge_agent.config import ClosedFormSettings
@@ -39,7 +40,13 @@ from edge_agent.service import AgentService
 from export.bundle import load as load_bundle
 from fleet.transports.broker import MosquittoBroker
 from runtime import closed_form as cf
-from runtime.secagg.fleet import SecureAggregation, flatten, unflatten
+from runtime.secagg.fleet import (
+    SecureAggregation,
+    flatten,
+    flatten_prototypes,
+    global_prototypes,
+    unflatten,
+)
 from runtime.secagg.quantise import sum_error_bound
 from runtime.security import CoordinatorSecurity
 from runtime.transport import MqttSettings
@@ -85,6 +92,18 @@ def _agents(tmp_path: Path, bundle: Path, port: int, table: SecureAggregation) -
     return agents
 
 
+def _spy(
+    outcomes: list[SecureOutcome], take: Callable[[SecureOutcome], bool]
+) -> Callable[[SecureOutcome], bool]:
+    """``take``, keeping each outcome it is handed (the sum the manager closes with)."""
+
+    def taken(outcome: SecureOutcome) -> bool:
+        outcomes.append(outcome)
+        return take(outcome)
+
+    return taken
+
+
 @contextmanager
 def _running(services: list[AgentService], coordinator: CoordinatorService) -> Iterator[None]:
     threads = [threading.Thread(target=s.run, daemon=True) for s in services]
@@ -123,8 +142,7 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     services = [AgentService(agent=a) for a in agents]
     # What the secure round hands the manager: the unmasked sum (and nothing else).
     outcomes: list[SecureOutcome] = []
-    take = manager.take_secure
-    monkeypatch.setattr(manager, "take_secure", lambda o: outcomes.append(o) or take(o))
+    monkeypatch.setattr(manager, "take_secure", _spy(outcomes, manager.take_secure))
     finished = threading.Event()
     with _running(services, coordinator):
         # Round 0 is the secure round; round 1 (final) carries its head.
@@ -244,8 +262,12 @@ def test_a_device_whose_budget_would_be_exceeded_does_not_join(
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        ({"method": "fedpcl"}, "fedpcl needs each device's own release: use lda or ridge"),
-        ({"method": "fedcof"}, "fedcof needs each device's own release"),
+        ({"method": "fedpcl"}, "fedpcl needs each device's own: use lda, ridge, fedproto"),
+        ({"method": "fedcof"}, "fedcof needs each device's own"),
+        (
+            {"method": "fedproto", "secure_aggregation": _table(epsilon=1.0)},
+            "fedproto's secure sum carries no noise",
+        ),
         ({"privacy": AgentPrivacy(aggregation="secure", mechanism="dp-features")}, "set it to"),
         ({"secure_aggregation": SecureAggregation(dataset_size=20)}, "threshold must be set"),
         ({"secure_aggregation": SecureAggregation(threshold=3)}, "dataset_size must be set"),
@@ -265,7 +287,8 @@ def test_a_device_configuration_that_cannot_sum_securely_is_refused_in_one_line(
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        ({"method": "fedproto"}, "fedproto needs each device's own release"),
+        ({"method": "fedpcl"}, "fedpcl needs each device's own"),
+        ({"method": "fedproto"}, "[robust] medians need each device's rows"),
         ({"workers": WorkersSettings(count=2)}, "leave the [workers] table out"),
         ({"secure": SecureAggregation(dataset_size=20)}, "threshold must be set"),
     ],
@@ -283,3 +306,61 @@ def test_a_coordinator_configuration_that_cannot_sum_securely_is_refused_in_one_
             secure_aggregation=change.get("secure", config.secure_aggregation),  # type: ignore[arg-type]
         )
     assert "\n" not in str(info.value)
+
+
+def test_a_secure_fedproto_fleet_announces_the_holders_mean_of_the_summed_rows(
+    small_zoo: Path, tmp_path: Path, mosquitto: MosquittoBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = mosquitto.address.port
+    table = _table(stage_timeout_s=20.0)
+    agents = []
+    for i, domain in enumerate(DOMAINS):
+        cfg = agent_config(tmp_path / f"dev-{i}", small_zoo, agent_id=f"dev-{i}", domain=domain,
+                           method="fedproto", port=port)  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg, privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table
+        )
+        agents.append(Agent(cfg))
+    dim = agents[0].cfg.train.out_dim
+    base = _coordinator(tmp_path, port, agents[0].bundle_id, table)
+    config = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, method="fedproto", dim=dim),
+        rounds=dataclasses.replace(base.rounds, max_rounds=1),
+        robust=RobustOptions(
+            median_count_cap=False, median_norm_clip=False, median_direction_screen=False
+        ),
+    )
+    manager = RoundManager(config=config, store=Store(config.database))
+    outcomes: list[SecureOutcome] = []
+    monkeypatch.setattr(manager, "take_secure", _spy(outcomes, manager.take_secure))
+    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
+    with _running([AgentService(agent=a) for a in agents], coordinator):
+        done = threading.Event()
+        while not done.wait(0.2):
+            if manager.done:
+                done.set()
+    (outcome,) = outcomes
+    assert outcome.survivors == len(DOMAINS) and outcome.total is not None
+    rounds: list[tuple[np.ndarray, np.ndarray]] = []
+    for a in agents:
+        kept = a.state.load_prototypes()
+        assert kept is not None
+        rounds.append(kept)
+    exact = np.sum([flatten_prototypes(p, n > 0) for p, n in rounds], axis=0)
+    assert manager.secure is not None
+    assert np.abs(outcome.total - exact).max() < sum_error_bound(
+        3, spec=manager.secure.settings.spec
+    )
+    rows, has = global_prototypes(outcome.total, dim=dim, classes=len(CLASSES))
+    announced = manager.announcement
+    assert announced.global_classes == tuple(int(c) for c in np.flatnonzero(has))
+    np.testing.assert_allclose(
+        np.asarray(announced.global_prototypes, dtype=np.float64), rows[has], atol=2e-3
+    )
+    # The holders' mean: a class two devices hold is the mean of their two rows.
+    holders = np.sum([(n > 0).astype(int) for _, n in rounds], axis=0)
+    c = int(np.flatnonzero(holders == holders.max())[0])
+    mean = np.mean([p[c] for p, n in rounds if n[c] > 0], axis=0)
+    np.testing.assert_allclose(rows[c], mean, atol=1e-3)
+    assert Store(config.database).update_clients(0) == []

@@ -38,10 +38,15 @@ from runtime.secagg.settings import SecAggSettings
 #: ``secure`` (only the fleet's sum does).
 AGGREGATIONS = ("plain", "secure")
 
-#: The methods whose fleet statistics a secure sum gives whole: their heads are solved from
-#: sums alone. FedCOF needs each device's class means, the prototype methods each device's
-#: rows (docs/privacy.md, "Secure aggregation").
-SECURE_METHODS = ("lda", "ridge")
+#: The methods whose aggregation a secure sum gives whole: lda's and ridge's heads are
+#: solved from summed statistics, FedProto's global prototypes are the per-class sum of
+#: the holders' rows over the holders' count. FedCOF needs each device's class means,
+#: FedPCL's local sets, FPL's clusters and FedDBP's scores each device's own rows
+#: (docs/privacy.md, "Secure aggregation").
+SECURE_METHODS = ("lda", "ridge", "fedproto")
+
+#: Of those, the ones whose statistics are summed (the rest sum prototype rows).
+STATISTICS_METHODS = ("lda", "ridge")
 
 
 @dataclass(frozen=True)
@@ -106,16 +111,34 @@ class SecureAggregation:
         return None
 
 
+def method_problem(table: SecureAggregation, method: str) -> str | None:
+    """Why ``method`` cannot aggregate securely under ``table``, in one line; None when it
+    can (the table's own completeness aside, :meth:`SecureAggregation.problem`)."""
+    if method not in SECURE_METHODS:
+        return (
+            f'privacy.aggregation = "secure" sums the devices\' releases, and {method} needs '
+            f'each device\'s own: use {", ".join(SECURE_METHODS)}, or aggregation = "plain"'
+        )
+    if method not in STATISTICS_METHODS and table.epsilon > 0:
+        return (
+            f"{method}'s secure sum carries no noise (a prototype's sensitivity to one "
+            "example has no public bound here): set [secure_aggregation] epsilon = 0"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class SecureRelease:
     """What one round of a secure fleet runs with: the protocol's settings and the noise
-    plan (None without noise), for statistics of ``k`` features over ``classes``."""
+    plan (None without noise), for statistics of ``k`` features over ``classes``, or, with
+    ``prototypes``, for prototype rows of ``k`` values (``[rows (C*k), holders (C)]``)."""
 
     settings: SecAggSettings
     plan: DistributedPlan | None
     k: int
     classes: int
     gram: bool
+    prototypes: bool = False
 
     @property
     def epsilon(self) -> float:
@@ -153,6 +176,47 @@ def secure_release(
         sigma2=None if plan is None else plan.sigma2,
     )
     return SecureRelease(settings=settings, plan=plan, k=k, classes=classes, gram=gram)
+
+
+def prototype_release(table: SecureAggregation, *, dim: int, classes: int) -> SecureRelease:
+    """The settings of a prototype method's round: rows of ``dim`` values, norm at most 1
+    (an exact prototype is a mean of unit embeddings), so every coordinate lies in
+    [-1, 1], and one holder count per class; no noise."""
+    problem = table.problem() or method_problem(table, "fedproto")
+    if problem is not None:
+        raise ValueError(problem)
+    spec = QuantiseSpec(clip=1.0, scale=table.scale, bits=table.bits)  # type: ignore[arg-type]
+    settings = SecAggSettings(
+        threshold=table.threshold,
+        neighbours=table.neighbours or (1 << 30),
+        spec=spec,
+        length=classes * dim + classes,
+    )
+    return SecureRelease(
+        settings=settings, plan=None, k=dim, classes=classes, gram=False, prototypes=True
+    )
+
+
+def flatten_prototypes(rows: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """A device's prototypes as FedProto's secure sum adds them: ``[rows, holders]``, the
+    rows of the classes it holds (zeros elsewhere) and a 1 for each of them."""
+    held = np.asarray(held, dtype=bool)
+    dense = np.where(held[:, None], np.asarray(rows, dtype=np.float64), 0.0)
+    return np.concatenate([dense.ravel(), held.astype(np.float64)])
+
+
+def global_prototypes(
+    total: np.ndarray, *, dim: int, classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """FedProto's global prototypes from the decoded sum: each class's summed rows over
+    its holder count (exact integers, rounded back from the quantised sum), and which
+    classes any device holds."""
+    if total.shape != (classes * dim + classes,):
+        raise ValueError(f"a sum of {total.shape} values, not ({classes * dim + classes},)")
+    holders = np.rint(total[classes * dim :])
+    has = holders >= 1
+    rows = total[: classes * dim].reshape(classes, dim) / np.maximum(holders, 1.0)[:, None]
+    return rows, has
 
 
 def ledger_multiplier(plan: DistributedPlan) -> float:
