@@ -47,6 +47,7 @@ SUITES: dict[str, list[str]] = {
         "bench.mqtt_fleet_bench",
         "bench.privacy_bench",
         "bench.secagg_bench",
+        "bench.secagg_cost_bench",
         "bench.effnet_bench",
         "bench.effnet_fleet_bench",
         "bench.reliability_bench",
