@@ -50,6 +50,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "privacy": performance.privacy,
     "secure-aggregation": performance.secure_aggregation,
     "secure-cost": performance.secure_cost,
+    "secure-scale": performance.secure_scale,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),
     "glyphs-table": accuracy.glyphs_table,

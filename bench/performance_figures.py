@@ -281,8 +281,56 @@ def secure_cost(r: Results) -> str:
         ("fleet.secagg_vector_length", "values in each device's statistics vector"),
         ("fleet.secagg_neighbours", "neighbours each device pairs with"),
     ):
-        rows.append(f"| `{name}`: {what} | {num(r.get(name))} |")
+        value = r.get(name)
+        shown = f"{int(value):,}" if value is not None and value == int(value) else num(value)
+        rows.append(f"| `{name}`: {what} | {shown} |")
     return "\n".join([
-        f"{num(devices)} real agents over Mosquitto, lda:", "", *rows, "",
+        f"{int(devices or 0)} real agents over Mosquitto, lda:", "", *rows, "",
         f"(`make bench`: {r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip
+
+
+def secure_scale(r: Results) -> str:
+    """A secure round's cost at 100 agents, measured, and at 1,000 and 10,000 devices,
+    derived (bench.secagg_cost_bench)."""
+    key = "fleet.secagg_bytes_per_device"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+
+    def kb(name: str) -> str:
+        value = r.get(name)
+        return "-" if value is None else f"{value / 1000:,.0f} kB"
+
+    def gb(name: str) -> str:
+        value = r.get(name)
+        return "-" if value is None else f"{value / 1e9:,.1f} GB"
+
+    def secs(name: str) -> str:
+        value = r.get(name)
+        return "-" if value is None else f"{value:,.1f} s"
+
+    rows = [
+        "| devices | graph | bytes per device | through the broker | seconds |",
+        "|---:|---|---:|---:|---:|",
+        f"| 100 (measured) | complete | {kb(key)} | "
+        f"{(r.get(key) or 0) * 100 / 1e6:,.1f} MB | {secs('fleet.secagg_seconds')} (2 shared cores) |",
+    ]
+    for n in (1000, 10_000):
+        rows.append(
+            f"| {n:,} (derived) | complete | {kb(f'fleet.secagg_bytes_per_device_{n}_derived')} | "
+            f"{gb(f'fleet.secagg_broker_bytes_{n}_derived')} | "
+            f"{secs(f'fleet.secagg_seconds_{n}_derived')} of compute |"
+        )
+    for n, k in ((1000, 100), (10_000, 200)):
+        rows.append(
+            f"| {n:,} (derived) | SecAgg+, {k} neighbours | "
+            f"{kb(f'fleet.secagg_plus_bytes_per_device_{n}_derived')} | | |"
+        )
+    return "\n".join([
+        *rows, "",
+        f"Slopes: {num(r.get('fleet.secagg_bytes_slope_per_device'))} bytes per device per "
+        f"added device on the complete graph; SecAgg+ "
+        f"{num(r.get('fleet.secagg_plus_bytes_per_id'))} per device (the roster's and "
+        f"survivors' ids) and {num(r.get('fleet.secagg_plus_bytes_per_neighbour'))} per "
+        f"neighbour (`make bench`: {r.provenance(r.section_of[key])}).",
     ])  # fmt: skip

@@ -49,7 +49,6 @@ units of the sum) and the protocol run's ``privacy.secagg_protocol_*``.
 
 from __future__ import annotations
 
-import math
 import secrets
 import sys
 import time
@@ -67,6 +66,7 @@ from edge_agent.config import ClosedFormSettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import plan_features
 from fleet.engine.batch import FleetFeatures
+from fleet.engine.secure_sum import discrete_gaussian
 from fleet.transports.spec import FLEET
 from runtime import closed_form as cf
 from runtime.secagg.device import SecAggDevice
@@ -98,23 +98,6 @@ COLLUDING = 90  # a tenth of the threshold may collude with the coordinator
 PROTOCOL_DEVICES = 10
 PROTOCOL_K = 64
 METHOD = device_method("lda")
-
-
-def discrete_gaussian(size: int, sigma2: float, rng: np.random.Generator) -> np.ndarray:
-    """``size`` draws of ``N_Z(0, sigma2)`` (int64): a discrete Laplace of scale
-    ``s = floor(sigma) + 1`` (the difference of two geometric counts of ratio
-    ``exp(-1/s)``), kept with probability ``exp(-(|y| - sigma2/s)^2 / (2 sigma2))``,
-    CKS Algorithm 3 as ``runtime.secagg.noise.discrete_gaussian`` runs it exactly."""
-    s = math.floor(math.sqrt(sigma2)) + 1
-    p = -math.expm1(-1.0 / s)
-    out = np.empty(size, dtype=np.int64)
-    todo = np.arange(size)
-    while todo.size:
-        y = rng.geometric(p, todo.size) - rng.geometric(p, todo.size)
-        keep = rng.random(todo.size) < np.exp(-((np.abs(y) - sigma2 / s) ** 2) / (2 * sigma2))
-        out[todo[keep]] = y[keep]
-        todo = todo[~keep]
-    return out
 
 
 def _secret_generator() -> np.random.Generator:

@@ -105,3 +105,20 @@ def status(script: str, config: Path) -> dict[str, Any]:
 
 def _take_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def group_members(group: int) -> dict[int, str]:
+    """pid -> command line of the live (not zombie) processes of a process group."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # exited while we looked
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == group and state != "Z":
+            members[int(entry.name)] = cmdline
+    return members

@@ -38,7 +38,7 @@ from protocol import RoundAnnouncement
 from protocol.methods import wire_method
 from runtime.cliutil import UsageError
 from runtime.security import CoordinatorSecurity
-from tests.process_helpers import LoggedProcess
+from tests.process_helpers import LoggedProcess, group_members
 
 
 def _args(tmp_path: Path, *argv: str) -> list[str]:
@@ -247,7 +247,11 @@ def test_a_coordinator_worker_that_dies_is_named_and_every_process_stopped(
     group = fleet.proc.pid
     try:
         fleet.wait_for("round 1 of 500 closed", timeout=120)
-        (victim,) = _members(group, "edge-coordinator worker --name w2 ")
+        (victim,) = [
+            pid
+            for pid, command in group_members(group).items()
+            if "edge-coordinator worker --name w2 " in command
+        ]
         os.kill(victim, signal.SIGKILL)
         assert fleet.proc.wait(timeout=90) == 1
         fleet.wait_for("coordinator worker w2 exited early", timeout=10)
@@ -261,20 +265,3 @@ def test_a_coordinator_worker_that_dies_is_named_and_every_process_stopped(
         fleet.close()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)  # whatever a failure left running
-
-
-def _members(group: int, text: str) -> list[int]:
-    """The live processes of process group ``group`` whose command line holds ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # exited while we looked
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == group and state != "Z" and text in command:
-            found.append(int(entry.name))
-    return found

@@ -31,7 +31,7 @@ from fleet.transports.watcher import Watcher
 from protocol import RoundAnnouncement, round_topic
 from runtime.cliutil import CommandFailed, Terminated, UsageError
 from tests.mqtt_helpers import connected
-from tests.process_helpers import LoggedProcess
+from tests.process_helpers import LoggedProcess, group_members
 
 
 def test_a_broker_url_is_host_and_port() -> None:
@@ -49,23 +49,6 @@ def _long_fleet(bundle: Path, tmp_path: Path) -> LoggedProcess:
     return LoggedProcess("edge-fleet", argv, new_session=True)
 
 
-def _group_members(group: int) -> dict[int, str]:
-    """pid -> command line of the live (not zombie) processes of a process group."""
-    members = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # exited while we looked
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == group and state != "Z":
-            members[int(entry.name)] = cmdline
-    return members
-
-
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -76,7 +59,7 @@ def test_a_killed_fleet_process_takes_its_children_with_it(small_zoo: Path, tmp_
     group = fleet.proc.pid
     try:
         fleet.wait_for("round 2 of 500 closed", timeout=120)
-        children = {p: c for p, c in _group_members(group).items() if p != fleet.proc.pid}
+        children = {p: c for p, c in group_members(group).items() if p != fleet.proc.pid}
         kinds = " ".join(children.values())
         assert (
             "mosquitto" in kinds
@@ -147,7 +130,7 @@ def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
     group = fleet.proc.pid
     try:
         fleet.wait_for("round 2 of 500 closed", timeout=120)
-        (pid,) = [p for p, command in _group_members(group).items() if victim in command]
+        (pid,) = [p for p, command in group_members(group).items() if victim in command]
         os.kill(pid, signal.SIGKILL)
         assert fleet.proc.wait(timeout=90) == 1
         fleet.wait_for(f"{name} exited early", timeout=10)
