@@ -68,6 +68,30 @@ def test_a_privacy_sweep_records_every_setting_it_swept(tmp_path: Path) -> None:
     assert list(config)[-1] == "swept_splits" and config["alpha"] == 0.3
 
 
+def test_secure_aggregation_is_resolved_for_every_fleet_and_left_off_the_ceiling(
+    tmp_path: Path,
+) -> None:
+    where = ["--bundle", str(tmp_path), "--out", str(tmp_path / "out")]
+    argv = ["compare", "--methods", "lda,ridge", "--transport", "vector", "--secure-aggregation",
+            *where]  # fmt: skip
+    options = sweep_options(build_parser().parse_args([*argv, "--epsilon", "4"]), method="lda")
+    spec = options.spec(method="ridge", seed=0, out=tmp_path / "run")
+    # --epsilon is the sum's: a dp-features budget the sum's noise spends in its place.
+    assert spec.secure_aggregation
+    assert spec.privacy == {"mechanism": "dp-features", "epsilon": 4.0, "delta": 1e-5}
+    ceiling = options.spec(method="central", seed=0, out=tmp_path / "central", plain=True)
+    assert not ceiling.secure_aggregation and ceiling.privacy == {}
+    assert options.config["secure_aggregation"] and options.config["epsilon"] == 4.0
+    # Without --epsilon the sum is exact; without --secure-aggregation nothing changes.
+    exact = sweep_options(build_parser().parse_args(argv), method="lda")
+    assert exact.spec(method="lda", seed=0, out=tmp_path / "run").privacy == {}
+    plain = sweep_options(build_parser().parse_args(["run", *where]), method="fedpcl")
+    assert not plain.spec(method="fedpcl", seed=0, out=tmp_path / "run").secure_aggregation
+    # A privacy sweep compares the aggregations itself (--closed-form), with no such option.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["privacy", "--secure-aggregation", *where])
+
+
 def test_the_protocol_sets_every_classifier_alike_and_train_param_wins(tmp_path: Path) -> None:
     def train_of(
         argv: list[str], method: str, command: str = "compare", **kwargs: Any

@@ -4,7 +4,7 @@ Markdown tables of a comparison and of a privacy sweep, strict JSON."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from fleet.report.plots import plot_domains
 from fleet.report.privacy_report import markdown as privacy_markdown
 from fleet.report.summary import build_report, to_json
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
+from runtime.secagg.fleet import SecureAggregation
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -158,3 +159,42 @@ def test_a_privacy_report_on_own_data_names_the_file_not_a_digits5_setting() -> 
     digits = {"config": {"data": None}, "delta": 1e-5, "results": {"label": rows}}
     assert "# Privacy on digits-5 " in privacy_markdown(digits)
     assert "| setting | label shift |" in privacy_markdown(digits)
+
+
+def test_a_fleet_report_states_the_public_settings_of_a_secure_sum(tmp_path: Path) -> None:
+    table = SecureAggregation(threshold=9, colluding=0, epsilon=2.0, dataset_size=50)
+    secure = replace(fake_result(tmp_path, "lda", 0, [[0.5]]), secure=table)
+    doc = build_report({"lda": {0: secure}, "ridge": {0: secure},
+                        "fedcof": {0: fake_result(tmp_path, "fedcof", 0, [[0.5]])}},
+                       config={}, partition="toy")  # fmt: skip
+    settings = doc["methods"]["lda"]["settings"]
+    assert settings["secure_aggregation"]["threshold"] == 9
+    # What the agents ran with: no mechanism of their own, the sum's budget as their cap.
+    assert settings["privacy"] == {"aggregation": "secure", "mechanism": "none", "delta": 1e-5,
+                                   "epsilon": 2.0}  # fmt: skip
+    assert doc["methods"]["fedcof"]["settings"]["secure_aggregation"] is None
+    line = (
+        "Secure aggregation (lda and ridge): the devices' releases reached the coordinator "
+        "only as the fleet's sum, distributed discrete Gaussian noise for epsilon 2 at delta 1e-05 "
+        "over the whole run; threshold 9, 0 colluding, every device each other's neighbour, "
+        "50 samples a device at most, a 32-bit ring at scale 32768."
+    )
+    assert markdown(doc).count("Secure aggregation (") == 1 and line in markdown(doc)
+
+
+def test_a_privacy_report_claims_the_secure_sums_guarantee_and_says_what_it_compares() -> None:
+    rows = {"lda exact sum (no privacy)": 0.8, "lda secure eps=1": 0.7}
+    table = {"threshold": 5, "colluding": 0, "dataset_size": 100, "bits": 32}
+    claim: dict[str, Any] = {"aggregation": "secure", "epsilon": 1.0, "mechanism": "none",
+                             "guarantee": "(epsilon, delta)-DP, add/remove one example"}  # fmt: skip
+    document = {"config": {}, "delta": 1e-5, "results": {"feature": rows}, "closed_form": "lda",
+                "settings": {"lda exact sum (no privacy)": {"stats_dim": 64},
+                             "lda secure eps=1": {"secure_aggregation": table}},
+                "privacy": {"lda secure eps=1": claim}}  # fmt: skip
+    text = privacy_markdown(document)
+    assert "Formal arms' guarantee: (epsilon, delta)-DP, add/remove one example." in text
+    assert "lda (vector transport, statistics in k = 64), the same budget per arm" in text
+    assert "(threshold 5, 0 colluding, 100 samples a device at most, a 32-bit ring)" in text
+    # A secure sum without noise claims nothing.
+    claim |= {"epsilon": 0.0, "guarantee": "none"}
+    assert "Formal arms' guarantee" not in privacy_markdown(document)

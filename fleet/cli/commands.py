@@ -10,8 +10,8 @@ from pathlib import Path
 from edge_agent.methods import CORE, METHODS, device_method
 from fleet.cli.options import (
     SweepOptions,
+    check_method,
     parse_seeds,
-    refuse_sharded,
     refuse_vector,
     split_list,
     sweep_options,
@@ -51,7 +51,7 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
             refuse_vector(method, resume=args.resume)
     options = sweep_options(args, method=methods[0])
     for method in methods[1:]:  # the first was checked by sweep_options
-        refuse_sharded(options, method)
+        check_method(options, method)
     # Everything a sweep's options can get wrong is checked before the zoo is built, which
     # takes minutes the first time: the data too, whose first partition the sweep reuses.
     first = options.data.partition(seeds[0])
@@ -74,7 +74,8 @@ def _sweep(
         for method in [*methods, CENTRAL]:
             central = method == CENTRAL
             spec = options.spec(method=method, seed=seed, out=sweep / f"{method}-seed{seed}",
-                                extra_train=CENTRAL_TRAIN if central else None)  # fmt: skip
+                                extra_train=CENTRAL_TRAIN if central else None,
+                                plain=central)  # fmt: skip
             result, resumed = run_or_resume(
                 spec, partition, run=run_central if central else run_fleet
             )

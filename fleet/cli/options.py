@@ -81,6 +81,10 @@ class SweepOptions:
     broker: str | None
     workers: int
     coordinator_workers: int | None  # None: the single coordinator
+    # --secure-aggregation: the fleets' statistics summed securely; ``sum_release`` is the
+    # formal release its noise makes ({} without --epsilon: the exact sum).
+    secure_aggregation: bool
+    sum_release: Mapping[str, Any]
     out: Path  # the sweep's report folder
     progress: bool
     resume: bool
@@ -97,13 +101,19 @@ class SweepOptions:
         extra_train: Mapping[str, Any] | None = None,
         privacy: Mapping[str, Any] | None = None,
         reproducible_noise: bool = False,
+        plain: bool = False,
     ) -> RunSpec:
         """One run of the sweep, into ``out``. Every run of a sweep shares one feature
         cache under ``--out``: the backbones see each image once, whatever the method. The
         [train] table layers, each over the one before: what ``--protocol`` gives the
         method (:mod:`fleet.transports.protocols`), ``--train-param``, and the sweep's own
-        settings (``extra_train``: DP-SGD's GroupNorm, the ceiling's classifier)."""
+        settings (``extra_train``: DP-SGD's GroupNorm, the ceiling's classifier). Under
+        --secure-aggregation every run sums securely, with the sweep's noise, unless
+        ``plain`` (the ceiling, which pools the data instead of federating it)."""
         base = protocol_train(self.protocol, method)
+        secure = self.secure_aggregation and not plain
+        if secure and privacy is None:
+            privacy = self.sum_release
         return RunSpec(
             method=method,
             rounds=self.rounds,
@@ -123,6 +133,7 @@ class SweepOptions:
             extra_train={**base, **self.train_param, **(extra_train or {})},
             privacy=dict(privacy or {}),
             reproducible_noise=reproducible_noise,
+            secure_aggregation=secure,
         )
 
 
@@ -155,6 +166,7 @@ def sweep_options(
     workers = 2 if args.workers is None else args.workers
     if args.broker:
         parse_broker_url(args.broker)
+    secure = bool(getattr(args, "secure_aggregation", False))
     resolved = {"bundle": bundle, "image_size": data.image_size, "workers": workers}
     if data.digits5 is not None:
         resolved |= asdict(data.digits5)
@@ -176,14 +188,42 @@ def sweep_options(
         # `privacy` has no such option: its sweep always runs solo, which no worker tier
         # can serve.
         coordinator_workers=getattr(args, "coordinator_workers", None),
+        secure_aggregation=secure,
+        sum_release=sum_release(args, secure=secure),
         out=args.out,
         progress=not args.no_progress,
         resume=args.resume,
         config=_config(args, resolved),
     )
-    options.spec(method=method, seed=0, out=args.out)  # the run settings, checked by RunSpec
-    refuse_sharded(options, method)
+    check_method(options, method)
     return options
+
+
+def sum_release(args: argparse.Namespace, *, secure: bool) -> dict[str, Any]:
+    """The formal release whose budget the secure sum's noise spends: dp-features at
+    ``--epsilon`` and ``--delta``, which --secure-aggregation moves from each device into
+    the sum (RunSpec.secure_aggregation); {} without ``--epsilon``, the exact sum."""
+    epsilon = getattr(args, "epsilon", None)
+    if epsilon is None:
+        return {}
+    if not secure:
+        raise UsageError(
+            "--epsilon is the noise of --secure-aggregation's sum; each device's own "
+            "mechanisms are swept by edge-fleet privacy"
+        )
+    if not epsilon > 0:
+        raise UsageError(f"--epsilon must be positive (leave it out for no noise), got {epsilon}")
+    if not 0 < args.delta < 1:
+        raise UsageError(f"--delta must be in (0, 1), got {args.delta}")
+    return {"mechanism": "dp-features", "epsilon": epsilon, "delta": args.delta}
+
+
+def check_method(options: SweepOptions, method: str) -> None:
+    """What ``method``'s runs would refuse, refused before anything starts: its run
+    settings (RunSpec: --secure-aggregation's refusal too), and over
+    ``--coordinator-workers`` the round owner's and the broker's."""
+    options.spec(method=method, seed=0, out=options.out)
+    refuse_sharded(options, method)
 
 
 def _config(args: argparse.Namespace, resolved: Mapping[str, Any]) -> dict[str, Any]:

@@ -68,11 +68,14 @@ def add_common_options(
     out: str,
     one_split: bool = True,
     sharded: bool = False,
+    secure: bool = False,
 ) -> None:
     """The data, federation and output options. ``one_split=False`` hides ``--split`` from
     the help of a command that sweeps several (it still parses, to be refused by name).
     ``sharded`` offers ``--coordinator-workers``, to commands whose every method may run
-    over the worker tier (not ``privacy``, whose floor, solo, has no server step)."""
+    over the worker tier (not ``privacy``, whose floor, solo, has no server step).
+    ``secure`` offers ``--secure-aggregation`` with its ``--epsilon`` and ``--delta`` (not
+    to ``privacy``, which sweeps epsilons and compares the aggregations itself)."""
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
@@ -144,6 +147,8 @@ def add_common_options(
                              "edge-coordinator worker processes on a shared subscription, for "
                              "the methods whose aggregation splits (fedpcl then announces no "
                              "local sets; docs/fleet.md) (default: the single coordinator)")  # fmt: skip
+    if secure:
+        add_secure_options(parser)
     parser.add_argument(
         "--out", type=Path, default=Path(out), help=f"report folder (default {out})"
     )
@@ -156,6 +161,22 @@ def add_common_options(
     )
 
 
+def add_secure_options(parser: argparse.ArgumentParser) -> None:
+    """``--secure-aggregation`` and the budget of its noise (fleet/transports/secure.py)."""
+    group = parser.add_argument_group("secure aggregation")
+    group.add_argument("--secure-aggregation", action="store_true",
+                       help="lda, ridge: the devices' statistics reach the coordinator only "
+                            "inside the fleet's secure sum (mqtt: the protocol itself, "
+                            "--rounds 1 or 2; vector: its sum simulated); fedproto: its "
+                            "prototypes, over mqtt, without noise (docs/fleet.md)")  # fmt: skip
+    group.add_argument("--epsilon", type=float,
+                       help="with --secure-aggregation: the (epsilon, delta) the sum's "
+                            "distributed noise spends over the whole run (default: no noise, "
+                            "the exact sum)")  # fmt: skip
+    group.add_argument("--delta", type=float, default=1e-5,
+                       help="with --epsilon (default 1e-5)")  # fmt: skip
+
+
 def add_parsers(sub: Any) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p_run = sub.add_parser("run", help="run one method over a simulated fleet and report",
@@ -163,7 +184,7 @@ def add_parsers(sub: Any) -> None:
                            epilog=DATA_HELP, formatter_class=fmt)  # fmt: skip
     p_run.add_argument("--method", choices=METHODS, default=CORE, help=f"default {CORE}")
     p_run.add_argument("--seed", type=int, default=0)
-    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet", sharded=True)
+    add_common_options(p_run, rounds=30, clients=5, out="runs/fleet", sharded=True, secure=True)
 
     p_cmp = sub.add_parser("compare", help="several methods x seeds on the same partitions",
                            description="Every method and seed on the same bundle and partitions.",
@@ -171,7 +192,8 @@ def add_parsers(sub: Any) -> None:
     p_cmp.add_argument("--methods", default=",".join(METHODS),
                        help=f"comma-separated (default {','.join(METHODS)})")  # fmt: skip
     p_cmp.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
-    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare", sharded=True)
+    add_common_options(p_cmp, rounds=30, clients=5, out="runs/compare", sharded=True,
+                       secure=True)  # fmt: skip
 
     p_demo = sub.add_parser("demo", help="what `make demo` runs: solo, fedavg, fedproto, "
                             "fedpcl and lda on 5 feature-shifted devices over MQTT",
@@ -179,4 +201,4 @@ def add_parsers(sub: Any) -> None:
                             "fedpcl and lda with 5 devices over a private Mosquitto.")  # fmt: skip
     p_demo.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     p_demo.add_argument("--methods", default="solo,fedavg,fedproto,fedpcl,lda")
-    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo", sharded=True)
+    add_common_options(p_demo, rounds=30, clients=5, out="runs/demo", sharded=True, secure=True)

@@ -10,6 +10,12 @@ federating at all. Also an attack: how well an observer infers each client's lab
 distribution from its released counts, without noise and under each epsilon's release
 noise. Writes report.json, report.md and accuracy_vs_epsilon.png.
 
+With --closed-form (lda by default, or ridge), on the vector transport: the method with
+each device's own `dp-features` statistics release (local noise) against the fleet's
+secure sum carrying the distributed discrete Gaussian (`--secure-aggregation`: only the
+sum reaches the coordinator, its noise spends the same epsilon once) at each epsilon,
+and the exact sum as reference.
+
 Mechanism noise is secret (drawn from the OS) as on a device, so two sweeps with the same
 seeds differ in their noise; --reproducible-noise replays it from the seeds instead and
 marks every arm `guarantee: none (reproducible noise)`.
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,9 +40,13 @@ from fleet.data.bundles import ensure_bundle
 from fleet.data.partition import SPLITS, Partition
 from fleet.report.privacy_audit import label_inference_error
 from fleet.report.privacy_report import FORMAL, markdown, plot_accuracy_vs_epsilon
-from fleet.report.summary import arm_settings, run_summary, to_json
+from fleet.report.summary import agent_privacy, arm_settings, run_summary, to_json
 from fleet.transports.runner import run as run_fleet
+from fleet.transports.spec import RunSpec
 from runtime.cliutil import UsageError
+
+#: The closed-form methods --closed-form compares local and distributed noise for.
+CLOSED_FORM = ("lda", "ridge")
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
 
@@ -65,6 +76,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated (default 0)")
     parser.add_argument("--release-share", type=float, default=0.2,
                         help="share of each budget spent by the releases (default 0.2)")  # fmt: skip
+    parser.add_argument("--closed-form", nargs="?", const="lda", choices=CLOSED_FORM,
+                        help="also sweep this closed-form method (lda when named alone) on the "
+                             "vector transport: each device's dp-features release against the "
+                             "secure sum's distributed noise at each epsilon, the exact sum as "
+                             "reference (default: not swept)")  # fmt: skip
     parsers.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
     parser.set_defaults(transport="memory")
 
@@ -84,6 +100,7 @@ class PrivacyOptions:
     dataset_size: int | None  # --dataset-size: the declared bound, if given
     release_share: float
     reproducible_noise: bool
+    closed_form: str | None = None  # --closed-form: the method, or None
 
     def config(self) -> dict[str, Any]:
         """The command line as the report records it."""
@@ -178,6 +195,7 @@ def privacy_options(args: argparse.Namespace) -> PrivacyOptions:
         dataset_size=args.dataset_size,
         release_share=args.release_share,
         reproducible_noise=args.reproducible_noise,
+        closed_form=args.closed_form,
     )
 
 
@@ -185,31 +203,70 @@ def main(args: argparse.Namespace) -> int:
     opts = privacy_options(args)
     first = opts.sweep.data.partition(opts.seeds[0])
     size = _dataset_size(opts, first)
-    for mechanism in opts.mechanisms:  # an impossible plan fails now, not after the zoo is built
-        for eps in opts.epsilons:
-            _plan(mechanism, eps, opts, dataset_size=size)
+    # An impossible plan or arm fails now, not after the zoo is built.
+    for arm in _arms(opts, size):
+        _spec(arm, opts, seed=opts.seeds[0], out=opts.sweep.out)
     with commands.hold_output_folder(opts.sweep.out):
         return _sweep(opts, first)
 
 
-def _arms(opts: PrivacyOptions, size: int) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
-    """(name, method, [privacy] table, the arm's own [train] settings) of every arm, for
-    a partition whose declared bound is ``size``."""
-    arms: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
-        ("solo (no privacy)", "solo", {}, {}),
-        ("fedpcl (no privacy)", "fedpcl", {}, {}),
-    ]
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the sweep: its name in the report, its method, the agents' [privacy]
+    table and its own [train] settings. A closed-form arm runs on the vector transport,
+    with ``secure`` its statistics summed securely (the [privacy] table's release then
+    becomes the sum's noise)."""
+
+    name: str
+    method: str
+    privacy: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    closed_form: bool = False
+    secure: bool = False
+
+    @property
+    def slug(self) -> str:
+        """Its runs' folder name."""
+        return self.name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
+
+
+def _arms(opts: PrivacyOptions, size: int) -> list[Arm]:
+    """Every arm, for a partition whose declared bound is ``size``."""
+    arms = [Arm("solo (no privacy)", "solo"), Arm("fedpcl (no privacy)", "fedpcl")]
     for noise, scale, p in opts.paper:
-        arms.append((f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
-                     {"mechanism": "paper", "paper_noise": noise,
-                      "paper_scale": scale, "paper_p": p}, {}))  # fmt: skip
+        arms.append(Arm(f"fedpcl paper {noise} s={scale} p={p}", "fedpcl",
+                        {"mechanism": "paper", "paper_noise": noise,
+                         "paper_scale": scale, "paper_p": p}))  # fmt: skip
     for mechanism in opts.mechanisms:
         for eps in opts.epsilons:
             chosen = _plan(mechanism, eps, opts, dataset_size=size)
-            arms.append((f"fedpcl {mechanism} eps={eps:g}", "fedpcl",
-                         _privacy_table(mechanism, eps, chosen, opts, size),
-                         {"norm": "group"} if mechanism == "dp" else {}))  # fmt: skip
+            arms.append(Arm(f"fedpcl {mechanism} eps={eps:g}", "fedpcl",
+                            _privacy_table(mechanism, eps, chosen, opts, size),
+                            {"norm": "group"} if mechanism == "dp" else {}))  # fmt: skip
+    method = opts.closed_form
+    if method is not None:
+        arms.append(Arm(f"{method} exact sum (no privacy)", method, closed_form=True))
+        for eps in opts.epsilons:
+            local = _privacy_table("dp-features", eps, _plan("dp-features", eps, opts,
+                                   dataset_size=size), opts, size)  # fmt: skip
+            arms.append(Arm(f"{method} dp-features eps={eps:g}", method, local, closed_form=True))
+            # The same budget, spent once by the sum's noise; the declared bound is the
+            # quantiser's clip (fleet/transports/secure.py).
+            arms.append(Arm(f"{method} secure eps={eps:g}", method,
+                            {**local, "dataset_size": size}, closed_form=True,
+                            secure=True))  # fmt: skip
     return arms
+
+
+def _spec(arm: Arm, opts: PrivacyOptions, *, seed: int, out: Path) -> RunSpec:
+    """The run of ``arm`` for ``seed``, into ``out`` (checked as it is built)."""
+    spec = opts.sweep.spec(
+        method=arm.method, seed=seed, out=out, extra_train=arm.train, privacy=arm.privacy,
+        reproducible_noise=opts.reproducible_noise,
+    )  # fmt: skip
+    if arm.closed_form:  # every client of the fleet in this process: no broker, no workers
+        spec = replace(spec, transport="vector", broker=None, secure_aggregation=arm.secure)
+    return spec
 
 
 def _sweep(opts: PrivacyOptions, first: Partition) -> int:
@@ -230,17 +287,20 @@ def _sweep(opts: PrivacyOptions, first: Partition) -> int:
         for seed in opts.seeds:
             first_run = split == opts.splits[0] and seed == opts.seeds[0]
             partition = first if first_run else data.partition(seed)
-            for name, method, privacy, train in _arms(opts, _dataset_size(opts, partition)):
-                slug = name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-                spec = sweep_opts.spec(
-                    method=method, seed=seed, out=sweep / split / f"{slug}-seed{seed}",
-                    extra_train=train, privacy=privacy,
-                    reproducible_noise=opts.reproducible_noise,
-                )  # fmt: skip
+            for arm in _arms(opts, _dataset_size(opts, partition)):
+                name = arm.name
+                spec = _spec(arm, opts, seed=seed, out=sweep / split / f"{arm.slug}-seed{seed}")
                 result, _ = run_or_resume(spec, partition, run=run_fleet)
                 arm_train.setdefault(name, dict(spec.extra_train))
-                arm_full.setdefault(name, arm_settings(spec, protocol=sweep_opts.protocol))
+                arm_full.setdefault(name, arm_settings(spec, protocol=sweep_opts.protocol,
+                                                       secure=result.secure))  # fmt: skip
+                # What each arm's release is worth: a device's (its mechanism's), or
+                # under secure aggregation the sum's (its noise in place of theirs).
+                privacy = dict(arm.privacy)
                 formal = privacy.get("mechanism") in FORMAL
+                if result.secure is not None:
+                    privacy = agent_privacy(spec, result.secure)
+                    formal = result.secure.epsilon > 0
                 arm_privacy.setdefault(name, {**privacy, "guarantee": guarantee(
                     formal=formal, reproducible=opts.reproducible_noise)})  # fmt: skip
                 final = run_summary(result)["final_mean"]
@@ -252,7 +312,7 @@ def _sweep(opts: PrivacyOptions, first: Partition) -> int:
         attacks[split] = label_attack(partition, opts)
     document = {"config": opts.config(),
                 "epsilons": list(opts.epsilons), "delta": opts.delta,
-                "mechanisms": list(opts.mechanisms),
+                "mechanisms": list(opts.mechanisms), "closed_form": opts.closed_form,
                 "results": results, "train": arm_train, "settings": arm_full,
                 "privacy": arm_privacy,
                 "label_inference_tv": attacks}  # fmt: skip

@@ -28,6 +28,7 @@ from fleet.data.partition import Partition
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.files import atomic_write
+from runtime.secagg.fleet import SecureAggregation
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def save(result: RunResult, key: str) -> Path:
         "peak_mb": result.peak_mb,
         "wall_seconds": result.wall_seconds,
         "backbone_samples": result.backbone_samples,
+        "secure": None if result.secure is None else dataclasses.asdict(result.secure),
     }
     path = result.spec.layout.result
     atomic_write(path, json.dumps(document).encode())  # a crash leaves none or all of it
@@ -99,8 +101,9 @@ def load(spec: RunSpec, key: str) -> RunResult | None:
             peak_mb=float(document["peak_mb"]),
             wall_seconds=float(document["wall_seconds"]),
             backbone_samples=document["backbone_samples"],
+            secure=SecureAggregation(**secure) if (secure := document.get("secure")) else None,
         )
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None  # an older or damaged record: run again
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from edge_agent.methods import DEVICE_METHODS
 from fleet.report.central import CENTRAL
-from fleet.report.notes import method_train, protocol_line, seeds_of, settings
+from fleet.report.notes import method_train, protocol_line, secure_lines, seeds_of, settings
 
 
 def _cell(mean: float, std: float, *, with_std: bool = True) -> str:
@@ -51,6 +51,7 @@ def markdown(report: dict[str, Any]) -> str:
         "round(s) it came in (best; chosen on the test splits, so optimistic, as papers' "
         "best-round figures are).",
         *([f"Settings: {line}."] if (line := settings(config, train)) else []),
+        *secure_lines(methods),
         *(
             [
                 f"{CENTRAL} is the ceiling: one linear head trained on every client's "

@@ -73,3 +73,34 @@ def protocol_line(config: dict[str, Any]) -> str:
     """'Fair protocol: every method ...' for a report made under a --protocol, or ''."""
     chosen = PROTOCOLS.get(config.get("protocol") or "")
     return chosen.summary[0].upper() + chosen.summary[1:] + "." if chosen else ""
+
+
+def secure_lines(methods: dict[str, Any]) -> list[str]:
+    """One sentence per distinct public [secure_aggregation] table among a report's
+    methods (``methods[name]["settings"]["secure_aggregation"]``), naming its methods."""
+    by_table: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for name, m in methods.items():
+        table = (m.get("settings") or {}).get("secure_aggregation")
+        if table:
+            by_table.setdefault(repr(sorted(table.items())), (table, []))[1].append(name)
+    return [_secure_sentence(table, names) for table, names in by_table.values()]
+
+
+def _secure_sentence(table: dict[str, Any], names: list[str]) -> str:
+    noise = (
+        f"distributed discrete Gaussian noise for epsilon {table['epsilon']:g} at delta "
+        f"{table['delta']:g} over the whole run"
+        if table["epsilon"] > 0
+        else "no noise"
+    )
+    graph = (
+        "every device each other's neighbour"
+        if table["neighbours"] == 0
+        else f"{table['neighbours']} neighbours each"
+    )
+    return (
+        f"Secure aggregation ({' and '.join(names)}): the devices' releases reached the "
+        f"coordinator only as the fleet's sum, {noise}; threshold {table['threshold']}, "
+        f"{table['colluding']} colluding, {graph}, {table['dataset_size']} samples a device "
+        f"at most, a {table['bits']}-bit ring at scale {table['scale']:g}."
+    )

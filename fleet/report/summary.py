@@ -17,7 +17,9 @@ from edge_agent.train_config import TrainConfig
 from fleet.report.central import CENTRAL
 from fleet.report.markdown import markdown
 from fleet.report.plots import plot_accuracy, plot_domains
+from fleet.transports.secure import agent_tables
 from fleet.transports.spec import RunResult, RunSpec, train_table
+from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import build
 
 
@@ -97,7 +99,8 @@ def build_report(
         finals = [runs[s]["final_mean"] for s in runs]
         bests = [runs[s]["best_mean"] for s in runs]
         domains = sorted({d for r in runs.values() for d in r["per_domain"]})
-        spec = next(iter(by_seed.values())).spec
+        first = next(iter(by_seed.values()))
+        spec = first.spec
         methods[method] = {
             "runs": runs,
             "final_mean": _mean(finals),
@@ -128,14 +131,18 @@ def build_report(
             # the protocol, --train-param and the sweep's own settings made of them.
             "train": dict(spec.extra_train),
             # Everything that shaped the arm, in full.
-            "settings": arm_settings(spec, protocol=config.get("protocol")),
+            "settings": arm_settings(spec, protocol=config.get("protocol"), secure=first.secure),
         }
     return {"config": config, "partition": partition, "methods": methods}
 
 
-def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
+def arm_settings(
+    spec: RunSpec, *, protocol: str | None, secure: SecureAggregation | None = None
+) -> dict[str, Any]:
     """One arm's full settings: protocol, every [train] key (defaults included), how it
-    predicts, rounds, transport (and coordinator workers) and privacy."""
+    predicts, rounds, transport (and coordinator workers) and privacy: the agents' own
+    [privacy] table and, under --secure-aggregation, the fleet's public
+    [secure_aggregation] table ``secure`` (its noise in place of the agents')."""
     if spec.method == CENTRAL:
         inference = "classifier (one head on every client's training data pooled)"
     else:
@@ -150,8 +157,16 @@ def arm_settings(spec: RunSpec, *, protocol: str | None) -> dict[str, Any]:
         "coordinator_workers": spec.coordinator_workers,
         "downlink_budget": spec.downlink_budget,
         "stats_dim": spec.stats_dim,
-        "privacy": dict(spec.privacy) or {"mechanism": "none"},
+        "privacy": agent_privacy(spec, secure),
+        "secure_aggregation": None if secure is None else asdict(secure),
     }
+
+
+def agent_privacy(spec: RunSpec, secure: SecureAggregation | None) -> dict[str, Any]:
+    """The [privacy] table the agents ran with (fleet/transports/configs.py)."""
+    if secure is not None:
+        return agent_tables(secure)["privacy"]
+    return dict(spec.privacy) or {"mechanism": "none"}
 
 
 def write(

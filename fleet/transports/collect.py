@@ -3,7 +3,9 @@ the rounds' times from the coordinator's store."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from coordinator.config import database_in
 from coordinator.store_reader import StoreReader
@@ -40,11 +42,17 @@ def client_records(spec: RunSpec, partition: Partition) -> tuple[ClientRecord, .
                 accuracy=tuple(h.get("test_accuracy") for h in rows),
                 accuracy_prototype=tuple(h.get("test_accuracy_prototype") for h in rows),
                 accuracy_classifier=tuple(h.get("test_accuracy_classifier") for h in rows),
-                bytes_up=tuple(int(h.get("bytes_up") or 0) for h in rows),
-                bytes_down=tuple(int(h.get("bytes_down") or 0) for h in rows),
+                bytes_up=tuple(_traffic(h, "up") for h in rows),
+                bytes_down=tuple(_traffic(h, "down") for h in rows),
             )
         )
     return tuple(records)
+
+
+def _traffic(record: Mapping[str, Any], way: str) -> int:
+    """A round's bytes ``way`` (up or down): its update and announcement, and in a secure
+    fleet the secure-aggregation stages' messages, which carry its statistics instead."""
+    return sum(int(record.get(key) or 0) for key in (f"bytes_{way}", f"secagg_bytes_{way}"))
 
 
 def run_database(spec: RunSpec) -> Path:

@@ -13,9 +13,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.owner import refusal
 from edge_agent.config import ClosedFormSettings
 from fleet.data.partition import ClientData
+from fleet.transports import secure as secure_mod
 from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.methods import wire_method
 from runtime.keyfiles import generate_ed25519
+from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import ConfigError, build
 
 
@@ -58,9 +60,15 @@ def agent_tables(
     classes: tuple[str, ...],
     index: int,
     security: dict[str, Any] | None = None,
+    secure: SecureAggregation | None = None,
 ) -> dict[str, Any]:
     """The agent's tables for ``client``, the ``index``-th device, in the run's layout
-    (its split saved there now); ``security`` is its [security] table."""
+    (its split saved there now); ``security`` is its [security] table, ``secure`` the
+    fleet's [secure_aggregation] table under --secure-aggregation."""
+    if secure is not None:
+        privacy = secure_mod.agent_tables(secure)
+    else:
+        privacy = privacy_tables(spec, index) if spec.privacy else {}
     layout = spec.layout
     train, test = client.save(layout.agent_data(client.name))
     return {
@@ -86,7 +94,7 @@ def agent_tables(
         "train": train_table(spec),
         # One intra-op thread per session: many agents share a few cores.
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
-        **(privacy_tables(spec, index) if spec.privacy else {}),
+        **privacy,
         **(
             {"closed_form": {"dim": spec.stats_dim}} if wire_method(spec.method).closed_form else {}
         ),
@@ -116,8 +124,10 @@ def coordinator_tables(
     dim: int,
     feature_dim: int,
     security: dict[str, Any] | None = None,
+    secure: SecureAggregation | None = None,
 ) -> dict[str, Any]:
-    """The coordinator's tables of a run; ``security`` is its [security] table."""
+    """The coordinator's tables of a run; ``security`` is its [security] table, ``secure``
+    the fleet's [secure_aggregation] table under --secure-aggregation."""
     return {
         "fleet": FLEET,
         "state_dir": str(spec.layout.coordinator),
@@ -139,6 +149,7 @@ def coordinator_tables(
             "max_rounds": spec.rounds,
         },
         **({"security": security} if security is not None else {}),
+        **(secure_mod.coordinator_tables(secure, method=spec.method) if secure else {}),
         **workers_tables(spec),
     }
 

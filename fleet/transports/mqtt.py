@@ -196,22 +196,32 @@ def _run_mqtt_fleet(
         try:
             watcher = Watcher(host, port, expected=len(configs))
             config_args = ["--config", str(coord_cfg)]
-            coordinator = start(
-                "the coordinator",
-                tether.command(os.getpid(), [coordinator_bin, "run", *config_args]),
-                layout.coordinator_log,
-            )
-            # After the owner: a worker learns the open round from its retained
-            # announcement (one that has not yet heard it refuses updates, which the
-            # agents then resend).
-            for name in WorkersSettings(count=spec.coordinator_workers or 0).members:
-                start(
-                    f"coordinator worker {name}",
-                    tether.command(
-                        os.getpid(), [coordinator_bin, "worker", "--name", name, *config_args]
-                    ),
-                    coordinator_worker_log(layout, name),
+
+            def start_coordinator() -> subprocess.Popen[bytes]:
+                coordinator = start(
+                    "the coordinator",
+                    tether.command(os.getpid(), [coordinator_bin, "run", *config_args]),
+                    layout.coordinator_log,
                 )
+                # After the owner: a worker learns the open round from its retained
+                # announcement (one that has not yet heard it refuses updates, which the
+                # agents then resend).
+                for name in WorkersSettings(count=spec.coordinator_workers or 0).members:
+                    start(
+                        f"coordinator worker {name}",
+                        tether.command(
+                            os.getpid(), [coordinator_bin, "worker", "--name", name, *config_args]
+                        ),
+                        coordinator_worker_log(layout, name),
+                    )
+                return coordinator
+
+            # A secure fleet's round 0 is a secure-aggregation round whose first stage
+            # opens with the announcement and closes at its deadline: the agents are
+            # started first, so that the stage waits for their statistics, not for their
+            # processes to start. Otherwise the coordinator first, as a deployment has it.
+            if not spec.secure_aggregation:
+                coordinator = start_coordinator()
             for w in range(workers):
                 spec_file = layout.worker_spec(w)
                 spec_file.write_text(
@@ -233,6 +243,10 @@ def _run_mqtt_fleet(
             with progress_bar(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
                 watcher.wait_online(bar, alive)
             log.info("%s: %d agents online", spec.method, len(configs))
+            if spec.secure_aggregation:
+                started = len(procs)
+                coordinator = start_coordinator()
+                memory.pids += [p.pid for p in procs[started:]]
             with progress_bar(spec, spec.rounds, f"{spec.method}: rounds", "round") as bar:
                 watcher.wait_rounds(spec.rounds, bar, alive, lambda r: log_round(spec, r))
             # The coordinator exits by itself once it has announced the last round; its

@@ -26,8 +26,10 @@ from fleet.transports.configs import (
     write_config,
 )
 from fleet.transports.mqtt import run_mqtt
+from fleet.transports.secure import public_settings
 from fleet.transports.spec import RunResult, RunSpec
 from runtime.cliutil import UsageError
+from runtime.secagg.fleet import SecureAggregation
 
 
 def run(spec: RunSpec, partition: Partition) -> RunResult:
@@ -43,11 +45,12 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         bundle=spec.bundle.absolute(),
         feature_cache=spec.feature_cache and spec.feature_cache.absolute(),
     )
+    secure = secure_table(spec, partition, feature_dim=bundle.feature_dim)
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     if spec.transport == "vector":
-        return _run_vector(spec, partition, bundle, started)
-    agents, coord = fleet_tables(spec, partition, bundle)
+        return _run_vector(spec, partition, bundle, started, secure=secure)
+    agents, coord = fleet_tables(spec, partition, bundle, secure=secure)
     samples = None
     if spec.transport == "memory":
         # torch: only a run in this process pays for it, not edge-fleet's option checks.
@@ -57,26 +60,41 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
     else:
         peak = run_mqtt(spec, agents, coord)
     result = collect(spec, partition, peak_mb=peak, wall=time.perf_counter() - started)
-    return replace(result, backbone_samples=samples)
+    return replace(result, backbone_samples=samples, secure=secure)
+
+
+def secure_table(
+    spec: RunSpec, partition: Partition, *, feature_dim: int
+) -> SecureAggregation | None:
+    """The fleet's public [secure_aggregation] table under --secure-aggregation, from the
+    partition's public sizes (fleet/transports/secure.py); None for a plain run."""
+    if not spec.secure_aggregation:
+        return None
+    return public_settings(
+        spec, clients=len(partition.clients),
+        largest=max(len(c.train_y) for c in partition.clients),
+        k=prototype_dim(spec, feature_dim), classes=len(partition.classes),
+    )  # fmt: skip
 
 
 def fleet_tables(
-    spec: RunSpec, partition: Partition, bundle: Any
+    spec: RunSpec, partition: Partition, bundle: Any, *, secure: SecureAggregation | None = None
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Every agent's configuration tables by name, and the coordinator's, with the fleet's
-    keys made. A memory run's agent files are written here, as an MQTT run's are: reports
-    and users reopen any agent from them."""
+    keys made (``secure``: the fleet's [secure_aggregation] table). A memory run's agent
+    files are written here, as an MQTT run's are: reports and users reopen any agent from
+    them."""
     layout = spec.layout
     keys = fleet_keys(layout.keys, [c.name for c in partition.clients])
     agents = {
         client.name: agent_tables(spec, client, classes=partition.classes, index=i,
-                                  security=keys.agent_table(client.name))
+                                  security=keys.agent_table(client.name), secure=secure)
         for i, client in enumerate(partition.clients)
     }  # fmt: skip
     coord = coordinator_tables(spec, bundle.id, partition.classes, len(agents),
                                dim=prototype_dim(spec, bundle.feature_dim),
                                feature_dim=bundle.feature_dim,
-                               security=keys.coordinator_table())  # fmt: skip
+                               security=keys.coordinator_table(), secure=secure)  # fmt: skip
     if spec.transport == "memory":
         for name, tables in agents.items():
             write_config(layout.agent_config(name), tables)
@@ -91,7 +109,14 @@ def vector_refusal(method: str) -> str | None:
     return unsupported(method)
 
 
-def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float) -> RunResult:
+def _run_vector(
+    spec: RunSpec,
+    partition: Partition,
+    bundle: Any,
+    started: float,
+    *,
+    secure: SecureAggregation | None,
+) -> RunResult:
     """No agent files or keys: the vector engine holds every client in this process."""
     refusal = vector_refusal(spec.method)
     if refusal is not None:
@@ -104,7 +129,7 @@ def _run_vector(spec: RunSpec, partition: Partition, bundle: Any, started: float
     # torch: the vector engine; only a vector run pays for it.
     from fleet.transports.vector import run_vector
 
-    records, peak = run_vector(spec, partition, bundle)
+    records, peak = run_vector(spec, partition, bundle, secure=secure)
     wall = time.perf_counter() - started
     return RunResult(spec=spec, clients=tuple(records), round_seconds=round_seconds(spec),
-                     peak_mb=peak, wall_seconds=wall)  # fmt: skip
+                     peak_mb=peak, wall_seconds=wall, secure=secure)  # fmt: skip

@@ -11,7 +11,9 @@ from coordinator.config import MAX_WORKERS
 from coordinator.downlink import DEFAULT_BUDGET
 from edge_agent.train_config import TrainConfig
 from fleet.transports.layout import RunLayout
+from fleet.transports.secure import secure_refusal
 from runtime.cliutil import UsageError
+from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import ConfigError, build
 
 FLEET = "sim"
@@ -52,6 +54,12 @@ class RunSpec:
     # Closed-form methods: the public projection size k of their statistics (the agents'
     # [closed_form] dim and the coordinator's model dim; 0 keeps the bundle's features).
     stats_dim: int = DEFAULT_STATS_DIM
+    # Closed-form methods: the devices' statistics reach the coordinator only inside the
+    # fleet's secure sum (fleet/transports/secure.py has the public settings): over mqtt
+    # the protocol itself, on the vector transport its sum simulated. A formal release in
+    # ``privacy`` (dp-features at epsilon, delta) becomes the sum's distributed noise at the
+    # same budget, and the devices add none of their own; without one the sum is exact.
+    secure_aggregation: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -75,6 +83,10 @@ class RunSpec:
             raise UsageError(f"--stats-dim must be >= 0 (0: no projection), got {self.stats_dim}")
         if self.downlink_budget < 0:
             raise UsageError(f"--downlink-budget must be >= 0, got {self.downlink_budget}")
+        if self.secure_aggregation:
+            problem = secure_refusal(self)
+            if problem is not None:
+                raise UsageError(problem)
         # The agents build the same table from their TOML file: a bad value fails here,
         # before a fleet starts, not in every worker process.
         try:
@@ -112,3 +124,6 @@ class RunResult:
     peak_mb: float
     wall_seconds: float
     backbone_samples: int | None = None  # images the backbones ran on (memory transport)
+    # The public [secure_aggregation] table of a --secure-aggregation run, as every party
+    # held it (fleet/transports/secure.py); None for a plain run.
+    secure: SecureAggregation | None = None

@@ -33,6 +33,7 @@ from fleet.transports.spec import FLEET, ClientRecord, RunSpec, train_table
 from fleet.transports.vector_closed_form import drive_closed_form
 from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
+from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import build
 
 
@@ -144,20 +145,22 @@ def train_vector(
     names: list[str],
     seeds: tuple[list[int], list[int]] | None = None,
     evaluate: bool = True,
+    secure: SecureAggregation | None = None,
 ) -> Records:
     """``spec.rounds`` rounds of ``data``'s clients (named ``names``) on the vector engine,
     against a coordinator built from ``spec`` as a run's would be: every vector run, the
     CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
-    default the agents' (:func:`client_seeds`)."""
+    default the agents' (:func:`client_seeds`); ``secure``: the fleet's
+    [secure_aggregation] table under --secure-aggregation."""
     coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
-                               feature_dim=feature_dim)  # fmt: skip
+                               feature_dim=feature_dim, secure=secure)  # fmt: skip
     # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
     coord["security"] = {"insecure": True}
     if not device_method(spec.method).trains_head:
         coord["model"]["dim"] = prototype_dim(spec, feature_dim)
         return drive_closed_form(spec=spec, data=data, names=names, coord=coord,
                                  bundle_id=bundle_id, num_classes=len(classes),
-                                 evaluate=evaluate)  # fmt: skip
+                                 evaluate=evaluate, secure=secure)  # fmt: skip
     chosen, initial = seeds if seeds is not None else client_seeds(spec, data.clients)
     engine = VectorEngine(data=data, method=spec.method, num_classes=len(classes), cfg=cfg,
                           seeds=chosen, init_seeds=initial, evaluate=evaluate)  # fmt: skip
@@ -165,15 +168,16 @@ def train_vector(
 
 
 def run_vector(
-    spec: RunSpec, partition: Partition, bundle: Any
+    spec: RunSpec, partition: Partition, bundle: Any, *, secure: SecureAggregation | None = None
 ) -> tuple[list[ClientRecord], float]:
-    """The run's client records and this process's peak resident MiB."""
+    """The run's client records and this process's peak resident MiB (``secure``: the
+    fleet's [secure_aggregation] table under --secure-aggregation)."""
     reset_peak()
     data = features_of(spec, partition, bundle)
     names = [c.name for c in partition.clients]
     records = train_vector(spec, data, classes=partition.classes, bundle_id=bundle.id,
                            feature_dim=bundle.feature_dim,
                            cfg=build(TrainConfig, train_table(spec), prefix="train."),
-                           names=names)  # fmt: skip
+                           names=names, secure=secure)  # fmt: skip
     out = [records.client(k, name=c.name, domain=c.domain) for k, c in enumerate(partition.clients)]
     return out, peak_self_mb()

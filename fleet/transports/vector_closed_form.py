@@ -8,26 +8,40 @@ client's features and the coordinator's running sum. Round 0 carries every clien
 statistics; a client's later updates carry none (in this process an accepted update is
 a stored one: the receipt an agent waits for). A client chooses its head when the
 announced head changes, and keeps its score while it does not.
+
+Under ``--secure-aggregation`` no update carries statistics: round 0 is closed with the
+fleet's secure sum as its secure-aggregation round would hand it to the coordinator
+(:class:`fleet.engine.secure_sum.SimulatedSecureSum`: every device's quantised, noised
+statistics summed in the ring, every device surviving), which the real round manager
+adds to the fleet's sum and solves. A later round, which no device joins (the sum holds
+every device's statistics), is closed with an empty sum: over MQTT its first stage
+would abort for want of devices, and the head announced is the same either way, without
+the coordinator's warning about it every round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from random import Random
 from typing import Any
 
 import numpy as np
 
+from coordinator.secure_rounds import SecureOutcome
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method
 from edge_agent.privacy.accounting import epsilon, gaussian_release
 from edge_agent.privacy.randomness import NoiseSource, guarantee
 from fleet.engine.batch import FleetFeatures
+from fleet.engine.secure_sum import SimulatedSecureSum
 from fleet.transports.configs import agent_seed
+from fleet.transports.secure import release_of
 from fleet.transports.spec import FLEET, RunSpec
 from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.cliutil import UsageError
+from runtime.secagg.fleet import SecureAggregation, flatten
 
 
 def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> ClosedFormDevice:
@@ -88,10 +102,14 @@ def drive_closed_form(
     bundle_id: str,
     num_classes: int,
     evaluate: bool = True,
+    secure: SecureAggregation | None = None,
 ) -> Records:
-    """``spec.rounds`` rounds of ``data``'s clients; their scores and traffic per round."""
+    """``spec.rounds`` rounds of ``data``'s clients; their scores and traffic per round.
+    ``secure``: the fleet's [secure_aggregation] table (``coord`` runs it too), whose sum
+    the clients' statistics reach the coordinator in."""
     records = Records(len(names), spec.rounds)
-    privacy = _privacy(spec)
+    # A secure fleet's devices release nothing of their own (their mechanism is none).
+    privacy = PrivacyMeta() if secure is not None else _privacy(spec)
     dim = int(coord["model"]["dim"])
     chosen_from: list[bytes] = []  # the head the clients last chose from
     scores = np.full(len(names), np.nan)
@@ -117,6 +135,43 @@ def drive_closed_form(
                         round_=announcement.round, dim=dim, bundle_id=bundle_id,
                         privacy=privacy)  # fmt: skip
 
+    secure_round = None
+    if secure is not None:
+        secure_round = _secure_rounds(spec, data, secure, names=names, num_classes=num_classes,
+                                      dim=dim, records=records)  # fmt: skip
     drive_rounds(spec=spec, coord=coord, names=names, records=records, adopt=adopt,
-                 updates=updates)  # fmt: skip
+                 updates=updates, secure_round=secure_round)  # fmt: skip
     return records
+
+
+def _secure_rounds(spec: RunSpec, data: FleetFeatures, table: SecureAggregation, *,
+                   names: list[str], num_classes: int, dim: int,
+                   records: Records) -> Callable[[RoundAnnouncement], SecureOutcome]:  # fmt: skip
+    """The outcome of each round's secure aggregation, as the coordinator's secure round
+    hands it to the round manager (coordinator/secure_rounds.py)."""
+    release = release_of(table, spec, k=dim, classes=num_classes)
+    settings = release.settings
+    share = None if release.plan is None else release.plan.share_sigma2
+    masked_bytes = settings.length * settings.spec.bits // 8  # what each device's input is
+
+    def outcome(announcement: RoundAnnouncement) -> SecureOutcome:
+        round_ = announcement.round
+        if round_ > 0:
+            return SecureOutcome(round=round_, total=np.zeros(settings.length), survivors=0)
+        total = SimulatedSecureSum(spec=settings.spec, share_sigma2=share)
+        for k in range(len(names)):
+            device = _device(spec, data, k, num_classes)
+            coins, noise = noise_sources(spec, k)
+            total.add(flatten(device.statistics(), gram=release.gram), coins=coins, noise=noise)
+            records.bytes_up[k, round_] = masked_bytes
+        return SecureOutcome(round=round_, total=total.decoded(), survivors=total.devices)
+
+    return outcome
+
+
+def noise_sources(spec: RunSpec, k: int) -> tuple[Random | None, np.random.Generator]:
+    """Client ``k``'s rounding coins and noise generator: secret, as on a device (the coins
+    from the operating system, the noise from an agent's NoiseSource), or replayed from
+    its seed when the run asks for reproducible noise."""
+    seed = agent_seed(spec, k) if spec.reproducible_noise else None
+    return (None if seed is None else Random(seed)), NoiseSource.create(seed).numpy

@@ -12,6 +12,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
+from coordinator.secure_rounds import SecureOutcome
 from fleet.engine.batch import SCORES
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import ClientRecord, RunSpec
@@ -98,13 +99,16 @@ def drive_rounds(
     records: Records,
     adopt: Callable[[RoundAnnouncement], None],
     updates: Callable[[RoundAnnouncement], Iterator[tuple[int, bytes]]],
+    secure_round: Callable[[RoundAnnouncement], SecureOutcome] | None = None,
 ) -> None:
     """``spec.rounds`` rounds against a coordinator built from ``coord`` (its tables): each
     announcement, decoded under the agents' deployed limit as a device would, goes to
     ``adopt``; then, unless it is the final one, ``updates`` makes the round's updates,
     which are offered and the round closed. The store keeps each update's row without its
     payload: a vector run cannot resume, and the close aggregates what the manager decoded
-    (fleet/transports/vector_coordinator.py)."""
+    (fleet/transports/vector_coordinator.py). A secure fleet's round is closed by its
+    secure-aggregation round instead: ``secure_round`` gives its outcome, which the manager
+    takes as coordinator/secure_rounds.py hands it over."""
     cfg = build(CoordinatorConfig, coord)
     store = VectorStore(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:
@@ -120,9 +124,16 @@ def drive_rounds(
                 if manager.done:
                     break
                 round_ = announcement.round
-                offer_round(manager, store, updates(announcement), names=names,
-                            records=records, round_=round_, wire_bytes=len(wire),
-                            bar=bar)  # fmt: skip
+                if secure_round is None:
+                    offer_round(manager, store, updates(announcement), names=names,
+                                records=records, round_=round_, wire_bytes=len(wire),
+                                bar=bar)  # fmt: skip
+                else:
+                    records.bytes_down[:, round_] = len(wire)
+                    taken = manager.take_secure(secure_round(announcement))
+                    if not taken or manager.poll() is None:
+                        raise RuntimeError(f"round {round_} did not close")
+                    bar.update(len(names))
                 log_round(spec, round_ + 1)
                 crash_point(f"fleet:{spec.method}:round_closed")
     finally:
