@@ -41,11 +41,12 @@ def test_a_broker_url_is_host_and_port() -> None:
         parse_broker_url("http://x")
 
 
-def _long_fleet(bundle: Path, tmp_path: Path) -> LoggedProcess:
+def _long_fleet(bundle: Path, tmp_path: Path, *extra: str) -> LoggedProcess:
     """A 2-agent MQTT fleet of 500 rounds, leading a process group of its own."""
     argv = ["--log-level", "INFO", "run", "--transport", "mqtt", "--clients", "2",
             "--rounds", "500", "--train", "20", "--test", "10", "--out-dim", "16",
-            "--bundle", str(bundle), "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+            "--bundle", str(bundle), "--out", str(tmp_path / "out"), "--no-progress",
+            *extra]  # fmt: skip
     return LoggedProcess("edge-fleet", argv, new_session=True)
 
 
@@ -113,20 +114,29 @@ def test_a_stopped_fleet_leaves_no_process_behind(
 
 @pytest.mark.broker
 @pytest.mark.parametrize(
-    ("victim", "name", "log_file"),
+    ("victim", "name", "log_file", "extra"),
     [
-        ("edge-coordinator", "the coordinator", "coordinator.log"),
-        ("worker-1.json", "worker 1", "worker-1.log"),
+        ("edge-coordinator", "the coordinator", "coordinator.log", ()),
+        ("worker-1.json", "worker 1", "worker-1.log", ()),
+        # Sharded: without the liveness check the owner would wait for the dead worker's
+        # partial, and the fleet for the owner.
+        (
+            "edge-coordinator worker --name w2 ",
+            "coordinator worker w2",
+            "coordinator-w2.log",
+            ("--coordinator-workers", "2", "--method", "fedproto", "--workers", "1"),
+        ),
     ],
 )
 @pytest.mark.slow
 def test_a_fleet_whose_process_dies_names_it_and_stops_the_rest(
-    small_zoo: Path, tmp_path: Path, victim: str, name: str, log_file: str
+    small_zoo: Path, tmp_path: Path, victim: str, name: str, log_file: str, extra: tuple[str, ...]
 ) -> None:
-    """The OOM killer takes the coordinator or a worker mid-run: edge-fleet says which and
-    where its log is, exits 1 (a failure, not a usage error: 2), and stops the rest.
-    Before, a dead coordinator left the fleet waiting out its 30-minute no-progress limit."""
-    fleet = _long_fleet(small_zoo, tmp_path)
+    """The OOM killer takes the coordinator, a worker of agents or a coordinator worker
+    mid-run: edge-fleet says which and where its log is, exits 1 (a failure, not a usage
+    error: 2), and stops the rest. Before, a dead coordinator left the fleet waiting out
+    its 30-minute no-progress limit."""
+    fleet = _long_fleet(small_zoo, tmp_path, *extra)
     group = fleet.proc.pid
     try:
         fleet.wait_for("round 2 of 500 closed", timeout=120)
