@@ -35,6 +35,7 @@ import random
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -205,6 +206,10 @@ class MqttLink:
         # its CONNACK, already said), "up", or "idle".
         self._phase = "idle"
         self._up = threading.Event()
+        # Set once the broker has acknowledged this connection's subscriptions: a
+        # publication by another client before that may not reach us.
+        self._subscribed = threading.Event()
+        self._subscribe_mid: int | None = None
         self._started = False
         self._closed = False
         self._takeover = TakeoverWatch(client_id=client_id)
@@ -215,6 +220,7 @@ class MqttLink:
             self.client.reconnect_delay_set(min_delay=1, max_delay=self._max_delay)
         self.client.on_pre_connect = self._connecting
         self.client.on_connect = self._connected
+        self.client.on_subscribe = self._subscribe_acknowledged
         self.client.on_disconnect = self._disconnected
         self.client.on_connect_fail = self._connect_failed
         self.client.on_message = self._received
@@ -240,14 +246,24 @@ class MqttLink:
         self._attempt = 0
         self._takeover.connected()
         if self.subscriptions:
-            client.subscribe([(topic, 1) for topic in self.subscriptions])
+            self._subscribed.clear()
+            _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.subscriptions])
+        else:
+            self._subscribed.set()
         self._on_connected()
         self._up.set()
+
+    def _subscribe_acknowledged(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
+    ) -> None:
+        if mid == self._subscribe_mid:
+            self._subscribed.set()
 
     def _disconnected(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, props: Any
     ) -> None:
         self._up.clear()
+        self._subscribed.clear()
         phase, self._phase = self._phase, "idle"
         if self._leaving() or phase == "refused":  # a refusing CONNACK is told already
             return
@@ -357,8 +373,14 @@ class MqttLink:
         return self._up.is_set()
 
     def wait_connected(self, timeout: float | None = None) -> bool:
-        """Wait until :meth:`is_connected`; False if ``timeout`` seconds passed first."""
-        return self._up.wait(timeout)
+        """Wait until :meth:`is_connected` and the broker has acknowledged the
+        subscriptions (what another client publishes from then on reaches this one); False
+        if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._up.wait(timeout):
+            return False
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._subscribed.wait(remaining)
 
     def healthy(self) -> bool:
         """For a watchdog: once started, paho's network thread must be alive. paho keeps it

@@ -37,7 +37,7 @@ from runtime.secagg.messages import (
 )
 from tests.test_protocol_doc import DOC, section
 
-SECTION = "## Secure aggregation (in progress)"
+SECTION = "## Secure aggregation"
 
 
 def test_secagg_topics_have_the_documented_layout() -> None:
