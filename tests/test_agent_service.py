@@ -135,7 +135,7 @@ class StandInCoordinator:
 def test_two_agents_three_rounds_with_a_kill_during_training(mosquitto, small_zoo, tmp_path):
     bundle_id = bundle_mod.load(small_zoo).id
     port = mosquitto.address.port
-    cfg_a, labels_a = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=150)
+    cfg_a, labels_a = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)
     cfg_b, labels_b = write_config(tmp_path / "b", small_zoo, "dev-b", "colour", port, epochs=1)
     expected = {"dev-a": labels_a, "dev-b": labels_b}
     with connected(

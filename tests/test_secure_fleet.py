@@ -34,11 +34,12 @@ from coordinator.store import Store
 from coordinator.strategies import RobustOptions
 from coordinator.strategies.closed_form import LDA
 from edge_agent.agent import Agent
-from edge_agent.config import ClosedFormSettings
+from edge_agent.config import AgentConfig, ClosedFormSettings
 from edge_agent.privacy.settings import PrivacySettings as AgentPrivacy
 from edge_agent.service import AgentService
 from export.bundle import load as load_bundle
 from fleet.transports.broker import MosquittoBroker
+from fleet.transports.configs import FleetKeys, fleet_keys
 from runtime import closed_form as cf
 from runtime.secagg.fleet import (
     SecureAggregation,
@@ -48,7 +49,7 @@ from runtime.secagg.fleet import (
     unflatten,
 )
 from runtime.secagg.quantise import sum_error_bound
-from runtime.security import CoordinatorSecurity
+from runtime.security import AgentSecurity, CoordinatorSecurity
 from runtime.transport import MqttSettings
 from tests.agent_helpers import CLASSES, agent_config, announcement
 
@@ -62,9 +63,24 @@ def _table(**overrides: object) -> SecureAggregation:
     return SecureAggregation(**{**base, **overrides})  # type: ignore[arg-type]
 
 
+def _keys(tmp_path: Path) -> FleetKeys:
+    """The fleet's Ed25519 keys: signed, its coordinator expects the enrolled devices, so
+    each stage closes as soon as they have answered instead of at its deadline."""
+    return fleet_keys(tmp_path / "keys", [f"dev-{i}" for i in range(len(DOMAINS))])
+
+
+def _signed(cfg: AgentConfig, tmp_path: Path) -> AgentConfig:
+    keys = _keys(tmp_path)
+    return dataclasses.replace(
+        cfg,
+        security=AgentSecurity(key=keys.agent_key(cfg.agent_id), coordinator=keys.coordinator_pub),
+    )
+
+
 def _coordinator(
     tmp_path: Path, port: int, bundle: str, table: SecureAggregation
 ) -> CoordinatorConfig:
+    keys = _keys(tmp_path)
     return CoordinatorConfig(
         fleet="lab",
         state_dir=tmp_path / "coordinator",
@@ -73,7 +89,7 @@ def _coordinator(
             min_clients=len(DOMAINS), wait_after_quorum_s=0.0, timeout_s=600.0, max_rounds=2
         ),
         mqtt=MqttSettings(port=port),
-        security=CoordinatorSecurity(insecure=True),
+        security=CoordinatorSecurity(key=keys.coordinator_key, devices=keys.devices),
         privacy=PrivacySettings(aggregation="secure"),
         secure_aggregation=table,
     )
@@ -88,7 +104,7 @@ def _agents(tmp_path: Path, bundle: Path, port: int, table: SecureAggregation) -
             cfg, closed_form=ClosedFormSettings(dim=K),
             privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table,
         )  # fmt: skip
-        agents.append(Agent(cfg))
+        agents.append(Agent(_signed(cfg, tmp_path)))
     return agents
 
 
@@ -131,8 +147,9 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.INFO)
-    # A short stage deadline: round 1 waits it out for advertisements that never come.
-    table = _table(stage_timeout_s=3.0)
+    # A short stage deadline: round 1 waits it out for advertisements that never come
+    # (round 0's stages close as soon as the three enrolled devices have answered).
+    table = _table(stage_timeout_s=5.0)
     port = mosquitto.address.port
     bundle_id = load_bundle(small_zoo).id
     agents = _agents(tmp_path, small_zoo, port, table)
@@ -320,7 +337,7 @@ def test_a_secure_fedproto_fleet_announces_the_holders_mean_of_the_summed_rows(
         cfg = dataclasses.replace(
             cfg, privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table
         )
-        agents.append(Agent(cfg))
+        agents.append(Agent(_signed(cfg, tmp_path)))
     dim = agents[0].cfg.train.out_dim
     base = _coordinator(tmp_path, port, agents[0].bundle_id, table)
     config = dataclasses.replace(
