@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
+from coordinator.main_loop import MainLoop
 from coordinator.owner import Outgoing, RoundOwner
 from coordinator.partial_wire import (
     collect_topic,
@@ -25,7 +25,7 @@ def receipt_filter(fleet: str) -> str:
     return receipt_topic(fleet, "x").rsplit("/", 1)[0] + "/+"
 
 
-class OwnerService:
+class OwnerService(MainLoop):
     """The owner over MQTT (3.1.1, a persistent session: receipts and partials sent while it
     reconnects are kept for it): it reads the workers' receipts and partial sums and
     publishes the retained announcement and the collect requests. :meth:`run` is the main
@@ -34,13 +34,10 @@ class OwnerService:
     TICK_S = 1.0
 
     def __init__(self, *, owner: RoundOwner, exit_when_done: bool = True) -> None:
+        super().__init__(exit_when_done=exit_when_done, logger=log)
         self.owner = owner
         self.config = owner.config
-        self.exit_when_done = exit_when_done
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self._announce_due = threading.Event()
-        self._last_tick: float | None = None
         fleet = self.config.fleet
         self._partials = partial_filter(fleet).rstrip("+")
         self.link = MqttLink(
@@ -82,35 +79,24 @@ class OwnerService:
                 self.link.publish(collect_topic(fleet), message.to_wire())
 
     def healthy(self) -> bool:
-        if self._last_tick is None:
-            return True
-        return time.monotonic() - self._last_tick < 10 * self.TICK_S and self.link.healthy()
+        return self._ticked_within(10 * self.TICK_S)
 
-    def stop(self) -> None:
+    # -- the main loop's hooks (coordinator/main_loop.py) --------------------------------
+
+    def _final_round(self) -> int | None:
+        return self.owner.round if self.owner.done else None
+
+    def _due(self) -> float:
+        return float(self.owner.seconds_until_due())
+
+    def _step(self) -> None:
+        if self._announce_due.is_set():
+            self._announce_due.clear()
+            self._send([self.owner.announcement])
+        self._send(self.owner.poll())
+
+    def _shutdown(self) -> None:
         self._stop.set()
-        self._wake.set()
-
-    def run(self, *, ready: threading.Event | None = None) -> None:
-        self.link.start()
-        self._last_tick = time.monotonic()
-        try:
-            if ready is not None:
-                self.link.wait_connected()
-                ready.set()
-            while not self._stop.is_set():
-                if self.owner.done and self.exit_when_done:
-                    log.info("final round %d announced (max_rounds reached); exiting",
-                             self.owner.round)  # fmt: skip
-                    break
-                self._wake.wait(timeout=min(self.owner.seconds_until_due(), self.TICK_S) + 0.01)
-                self._wake.clear()
-                self._last_tick = time.monotonic()
-                if self._announce_due.is_set():
-                    self._announce_due.clear()
-                    self._send([self.owner.announcement])
-                self._send(self.owner.poll())
-        finally:
-            self._stop.set()
-            self.link.close(
-                last_word=(round_topic(self.config.fleet), self.owner.announcement.to_wire())
-            )
+        self.link.close(
+            last_word=(round_topic(self.config.fleet), self.owner.announcement.to_wire())
+        )

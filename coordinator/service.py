@@ -12,6 +12,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from coordinator.decision import Decision
+from coordinator.main_loop import MainLoop
 from coordinator.rounds import RoundManager
 from coordinator.secure_rounds import SecureRounds
 from coordinator.store import StorageFault
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 RECONNECT_MAX_S = 5.0
 
 
-class CoordinatorService:
+class CoordinatorService(MainLoop):
     """Subscribes to updates and statuses, publishes retained round announcements.
 
     paho delivers messages on its network thread; the accept decision (including the
@@ -52,12 +53,9 @@ class CoordinatorService:
     ECHO_S = 10.0  # an own publication not heard back within this is taken as lost
 
     def __init__(self, *, manager: RoundManager, exit_when_done: bool = True) -> None:
+        super().__init__(exit_when_done=exit_when_done, logger=log)
         self.manager = manager
         self.config = manager.config
-        self.exit_when_done = exit_when_done
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._last_tick: float | None = None
         self._fault: BaseException | None = None
         self._flushed = time.monotonic()
         # What the round topic should hold: the digest of the announcement published last,
@@ -243,37 +241,15 @@ class CoordinatorService:
     def healthy(self) -> bool:
         """For the systemd watchdog: the main loop has ticked recently and paho's network
         thread is alive (its death would mean no reconnects, ever)."""
-        if self._last_tick is None:
-            return True
-        recent = time.monotonic() - self._last_tick < 4 * self.TICK_S
-        return recent and self.link.healthy()
+        return self._ticked_within(4 * self.TICK_S)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+    # -- the main loop's hooks (coordinator/main_loop.py) --------------------------------
 
-    def run(self, *, ready: threading.Event | None = None) -> None:
-        """Serve until :meth:`stop` (or, with ``exit_when_done``, the final round)."""
-        self.link.start()
-        self._last_tick = time.monotonic()
-        try:
-            if ready is not None:
-                self.link.wait_connected()
-                ready.set()
-            while not self._stop.is_set():
-                if self.manager.done and self.exit_when_done:
-                    log.info(
-                        "final round %d announced (max_rounds reached); exiting",
-                        self.manager.round,
-                    )
-                    break
-                due = min(self.manager.seconds_until_due(), self._reassert_wait(), self.TICK_S)
-                self._wake.wait(timeout=due + 0.01)
-                self._wake.clear()
-                self._last_tick = time.monotonic()
-                self._step()
-        finally:
-            self._shutdown()
+    def _final_round(self) -> int | None:
+        return self.manager.round if self.manager.done else None
+
+    def _due(self) -> float:
+        return min(self.manager.seconds_until_due(), self._reassert_wait())
 
     def _step(self) -> None:
         """One turn of the main loop; a storage error anywhere stops the service."""
