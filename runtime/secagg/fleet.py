@@ -140,11 +140,6 @@ class SecureRelease:
     gram: bool
     prototypes: bool = False
 
-    @property
-    def epsilon(self) -> float:
-        """What one round spends (0 without noise)."""
-        return 0.0 if self.plan is None else self.plan.epsilon
-
 
 def secure_release(
     table: SecureAggregation, *, k: int, classes: int, gram: bool, devices: int | None = None
@@ -166,16 +161,25 @@ def secure_release(
         plan = plan_distributed(release=release, epsilon_target=table.epsilon, delta=table.delta)
         if devices is not None:
             check_ring(plan, spec=spec, devices=max(devices, table.threshold))
-    # 0 neighbours: the complete graph (each device pairs with all others).
-    neighbours = table.neighbours or (1 << 30)
-    settings = SecAggSettings(
-        threshold=table.threshold,
-        neighbours=neighbours,
-        spec=spec,
-        length=statistics_length(k, classes=classes, gram=gram),
+    settings = _protocol(
+        table, spec=spec, length=statistics_length(k, classes=classes, gram=gram),
         sigma2=None if plan is None else plan.sigma2,
-    )
+    )  # fmt: skip
     return SecureRelease(settings=settings, plan=plan, k=k, classes=classes, gram=gram)
+
+
+def _protocol(
+    table: SecureAggregation, *, spec: QuantiseSpec, length: int, sigma2: int | None = None
+) -> SecAggSettings:
+    """The protocol's settings from ``table`` for vectors of ``length`` values."""
+    return SecAggSettings(
+        threshold=table.threshold,
+        # 0 neighbours: the complete graph (each device pairs with all others).
+        neighbours=table.neighbours or (1 << 30),
+        spec=spec,
+        length=length,
+        sigma2=sigma2,
+    )
 
 
 def prototype_release(table: SecureAggregation, *, dim: int, classes: int) -> SecureRelease:
@@ -186,12 +190,7 @@ def prototype_release(table: SecureAggregation, *, dim: int, classes: int) -> Se
     if problem is not None:
         raise ValueError(problem)
     spec = QuantiseSpec(clip=1.0, scale=table.scale, bits=table.bits)  # type: ignore[arg-type]
-    settings = SecAggSettings(
-        threshold=table.threshold,
-        neighbours=table.neighbours or (1 << 30),
-        spec=spec,
-        length=classes * dim + classes,
-    )
+    settings = _protocol(table, spec=spec, length=classes * dim + classes)
     return SecureRelease(
         settings=settings, plan=None, k=dim, classes=classes, gram=False, prototypes=True
     )
