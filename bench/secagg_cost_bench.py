@@ -44,7 +44,7 @@ import numpy as np
 from bench.export_bench import ensure_zoo
 from coordinator.config import CoordinatorConfig, ModelSettings, PrivacySettings, RoundSettings
 from coordinator.rounds import RoundManager
-from coordinator.secure_rounds import SecureOutcome
+from coordinator.rounds.secure import SecureOutcome
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from edge_agent.agent import Agent

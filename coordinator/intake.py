@@ -34,7 +34,7 @@ from coordinator.keys import CoordinatorKeys
 from coordinator.partial import PartialSum, merge, partial_of
 from coordinator.partial_statistics import StatisticsPart, merge_parts, part_of
 from coordinator.partial_wire import Copy, PartialMessage
-from coordinator.screening import Screening
+from coordinator.screening import Screening, quarantined
 from coordinator.worker_store import OpenRound, WorkerStore
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, PrototypeUpdate, RoundAnnouncement
 from protocol.auth import Verifier, sign, signature_problem
@@ -76,6 +76,7 @@ class Intake:
         store.bind(fleet=self.fleet, worker=name)
         self._open = store.open_round()
         self._screening = self._screen_for(self._open)
+        self._rescreen()
 
     # -- state --------------------------------------------------------------------------
 
@@ -99,6 +100,19 @@ class Intake:
         if open_ is None:
             return None
         return Screening(admission=self.admission, keys=self.keys, run_id=open_.run)
+
+    def _rescreen(self) -> None:
+        """At a (re)start, set aside the open round's stored updates that today's checks
+        refuse, as the single coordinator does when it resumes: aggregating them could
+        fail every collect. Counted as ``quarantined``."""
+        open_, screening = self._open, self._screening
+        if open_ is None or screening is None or self.store.collected(open_.run, open_.round):
+            return
+        stored = ((row.client, row.payload) for row in self.store.updates(open_.run, open_.round))
+        for client, reason in list(screening.failing(stored, round_=open_.round)):
+            self.store.quarantine(open_.run, open_.round, client, reason)
+            self._refuse("quarantined")
+            quarantined(open_.round, client, reason, worker=self.name)
 
     @property
     def _coordinator(self) -> Verifier | None:

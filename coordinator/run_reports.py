@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from coordinator.open_round import OpenRound
+from coordinator.rounds.open_round import OpenRound
 from protocol import Status
 
 log = logging.getLogger(__name__)

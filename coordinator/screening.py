@@ -5,6 +5,7 @@ signature for this run. Applied on arrival, and again to a stored round when it 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 
 from coordinator.admission import Admission
 from coordinator.keys import CoordinatorKeys
@@ -31,13 +32,13 @@ class Screening:
             return None
         return self.keys.signature_problem(update, run=self.run_id)
 
-    def quarantine_failing(self, store: Store, metrics: Metrics, round_: int) -> None:
-        """Set aside the stored updates of round ``round_`` that today's checks refuse.
-
-        They were admitted by an older version or another configuration (a reload that
-        lowered ``admission.max_count``, say); aggregating them could fail at every
-        restart, so they leave the round, counted, and the service keeps serving."""
-        for client, payload in store.updates(round_):
+    def failing(
+        self, stored: Iterable[tuple[str, bytes]], *, round_: int
+    ) -> Iterator[tuple[str, str]]:
+        """(client, reason) for each of round ``round_``'s stored ``(client, payload)``
+        that today's checks refuse: admitted by an older version or another configuration
+        (a reload that lowered ``admission.max_count``, say)."""
+        for client, payload in stored:
             try:
                 update = PrototypeUpdate.from_wire(payload, max_bytes=len(payload))
             except ProtocolError as exc:
@@ -46,19 +47,24 @@ class Screening:
                 reason = self.problem(update)
                 if reason is None and update.round != round_:
                     reason = "wrong_round"
-            if reason is None:
-                continue
+            if reason is not None:
+                yield client, reason
+
+    def quarantine_failing(self, store: Store, metrics: Metrics, round_: int) -> None:
+        """Set aside the stored updates of round ``round_`` that today's checks refuse
+        (:meth:`failing`): aggregating them could fail at every restart, so they leave the
+        round, counted, and the service keeps serving."""
+        for client, reason in self.failing(store.updates(round_), round_=round_):
             store.quarantine(round_, client, reason)
             metrics.updates_quarantined.inc()
-            log.warning(
-                "round %d: the stored update of %s fails today's checks (%s); quarantined",
-                round_,
-                client,
-                reason,
-                extra={
-                    "event": "update_quarantined",
-                    "round": round_,
-                    "client": client,
-                    "reason": reason,
-                },
-            )
+            quarantined(round_, client, reason)
+
+
+def quarantined(round_: int, client: str, reason: str, *, worker: str = "") -> None:
+    """Say that a stored update left its round (``worker``: the worker that held it)."""
+    log.warning(
+        "round %d: the stored update of %s%s fails today's checks (%s); quarantined",
+        round_, client, f" on worker {worker}" if worker else "", reason,
+        extra={"event": "update_quarantined", "round": round_, "client": client,
+               "reason": reason},
+    )  # fmt: skip

@@ -8,8 +8,8 @@ device's key advertisement (sent once the announcement reaches it) finds nobody
 listening. The four stages then run on a thread of their own, each closing when every
 device it waits for has answered or its ``stage_timeout_s`` has passed; the outcome, the
 decoded sum of the survivors or why the round aborted, goes to the round manager
-(:meth:`~coordinator.rounds.RoundManager.take_secure`), which closes the round with it
-on the service's main loop. An aborted round announces the last head again.
+(``deliver``: :meth:`~coordinator.rounds.manager.RoundManager.take_secure`), whose tally
+(coordinator/rounds/secure.py) closes the round with it on the service's main loop. An aborted round announces the last head again.
 
 What this coordinator holds of a device's statistics: nothing. Masked inputs are added
 into one masked ring sum as they arrive (runtime/secagg/server.py), the unmasked sum is
@@ -19,26 +19,20 @@ database or the log: the announced head is what is kept, as for every other meth
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
-import numpy as np
-
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds.secure import SecureOutcome
+from protocol.auth import Signer, Verifier
 from runtime.secagg.errors import RoundAborted
+from runtime.secagg.fleet import SecureRelease
 from runtime.secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
 from runtime.secagg.server import SecAggServer
 from runtime.secagg.wire import CoordinatorWire
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from coordinator.rounds import RoundManager
 
 log = logging.getLogger(__name__)
 
@@ -46,78 +40,25 @@ log = logging.getLogger(__name__)
 CONNECT_S = 30.0
 
 
-@dataclass(frozen=True)
-class SecureOutcome:
-    """How round ``round`` ended: ``total`` is the decoded sum of ``survivors`` devices'
-    inputs, or None when the round aborted (``why``)."""
-
-    round: int
-    total: np.ndarray | None
-    survivors: int = 0
-    why: str = ""
-    #: From the round's link subscribing to its outcome.
-    seconds: float = 0.0
-
-
-#: The meta-table key of a secure fleet's running sum (coordinator/store.py).
-SUM_KEY = "secure_sum"
-
-
-@dataclass(frozen=True)
-class FleetSum:
-    """A secure fleet's statistics: the sum of every secure round's unmasked sum. A device
-    adds its statistics once per data version, and after new data the difference from
-    what it added before (edge_agent/agent.py), so the running sum is every device's
-    latest, as a plain fleet's coordinator/statistics.py holds it. ``devices``: how many
-    device inputs went into it (a device that adds a difference counts again)."""
-
-    total: np.ndarray
-    devices: int = 0
-
-    @classmethod
-    def empty(cls, length: int) -> FleetSum:
-        return cls(total=np.zeros(length))
-
-    def plus(self, outcome: SecureOutcome) -> FleetSum:
-        """This sum and ``outcome``'s (itself when the round aborted)."""
-        if outcome.total is None:
-            return self
-        return FleetSum(total=self.total + outcome.total, devices=self.devices + outcome.survivors)
-
-    def to_meta(self) -> str:
-        return json.dumps(
-            {"devices": self.devices, "total": base64.b64encode(self.total.tobytes()).decode()}
-        )
-
-    @classmethod
-    def load(cls, text: str | None, *, length: int) -> FleetSum:
-        """The sum the store kept (an empty one when it kept none). A kept sum of another
-        length (the fleet's k or classes changed) is not the fleet's: it is left out, said."""
-        if text is None:
-            return cls.empty(length)
-        try:
-            data = json.loads(text)
-            total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64).copy()
-            devices = int(data["devices"])
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("the stored secure sum is unreadable and left out: %s", exc)
-            return cls.empty(length)
-        if total.shape != (length,):
-            log.warning(
-                "the stored secure sum has %d values, not this fleet's %d: left out",
-                total.size, length,
-            )  # fmt: skip
-            return cls.empty(length)
-        return cls(total=total, devices=devices)
-
-
 class SecureRounds:
-    """Runs the open round's secure aggregation beside the service's main loop;
-    ``wake()`` is called once the outcome is with the manager."""
+    """Runs the open round's secure aggregation beside the service's main loop: the
+    outcome goes to ``deliver`` (which says whether the open round took it), then
+    ``wake()`` is called. ``devices``: the enrolled devices' keys (none when insecure)."""
 
-    def __init__(self, *, manager: RoundManager, wake: Callable[[], None]) -> None:
-        assert manager.secure is not None, "a secure fleet's manager"
-        self.manager = manager
+    def __init__(
+        self,
+        *,
+        config: CoordinatorConfig,
+        release: SecureRelease,
+        run_id: str,
+        signer: Signer | None,
+        devices: Mapping[str, Verifier],
+        deliver: Callable[[SecureOutcome], bool],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config, self.release, self.run_id = config, release, run_id
+        self.signer, self.devices = signer, devices
+        self._deliver = deliver
         self._wake = wake
         self._round: int | None = None
         self._link: SecAggCoordinatorLink | None = None
@@ -128,15 +69,13 @@ class SecureRounds:
         if self._round == round_ or self._stopping.is_set():
             return
         self._end_link()
-        manager, config = self.manager, self.manager.config
-        release = manager.secure
-        assert release is not None
+        config, release = self.config, self.release
         timeout = config.secure_aggregation.stage_timeout_s
         link = SecAggCoordinatorLink(
             server=SecAggServer(fleet=config.fleet, round=round_, settings=release.settings),
             wire=CoordinatorWire(
-                fleet=config.fleet, run=manager.run_id, signer=manager.keys.signer,
-                devices=manager.keys.devices, max_bytes=config.mqtt.max_payload_bytes,
+                fleet=config.fleet, run=self.run_id, signer=self.signer,
+                devices=self.devices, max_bytes=config.mqtt.max_payload_bytes,
             ),
             mqtt_settings=config.mqtt,
             # Its own MQTT client: the service's link keeps its session and subscriptions.
@@ -146,7 +85,7 @@ class SecureRounds:
             ),
             # Enrolled devices: once all of them have advertised, the first stage closes
             # without waiting out its deadline. An insecure fleet knows no list.
-            expected=tuple(manager.keys.devices) or None,
+            expected=tuple(self.devices) or None,
             logger=log,
         )  # fmt: skip
         started = time.monotonic()
@@ -180,7 +119,7 @@ class SecureRounds:
         outcome = dataclasses.replace(outcome, seconds=time.monotonic() - started)
         if self._stopping.is_set():
             return
-        if self.manager.take_secure(outcome):
+        if self._deliver(outcome):
             self._wake()
 
     def _end_link(self) -> None:

@@ -69,7 +69,15 @@ class CoordinatorService(MainLoop):
         self._announce_due = False
         self._overwritten = 0
         # A secure fleet's rounds are closed by their secure-aggregation rounds.
-        self.secure = SecureRounds(manager=manager, wake=self._wake.set) if manager.secure else None
+        self.secure = (
+            None
+            if manager.secure is None
+            else SecureRounds(
+                config=manager.config, release=manager.secure, run_id=manager.run_id,
+                signer=manager.keys.signer, devices=manager.keys.devices,
+                deliver=manager.take_secure, wake=self._wake.set,
+            )
+        )  # fmt: skip
         fleet = self.config.fleet
         self.link = MqttLink(
             settings=self.config.mqtt,

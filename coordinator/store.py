@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,47 @@ class RoundRow:
     extensions: int = 0
 
 
+@dataclass(frozen=True)
+class Commit:
+    """One round's close, written in one transaction (:meth:`Store.advance`): round
+    ``closed`` is closed and ``opens`` (by default ``closed + 1``; later when a rolled-back
+    database skips the rounds its devices already answered) opened with ``announcement``.
+
+    ``final``: the opened round is stored closed as well, so a crash cannot leave the last
+    round open and a restart take updates past it. ``keep_rounds`` > 0: the payloads
+    (updates and announcement) of rounds older than the last ``keep_rounds`` closed ones
+    are dropped in the same transaction, their timing rows kept; a service that runs for
+    months would otherwise keep every update it ever received (100 FedPCL devices add
+    1.6 MB a round, a FedAvg fleet about 95 MB).
+
+    ``statistics``: the clients whose closed-form updates of the round carried class
+    statistics: each update is copied to the statistics table, replacing that client's
+    previous one, and outlives ``keep_rounds`` (the fleet's head is solved from every
+    client's latest, :meth:`Store.statistics_of`). ``meta``: values set in the meta table
+    (a secure fleet's running sum, :meth:`Store.meta_value`)."""
+
+    closed: int
+    closed_at: float
+    announcement: bytes
+    deadline: float
+    keep_rounds: int = 0
+    final: bool = False
+    statistics: Sequence[str] = ()
+    next_round: int | None = None
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def opens(self) -> int:
+        return self.closed + 1 if self.next_round is None else self.next_round
+
+
 class Store:
     """A thread-safe handle on the coordinator database."""
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         #: An empty file where the database should be, which a failing disk or a hand
-        #: left: a new run begins, said out loud (coordinator/rounds.py).
+        #: left: a new run begins, said out loud (coordinator/rounds/manager.py).
         self.empty_file = path.exists() and path.stat().st_size == 0
         try:
             self._db = connect(path, synchronous=synchronous)
@@ -288,60 +322,36 @@ class Store:
             ).fetchall()
         return [r[0] for r in rows]
 
-    def advance(
-        self,
-        closed: int,
-        *,
-        closed_at: float,
-        announcement: bytes,
-        deadline: float,
-        keep_rounds: int = 0,
-        final: bool = False,
-        statistics: Sequence[str] = (),
-        next_round: int | None = None,
-        meta: Mapping[str, str] | None = None,
-    ) -> None:
-        """Close round ``closed`` and open ``next_round`` (by default ``closed + 1``; later
-        when a rolled-back database skips the rounds its devices already answered)
-        atomically (``final``: stored
-        closed as well, in the same transaction, so a crash cannot leave the last round
-        open and a restart take updates past it). With ``keep_rounds``
-        > 0, the payloads (updates and announcement) of rounds older than the last
-        ``keep_rounds`` closed ones are dropped in the same transaction; their timing rows
-        stay. A service that runs for months would otherwise keep every update it ever
-        received: 100 FedPCL devices add 1.6 MB a round, a FedAvg fleet about 95 MB.
-
-        ``statistics``: the clients whose closed-form updates of the round carried class
-        statistics: each update is copied to the statistics table in the same transaction,
-        replacing that client's previous one, and outlives ``keep_rounds`` (the fleet's
-        head is solved from every client's latest, :meth:`statistics_of`).
-
-        ``meta``: values the close sets in the meta table, in the same transaction (a
-        secure fleet's running sum, :meth:`meta_value`)."""
+    def advance(self, commit: Commit) -> None:
+        """Close round ``commit.closed`` and open the next one atomically (:class:`Commit`
+        says what else the same transaction writes)."""
+        closed = commit.closed
         with self._lock, self._transaction():
-            for key, value in (meta or {}).items():
+            for key, value in commit.meta.items():
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-            for client in statistics:
+            for client in commit.statistics:
                 self._db.execute(
                     "INSERT OR REPLACE INTO statistics (client, round, payload) "
                     "SELECT client, round, payload FROM updates WHERE round = ? AND client = ?",
                     (closed, client),
                 )
-            self._db.execute("UPDATE rounds SET closed_at = ? WHERE round = ?", (closed_at, closed))
+            self._db.execute(
+                "UPDATE rounds SET closed_at = ? WHERE round = ?", (commit.closed_at, closed)
+            )
             self._db.execute(
                 "INSERT INTO rounds (round, opened_at, deadline, closed_at, announcement) "
                 "VALUES (?, ?, ?, ?, ?)",
                 (
-                    closed + 1 if next_round is None else next_round,
-                    closed_at,
-                    deadline,
-                    closed_at if final else None,
-                    announcement,
+                    commit.opens,
+                    commit.closed_at,
+                    commit.deadline,
+                    commit.closed_at if commit.final else None,
+                    commit.announcement,
                 ),
             )
-            self._wrote(len(announcement))
-            if keep_rounds > 0:
-                oldest_kept = closed - keep_rounds + 1
+            self._wrote(len(commit.announcement))
+            if commit.keep_rounds > 0:
+                oldest_kept = closed - commit.keep_rounds + 1
                 self._db.execute("DELETE FROM updates WHERE round < ?", (oldest_kept,))
                 self._db.execute(
                     "UPDATE rounds SET announcement = X'' "

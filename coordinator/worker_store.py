@@ -36,6 +36,13 @@ CREATE TABLE IF NOT EXISTS updates (
     payload BLOB NOT NULL,
     PRIMARY KEY (run, round, client)
 );
+CREATE TABLE IF NOT EXISTS quarantine (
+    run TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    client TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    payload BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS collected (
     run TEXT NOT NULL,
     round INTEGER NOT NULL,
@@ -140,6 +147,20 @@ class WorkerStore:
             return None
         digest, stored_at, payload = row
         return StoredUpdate(client, digest, float(stored_at), bytes(payload))
+
+    def quarantine(self, run: str, round_: int, client: str, reason: str) -> None:
+        """Move a stored update that today's checks refuse out of its round, kept with the
+        reason (as the coordinator's store keeps its quarantined updates)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO quarantine SELECT run, round, client, ?, payload FROM updates "
+                "WHERE run = ? AND round = ? AND client = ?",
+                (reason, run, round_, client),
+            )
+            db.execute(
+                "DELETE FROM updates WHERE run = ? AND round = ? AND client = ?",
+                (run, round_, client),
+            )
 
     def forget(self, run: str, round_: int) -> None:
         """Drop a round's updates once the combiner has merged it. Not for a closed-form

@@ -15,6 +15,7 @@ import pytest
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
+from coordinator.rounds.stored import RunningStatistics
 from coordinator.store import Store
 from coordinator.strategies import RobustOptions, make_strategy
 from coordinator.strategies.closed_form import fleet_statistics
@@ -258,8 +259,8 @@ def test_the_running_sum_over_rounds_gives_the_pooled_lda(tmp_path, seed):
             assert m.offer(u.to_wire(), topic_client=u.client).accepted
         assert m.poll() is not None
     w, b = pooled_lda(np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data]))
-    assert m._statistics is not None
-    solved = m._statistics.solved  # the coordinator's float64 solution, before the cast
+    assert isinstance(m.tally, RunningStatistics)
+    solved = m.tally.solved  # the coordinator's float64 solution, before the cast
     assert solved is not None
     np.testing.assert_allclose(solved.global_prototypes, w, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(solved.extras[BIAS], b, rtol=1e-8, atol=1e-10)

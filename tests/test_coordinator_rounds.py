@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import StateError, Store
+from coordinator.store import Commit, StateError, Store
 from protocol import AgentState, Status
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import CLASSES, DIM, config, hand_globals, stand_in_update
@@ -344,10 +344,10 @@ def test_the_final_round_is_stored_closed_by_the_transaction_that_opens_it(tmp_p
     # One transaction: a crash cannot leave it open for a restart to take updates into.
     store = Store(tmp_path / "c.db")
     store.open_first_round(b"a", opened_at=0.0, deadline=5.0)
-    store.advance(0, closed_at=1.0, announcement=b"b", deadline=1.0, final=True)
+    store.advance(Commit(0, closed_at=1.0, announcement=b"b", deadline=1.0, final=True))
     latest = store.latest_round()
     assert latest is not None and latest.round == 1 and latest.closed_at == 1.0
-    store.advance(1, closed_at=2.0, announcement=b"c", deadline=9.0)
+    store.advance(Commit(1, closed_at=2.0, announcement=b"c", deadline=9.0))
     opened = store.latest_round()
     assert opened is not None and opened.round == 2 and opened.closed_at is None
     store.close()

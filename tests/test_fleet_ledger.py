@@ -6,7 +6,7 @@ import sqlite3
 from pathlib import Path
 
 from coordinator.schema import SCHEMA
-from coordinator.store import Store
+from coordinator.store import Commit, Store
 from fleet.report.ledger import update_ledger
 
 
@@ -17,8 +17,8 @@ def _database(path: Path, answers: list[list[str]], *, keep_rounds: int = 0) -> 
     for r, clients in enumerate(answers):
         for client in clients:
             assert store.add_update(r, client, b"u", received_at=float(r))
-        store.advance(r, closed_at=r + 1.0, announcement=b"a", deadline=r + 2.0,
-                      keep_rounds=keep_rounds)  # fmt: skip
+        store.advance(Commit(r, closed_at=r + 1.0, announcement=b"a", deadline=r + 2.0,
+                             keep_rounds=keep_rounds))  # fmt: skip
     store.close()
     return path
 

@@ -17,7 +17,7 @@ import pytest
 
 from coordinator.config import database_in
 from coordinator.config import load as load_coordinator_config
-from coordinator.secure_rounds import SUM_KEY, FleetSum
+from coordinator.rounds.secure import SUM_KEY, FleetSum
 from coordinator.store import Store
 from coordinator.strategies.closed_form import LDA
 from edge_agent.closed_form import ClosedFormDevice

@@ -495,19 +495,3 @@ def test_the_worker_template_unit_verifies_and_is_installed(tmp_path: Path) -> N
         [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
-
-
-def test_a_round_below_the_floor_after_its_extensions_waits_for_a_receipt(tmp_path: Path) -> None:
-    keys = make_keys(tmp_path, 3)
-    tier = Tier(tmp_path, keys, clients=3, timeout_s=60.0)
-    owner = tier.owner
-    for _ in range(tier.cfg.rounds.max_extensions):
-        tier.clock.now += 60.0
-        assert len(owner.poll()) == 1  # extended, announced again
-    tier.clock.now += 60.0
-    assert owner.poll() == [] and owner.seconds_until_due() == np.inf  # stalled: floor 1
-    tier.offer("w1", signed(keys, owner.run_id, 1)[0])
-    assert owner.seconds_until_due() == 0.0
-    (ask_all,) = owner.poll()
-    assert isinstance(ask_all, CollectRequest)
-    tier.stop_owner()

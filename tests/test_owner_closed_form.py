@@ -2,7 +2,7 @@
 statistics of the updates they store, the owner adds the sums, takes back the earlier
 statistics of a client whose later ones replace them (from whichever worker stored them),
 and solves the head with the single coordinator's strategy. Its head equals a single
-coordinator's (coordinator/rounds.py) on the same updates to 1e-12 relative: by hand-carried
+coordinator's (coordinator/rounds/manager.py) on the same updates to 1e-12 relative: by hand-carried
 messages for each case, and over a real Mosquitto with three workers."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from coordinator.metrics import Metrics
 from coordinator.owner import Closed
 from coordinator.partial_wire import CollectRequest, PartialMessage, collect_topic
 from coordinator.rounds import RoundManager
+from coordinator.rounds.stored import RunningStatistics
 from coordinator.store import Store
 from coordinator.strategies import Aggregate
 from coordinator.worker import Worker
@@ -83,9 +84,9 @@ class Single:
             decision = self.manager.offer(u.to_wire(), topic_client=u.client)
             assert decision.accepted, decision
         assert self.manager.poll() is not None
-        statistics = self.manager._statistics
-        assert statistics is not None and statistics.solved is not None
-        return statistics.solved
+        tally = self.manager.tally
+        assert isinstance(tally, RunningStatistics) and tally.solved is not None
+        return tally.solved
 
     def close(self) -> None:
         self.manager.store.close()

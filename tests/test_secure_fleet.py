@@ -28,7 +28,7 @@ from coordinator.config import (
     WorkersSettings,
 )
 from coordinator.rounds import RoundManager
-from coordinator.secure_rounds import SUM_KEY, FleetSum, SecureOutcome
+from coordinator.rounds.secure import SUM_KEY, FleetSum, SecureOutcome
 from coordinator.service import CoordinatorService
 from coordinator.store import Store
 from coordinator.strategies import RobustOptions
@@ -155,11 +155,11 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     agents = _agents(tmp_path, small_zoo, port, table)
     config = _coordinator(tmp_path, port, bundle_id, table)
     manager = RoundManager(config=config, store=Store(config.database))
-    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
     services = [AgentService(agent=a) for a in agents]
     # What the secure round hands the manager: the unmasked sum (and nothing else).
     outcomes: list[SecureOutcome] = []
     monkeypatch.setattr(manager, "take_secure", _spy(outcomes, manager.take_secure))
+    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
     finished = threading.Event()
     with _running(services, coordinator):
         # Round 0 is the secure round; round 1 (final) carries its head.

@@ -6,7 +6,7 @@ client's latest statistics exactly, in float64, and solves once. What it announc
 linear classifier: its weight rows as the global prototype rows (one per class present in
 the fleet) and its biases as the ``"bias"`` extra. A round in which no client sent new
 statistics changes nothing: the round manager announces the same head again
-(``coordinator/rounds.py``).
+(``coordinator/rounds/stored.py``).
 
 An update's prototype rows are its per-class feature sums, ``extras["counts"]`` its
 counts as drawn (signed under noise: clamping each device's at zero would inflate the

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.secure_rounds import SecureOutcome
+from coordinator.rounds.secure import SecureOutcome
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import ClosedFormSettings, PrivacySettings
 from edge_agent.methods import device_method

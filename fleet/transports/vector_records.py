@@ -12,7 +12,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
-from coordinator.secure_rounds import SecureOutcome
+from coordinator.rounds.secure import SecureOutcome
 from fleet.engine.batch import SCORES
 from fleet.transports.progress import log_round, progress_bar
 from fleet.transports.spec import ClientRecord, RunSpec

@@ -1,7 +1,7 @@
 """The open round as the round manager holds it in memory: its deadline and extensions,
 when updates arrived and which clients sent them, and when the round is due to close.
 
-Rebuilt from the store on a restart (coordinator/rounds.py), so deciding whether the round
+Rebuilt from the store on a restart (coordinator/rounds/cycle.py), so deciding whether the round
 is due costs O(1) per update instead of a query over the whole round."""
 
 from __future__ import annotations

@@ -1,0 +1,181 @@
+"""A secure fleet's tally (``privacy.aggregation = "secure"``, coordinator/rounds/tally.py):
+each coordinator round is closed by the outcome of its secure-aggregation round
+(coordinator/secure_rounds.py runs it over MQTT), not by counting updates.
+
+- lda and ridge: the round's unmasked sum is added to the fleet's running sum
+  (:class:`FleetSum`, kept in the meta table with the round's close), and the head is
+  solved from it; an aborted round announces the same head again.
+- FedProto: each class's summed rows over its holder count, the round's global
+  prototypes; an aborted round announces the last ones again.
+
+No device's statistics are ever stored here, so none are summed update by update.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.rounds.open_round import OpenRound
+from coordinator.rounds.tally import Tallied, Tally
+from coordinator.store import Store
+from coordinator.strategies import Aggregate
+from coordinator.strategies.closed_form import ClosedForm
+from protocol import RoundAnnouncement
+from runtime.secagg.fleet import SecureRelease, global_prototypes, unflatten
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SecureOutcome:
+    """How round ``round`` ended: ``total`` is the decoded sum of ``survivors`` devices'
+    inputs, or None when the round aborted (``why``)."""
+
+    round: int
+    total: np.ndarray | None
+    survivors: int = 0
+    why: str = ""
+    #: From the round's link subscribing to its outcome.
+    seconds: float = 0.0
+
+
+#: The meta-table key of a secure fleet's running sum (coordinator/store.py).
+SUM_KEY = "secure_sum"
+
+
+@dataclass(frozen=True)
+class FleetSum:
+    """A secure fleet's statistics: the sum of every secure round's unmasked sum. A device
+    adds its statistics once per data version, and after new data the difference from
+    what it added before (edge_agent/agent.py), so the running sum is every device's
+    latest, as a plain fleet's coordinator/statistics.py holds it. ``devices``: how many
+    device inputs went into it (a device that adds a difference counts again)."""
+
+    total: np.ndarray
+    devices: int = 0
+
+    @classmethod
+    def empty(cls, length: int) -> FleetSum:
+        return cls(total=np.zeros(length))
+
+    def plus(self, outcome: SecureOutcome) -> FleetSum:
+        """This sum and ``outcome``'s (itself when the round aborted)."""
+        if outcome.total is None:
+            return self
+        return FleetSum(total=self.total + outcome.total, devices=self.devices + outcome.survivors)
+
+    def to_meta(self) -> str:
+        return json.dumps(
+            {"devices": self.devices, "total": base64.b64encode(self.total.tobytes()).decode()}
+        )
+
+    @classmethod
+    def load(cls, text: str | None, *, length: int) -> FleetSum:
+        """The sum the store kept (an empty one when it kept none). A kept sum of another
+        length (the fleet's k or classes changed) is not the fleet's: it is left out, said."""
+        if text is None:
+            return cls.empty(length)
+        try:
+            data = json.loads(text)
+            total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64).copy()
+            devices = int(data["devices"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("the stored secure sum is unreadable and left out: %s", exc)
+            return cls.empty(length)
+        if total.shape != (length,):
+            log.warning(
+                "the stored secure sum has %d values, not this fleet's %d: left out",
+                total.size, length,
+            )  # fmt: skip
+            return cls.empty(length)
+        return cls(total=total, devices=devices)
+
+
+class SecureSum(Tally):
+    """Closes a round with its secure-aggregation round's outcome (module text)."""
+
+    closes_itself = True
+
+    def __init__(self, *, release: SecureRelease, store: Store, strategy: object) -> None:
+        self.release, self.store = release, store
+        self.strategy = strategy
+        self._outcome: SecureOutcome | None = None
+        self.sum: FleetSum | None = None
+        if not release.prototypes:
+            assert isinstance(strategy, ClosedForm)  # config.secure_problem checked it
+            self.sum = FleetSum.load(store.meta_value(SUM_KEY), length=release.settings.length)
+
+    def offer(self, outcome: SecureOutcome, *, open_round: int) -> bool:
+        """The secure round of ``outcome.round`` has ended: the cycle closes the open round
+        with it. False for another round's (a late one)."""
+        if outcome.round != open_round:
+            return False
+        self._outcome = outcome
+        return True
+
+    def ready(self) -> bool:
+        return self._outcome is not None
+
+    def tally(self, closing: OpenRound, *, now: float, last: RoundAnnouncement) -> Tallied:
+        outcome, self._outcome = self._outcome, None
+        assert outcome is not None  # ready() said so
+        clients = self.store.update_clients(closing.number)
+        if outcome.total is None:
+            log.warning(
+                "round %d: secure aggregation aborted (%s); the last global state stays",
+                outcome.round, outcome.why,
+                extra={"event": "secure_aborted", "round": outcome.round},
+            )  # fmt: skip
+        after: FleetSum | None = None
+        if self.release.prototypes:
+            result = self._prototypes(outcome, last)
+        else:
+            assert self.sum is not None
+            after = self.sum.plus(outcome)
+            result = self._head(after)
+        if outcome.total is not None:
+            log.info(
+                "round %d: head solved from the secure sum of %d device(s) (%.1f s)",
+                closing.number, outcome.survivors, outcome.seconds,
+                extra={"event": "secure_sum", "round": closing.number,
+                       "devices": outcome.survivors, "seconds": outcome.seconds},
+            )  # fmt: skip
+        return Tallied(
+            result, updates=len(clients), source=",".join(clients), counted=False,
+            meta={} if after is None else {SUM_KEY: after.to_meta()}, detail=after,
+        )  # fmt: skip
+
+    def _head(self, after: FleetSum) -> Aggregate:
+        """The head of the fleet's running sum (none before any device's input)."""
+        if after.devices == 0:
+            return Aggregate()
+        release = self.release
+        stats = unflatten(
+            after.total, k=release.k, classes=release.classes, gram=release.gram,
+            devices=after.devices,
+        )  # fmt: skip
+        assert isinstance(self.strategy, ClosedForm)
+        return self.strategy.solve_statistics(stats)
+
+    def _prototypes(self, outcome: SecureOutcome, last: RoundAnnouncement) -> Aggregate:
+        """FedProto's global prototypes of the round's sum; the announced ones again when
+        the round aborted."""
+        if outcome.total is None:
+            return Aggregate(
+                global_classes=last.global_classes,
+                global_prototypes=np.asarray(last.global_prototypes, dtype=np.float64),
+            )
+        rows, has = global_prototypes(outcome.total, dim=self.release.k,
+                                      classes=self.release.classes)  # fmt: skip
+        return Aggregate(
+            global_classes=tuple(int(c) for c in np.flatnonzero(has)), global_prototypes=rows[has]
+        )
+
+    def committed(self, tallied: Tallied | None) -> None:
+        if tallied is not None and tallied.detail is not None:
+            self.sum = tallied.detail
