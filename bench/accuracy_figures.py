@@ -7,19 +7,10 @@ from collections.abc import Callable
 
 from bench.closed_form_bench import DP_KS, EPSILONS, FLEETS, KS
 from bench.figure_results import ACCURACY, CLOSED_FORM, Results, num, pct
+from protocol.methods import WIRE_METHODS
 
-METHODS = (
-    "solo",
-    "fedavg",
-    "fedproto",
-    "fedpcl",
-    "fpl",
-    "feddbp",
-    "lda",
-    "ridge",
-    "fedcof",
-    "central",
-)
+#: Every recorded method, in the records' order, and the pooled-data head (the ceiling).
+METHODS = (*WIRE_METHODS, "central")
 SETTING_NAMES = {"feature": "feature shift", "label": "label shift (alpha 0.5)",
                  "feature-label": "feature & label shift", "glyphs": "glyphs-5"}  # fmt: skip
 
@@ -89,21 +80,21 @@ def glyphs_table(r: Results) -> str:
 
 
 #: FedPCL's margins the comparison is held to (final means over seeds, points).
-TARGETS = (("solo", 1.0), ("fedavg", -3.0), ("fedproto", -2.0))
+TARGETS = {"solo": 1.0, "fedavg": -3.0, "fedproto": -2.0}
 
 
 def targets(r: Results) -> str:
     """FedPCL's margin over each baseline in the fair protocol, against its target."""
     lines = [
         "| setting (fair protocol) | "
-        + " | ".join(f"fedpcl - {b} (target {t:+.0f})" for b, t in TARGETS)
+        + " | ".join(f"fedpcl - {b} (target {t:+.0f})" for b, t in TARGETS.items())
         + " |",
         "|---" + "|---:" * len(TARGETS) + "|",
     ]
     for setting in ("feature", "label", "feature-label", "glyphs"):
         mine = r.get(f"accuracy.fair.{setting}.fedpcl.final_mean")
         cells = []
-        for baseline, target in TARGETS:
+        for baseline, target in TARGETS.items():
             theirs = r.get(f"accuracy.fair.{setting}.{baseline}.final_mean")
             if mine is None or theirs is None:
                 cells.append("not measured")
@@ -115,12 +106,12 @@ def targets(r: Results) -> str:
 
 
 #: The closed-form targets (issue 39): LDA's final mean against the ceiling or Solo, points.
-CLOSED_FORM_TARGETS = (
-    ("feature", "central", 1.0),
-    ("label", "central", 0.0),
-    ("feature-label", "central", 0.0),
-    ("glyphs", "solo", 3.0),
-)
+CLOSED_FORM_TARGETS = {
+    "feature": ("central", 1.0),
+    "label": ("central", 0.0),
+    "feature-label": ("central", 0.0),
+    "glyphs": ("solo", 3.0),
+}
 
 
 def closed_form_targets(r: Results) -> str:
@@ -128,7 +119,7 @@ def closed_form_targets(r: Results) -> str:
     the round it reached its final accuracy in."""
     lines = ["| setting (fair protocol) | lda | held to | margin (target) | final reached in round |",
              "|---|---:|---|---:|---:|"]  # fmt: skip
-    for setting, row, target in CLOSED_FORM_TARGETS:
+    for setting, (row, target) in CLOSED_FORM_TARGETS.items():
         mine = r.get(f"accuracy.fair.{setting}.lda.final_mean")
         theirs = r.get(f"accuracy.fair.{setting}.{row}.final_mean")
         first = r.get(f"accuracy.fair.{setting}.lda.first_final_round")

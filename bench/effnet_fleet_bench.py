@@ -23,9 +23,12 @@ from fleet.report.summary import run_summary
 from fleet.transports import runner
 from fleet.transports.protocols import protocol_train
 from fleet.transports.spec import RunSpec
+from protocol.methods import WIRE_METHODS
 
 EFFNET = Path(__file__).resolve().parent / "effnet-lite0"
-METHODS = ("fedpcl", "solo", "fedavg")
+#: FedPCL, the core method, and the baselines of its records (protocol/methods.py).
+CORE = "fedpcl"
+METHODS = (CORE, *(m.name for m in WIRE_METHODS.values() if m.baseline))
 SEEDS = (0, 1, 2)
 ROUNDS = 30
 

@@ -20,7 +20,7 @@ updates) and does the rest of what coordinator/rounds/manager.py does for a sing
   close transaction with the announcement of round r+1, resume and run identity, the
   devices' statuses) is the single coordinator's cycle (coordinator/rounds/cycle.py).
 
-Only methods whose aggregation is a ratio of sums (:data:`SPLITS`) or a sum of statistics
+Only methods whose record ``splits`` (a ratio of sums, or a sum of statistics)
 run here; the ratios with the rows and counts as sent (``RAW``: a worker's partial cannot
 apply a median defence). Anything else is refused at start with one line
 (:func:`refusal`).
@@ -59,13 +59,6 @@ from protocol.receipts import Receipt
 
 log = logging.getLogger(__name__)
 
-#: How each method's global prototypes come out of the merged partial sums
-#: (coordinator/partial.py::Mean): the methods whose aggregation splits. FedPCL's
-#: ``weighting`` is its strategy parameter; FedProto's is the holders' plain mean.
-SPLITS: dict[str, Callable[[CoordinatorConfig], Mean]] = {
-    "fedpcl": lambda cfg: "paper" if cfg.model.strategy.get("weighting") == "paper" else "count",
-    "fedproto": lambda cfg: "client",
-}
 #: The robust options whose work a partial sum can hold: none. RAW's fields, named.
 _MEDIANS = ("median_count_cap", "median_norm_clip", "median_direction_screen")
 
@@ -78,7 +71,7 @@ def refusal(cfg: CoordinatorConfig) -> str | None:
         # Its statistics are sums (coordinator/owner_statistics.py), and the configuration
         # already refuses a [robust] table for it: nothing here to refuse.
         return None
-    if method not in SPLITS:
+    if not record.splits:
         if record.averaged:
             why = "its announcement averages the weights every update carries"
         elif record.extras != "none":
@@ -120,7 +113,7 @@ def refusal(cfg: CoordinatorConfig) -> str | None:
 
 
 def _supported() -> list[str]:
-    return sorted({*SPLITS, *(m.name for m in WIRE_METHODS.values() if m.closed_form)})
+    return sorted(m.name for m in WIRE_METHODS.values() if m.splits)
 
 
 Outgoing: TypeAlias = RoundAnnouncement | CollectRequest
@@ -172,7 +165,11 @@ class RoundOwner(RoundCycle):
                 synchronous=config.sqlite_synchronous,
             )  # fmt: skip
         else:
-            mean = SPLITS[record.name](config)
+            # How the merged sums divide: the strategy's, FedPCL's by its weighting.
+            mean = make_strategy(
+                record.name, robust=config.robust, **dict(config.model.strategy)
+            ).partial_mean
+            assert mean is not None  # the method's record says it splits
         self.partials = WorkerPartials(
             config=config, run_id=self.run_id, mean=mean, statistics=statistics,
             ledger=self.ledger, worker_metrics=self.worker_metrics, count_unknown=resumed,

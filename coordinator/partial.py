@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
@@ -27,13 +26,13 @@ from coordinator import aggregate as agg
 
 # A partial sum is of the counts and rows as sent: the median defences of the default
 # RobustOptions need every update of the round at once, which no worker holds.
-from coordinator.strategies.base import RAW, Dense
+from coordinator.strategies.base import RAW, Dense, PartialMean
 from protocol import PrototypeUpdate
 
 #: ``count`` and ``paper`` are FedPCL's two weightings (coordinator/aggregate.py::
 #: count_weighted_mean); ``client`` is the client-wise mean of FedProto (and FedDBP's
 #: shared global set), aggregate.py::combine with ``rule="mean"``.
-Mean = Literal["count", "paper", "client"]
+Mean = PartialMean
 
 
 class OverlapError(ValueError):

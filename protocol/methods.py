@@ -35,7 +35,16 @@ class WireMethod:
     the prototype rows of an update are the per-class sums of the frozen features, once
     per data version, with :data:`COUNTS` beside them, and the announcement's prototype
     rows and :data:`BIAS` are the solved linear classifier. ``gram``: such an update
-    carries the summed second moment too (:data:`GRAM`)."""
+    carries the summed second moment too (:data:`GRAM`).
+
+    ``splits``: the sharded coordinator's workers can each sum their share of a round and
+    the round owner merge the sums exactly (docs/scale.md): a ratio of sums (the
+    strategy's ``partial_mean`` says which) or summed statistics. ``secure``: a secure
+    sum (docs/privacy.md, "Secure aggregation") gives the aggregation whole: a head solved
+    from summed statistics, or FedProto's per-class sum of the holders' rows over their
+    count; the others need each device's own release (FedCOF its class means, FedPCL its
+    local set, FPL its clusters, FedDBP its scores). ``baseline``: one of the two baselines
+    every method is measured against (Solo, the floor; FedAvg, the classic federated one)."""
 
     name: str
     extras: UpdateExtras = "none"
@@ -43,6 +52,9 @@ class WireMethod:
     local_sets: bool = False
     closed_form: bool = False
     gram: bool = False
+    splits: bool = False
+    secure: bool = False
+    baseline: bool = False
     summary: str = ""
 
     def __post_init__(self) -> None:
@@ -52,26 +64,35 @@ class WireMethod:
             raise ValueError(f"{self.name}: only a closed-form method sends statistics")
         if self.gram and not self.closed_form:
             raise ValueError(f"{self.name}: a second moment belongs to a closed-form method")
+        if self.closed_form and not self.splits:
+            raise ValueError(f"{self.name}: summed statistics split over workers")
+        if self.splits and self.averaged:
+            raise ValueError(f"{self.name}: an average of every update's weights does not split")
+        if self.secure and self.closed_form and not self.gram:
+            raise ValueError(f"{self.name}: a secure sum solves only from the second moment")
 
 
 WIRE_METHODS: dict[str, WireMethod] = {
     m.name: m
     for m in (
-        WireMethod("solo", summary="no server step: each device trains alone (the floor)"),
-        WireMethod("fedavg", extras="weights", averaged=True,
+        WireMethod("solo", baseline=True, summary="no server step: each device trains alone (the floor)"),
+        WireMethod("fedavg", extras="weights", averaged=True, baseline=True,
                    summary="sample-weighted mean of head and classifier"),
-        WireMethod("fedproto", summary="per-class mean of the holders' prototypes"),
-        WireMethod("fedpcl", local_sets=True,
+        WireMethod("fedproto", splits=True, secure=True,
+                   summary="per-class mean of the holders' prototypes"),
+        WireMethod("fedpcl", local_sets=True, splits=True,
                    summary="count-weighted global prototypes and every client's local set"),
         WireMethod("fpl", extras="weights", averaged=True,
                    summary="FINCH cluster prototypes, unbiased prototypes, averaged model"),
         WireMethod("feddbp", extras="fisher",
                    summary="per-client Top-K Fisher fusion of the global prototypes"),
-        WireMethod("lda", extras="statistics", closed_form=True, gram=True,
+        WireMethod("lda", extras="statistics", closed_form=True, gram=True, splits=True,
+                   secure=True,
                    summary="LDA solved once from the summed class statistics"),
-        WireMethod("ridge", extras="statistics", closed_form=True, gram=True,
+        WireMethod("ridge", extras="statistics", closed_form=True, gram=True, splits=True,
+                   secure=True,
                    summary="ridge (Fed3R) solved once from the summed class statistics"),
-        WireMethod("fedcof", extras="statistics", closed_form=True,
+        WireMethod("fedcof", extras="statistics", closed_form=True, splits=True,
                    summary="ridge on the covariances implied by class means and counts alone"),
     )
 }  # fmt: skip

@@ -6,12 +6,17 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from coordinator import aggregate as agg
 from protocol import PrototypeUpdate
+
+#: How a round's global prototypes come out of the workers' merged partial sums
+#: (coordinator/partial.py::global_prototypes): ``count``, the count-weighted mean;
+#: ``paper``, with FedPCL's printed 1/|N_j|; ``client``, the holders' plain mean.
+PartialMean = Literal["count", "paper", "client"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,12 @@ class Strategy(ABC):
     """
 
     name: str = ""
+
+    @property
+    def partial_mean(self) -> PartialMean | None:
+        """How the sharded coordinator's owner divides the merged partial sums, for a
+        method whose record ``splits`` and is no closed-form one; None for the rest."""
+        return None
 
     def __init__(self, *, robust: RobustOptions | None = None) -> None:
         self.robust = robust or RobustOptions()

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator import aggregate as agg
-from coordinator.strategies.base import Aggregate, RobustOptions, Strategy, globals_of, register
+from coordinator.strategies.base import (
+    Aggregate,
+    PartialMean,
+    RobustOptions,
+    Strategy,
+    globals_of,
+    register,
+)
 from protocol import PrototypeUpdate
 
 
@@ -29,6 +36,10 @@ class FedPCL(Strategy):
         if weighting not in ("count", "paper"):
             raise ValueError(f"weighting must be 'count' or 'paper', got {weighting!r}")
         self.weighting: agg.Weighting = weighting
+
+    @property
+    def partial_mean(self) -> PartialMean:
+        return self.weighting
 
     def aggregate(
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int

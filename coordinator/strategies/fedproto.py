@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.strategies.base import Aggregate, Strategy, globals_of, register
+from coordinator.strategies.base import Aggregate, PartialMean, Strategy, globals_of, register
 from protocol import PrototypeUpdate
 
 
 @register("fedproto")
 class FedProto(Strategy):
+    @property
+    def partial_mean(self) -> PartialMean:
+        return "client"  # the holders' plain mean
+
     def aggregate(
         self, updates: Sequence[PrototypeUpdate], *, num_classes: int, dim: int
     ) -> Aggregate:

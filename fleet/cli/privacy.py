@@ -43,10 +43,12 @@ from fleet.report.privacy_report import FORMAL, markdown, plot_accuracy_vs_epsil
 from fleet.report.summary import agent_privacy, arm_settings, run_summary, to_json
 from fleet.transports.runner import run as run_fleet
 from fleet.transports.spec import RunSpec
+from protocol.methods import WIRE_METHODS
 from runtime.cliutil import UsageError
 
-#: The closed-form methods --closed-form compares local and distributed noise for.
-CLOSED_FORM = ("lda", "ridge")
+#: The closed-form methods --closed-form compares local and distributed noise for: those
+#: a secure sum serves (protocol/methods.py).
+CLOSED_FORM = tuple(m.name for m in WIRE_METHODS.values() if m.closed_form and m.secure)
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocol.methods import WIRE_METHODS, wire_method
 from runtime import closed_form as cf
 from runtime.secagg.plan import (
     DistributedPlan,
@@ -37,16 +38,6 @@ from runtime.secagg.settings import SecAggSettings
 #: ``[privacy] aggregation``: ``plain`` (each device's release reaches the coordinator) or
 #: ``secure`` (only the fleet's sum does).
 AGGREGATIONS = ("plain", "secure")
-
-#: The methods whose aggregation a secure sum gives whole: lda's and ridge's heads are
-#: solved from summed statistics, FedProto's global prototypes are the per-class sum of
-#: the holders' rows over the holders' count. FedCOF needs each device's class means,
-#: FedPCL's local sets, FPL's clusters and FedDBP's scores each device's own rows
-#: (docs/privacy.md, "Secure aggregation").
-SECURE_METHODS = ("lda", "ridge", "fedproto")
-
-#: Of those, the ones whose statistics are summed (the rest sum prototype rows).
-STATISTICS_METHODS = ("lda", "ridge")
 
 
 @dataclass(frozen=True)
@@ -114,12 +105,14 @@ class SecureAggregation:
 def method_problem(table: SecureAggregation, method: str) -> str | None:
     """Why ``method`` cannot aggregate securely under ``table``, in one line; None when it
     can (the table's own completeness aside, :meth:`SecureAggregation.problem`)."""
-    if method not in SECURE_METHODS:
+    record = wire_method(method)
+    if not record.secure:
+        secure = sorted(m.name for m in WIRE_METHODS.values() if m.secure)
         return (
             f'privacy.aggregation = "secure" sums the devices\' releases, and {method} needs '
-            f'each device\'s own: use {", ".join(SECURE_METHODS)}, or aggregation = "plain"'
+            f'each device\'s own: use {", ".join(secure)}, or aggregation = "plain"'
         )
-    if method not in STATISTICS_METHODS and table.epsilon > 0:
+    if not record.closed_form and table.epsilon > 0:
         return (
             f"{method}'s secure sum carries no noise (a prototype's sensitivity to one "
             "example has no public bound here): set [secure_aggregation] epsilon = 0"
