@@ -31,6 +31,7 @@ import numpy as np
 from bench.export_bench import ZOO, ensure_zoo
 from coordinator.config import AdmissionSettings
 from edge_agent.agent import Agent, Decision
+from edge_agent.delivery import SignedUpdates
 from export import bundle as bundle_mod
 from fleet.data.partition import digits5
 from fleet.transports.collect import collect
@@ -81,14 +82,14 @@ class Compromised(Agent):
             rows = rows * LIMITS.max_value
             privacy = PrivacyMeta(mechanism="dp", epsilon=1.0, delta=1e-5,
                                   guarantee="(epsilon, delta)-DP, add/remove one example")  # fmt: skip
-        update, payload = self._signed(announcement, PrototypeUpdate(
+        sent = SignedUpdates.signed(self, announcement, PrototypeUpdate(
             fleet=self.cfg.fleet, round=announcement.round, client=self.cfg.agent_id,
             bundle=self.bundle_id, method=self.cfg.method,
             classes=tuple(range(self.num_classes)),
             counts=(float(LIMITS.max_count),) * self.num_classes,
             prototypes=rows.astype(np.float16), privacy=privacy,
         ))  # fmt: skip
-        return Decision("answered", update=update, payload=payload)
+        return Decision("answered", update=sent.update, payload=sent.payload)
 
 
 def attacked(

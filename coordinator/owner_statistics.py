@@ -44,8 +44,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.partial_fields import statistics_fields, statistics_from
 from coordinator.partial_statistics import StatisticsPart, merge_parts, replaced
-from coordinator.partial_wire import PartialMessage, statistics_fields, statistics_from
+from coordinator.partial_wire import PartialMessage
 from coordinator.schema import immediate
 from coordinator.strategies.base import Aggregate
 from coordinator.strategies.closed_form import ClosedForm

@@ -32,17 +32,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
 from coordinator.partial import PartialSum, merge
+from coordinator.partial_fields import (
+    array_field,
+    blob_field,
+    checked_retract,
+    id_field,
+    int_field,
+    part_fields,
+    part_from,
+    rounds_field,
+    strings_field,
+)
 from coordinator.partial_statistics import StatisticsPart
 from protocol.codec import pack, unpack
 from protocol.errors import MalformedPayload
 from protocol.ids import validate_id
 from protocol.limits import MAX_CLASSES
-from runtime import closed_form as cf
 
 TIER_ROOT = "protofleet-tier/v1"
 #: 3: the closed-form statistics and their retraction (2 had neither).
@@ -60,9 +69,6 @@ _KEYS = {"v", "type", "fleet", "run", "round", "worker", "weighted", "counts", "
 _KEYS |= {"holders", "classes", "dim", "clients", "digests", "stored_at", "excluded"}
 _KEYS |= {"statistics", "retract", "retraction"}
 _COLLECT_KEYS = {"v", "type", "fleet", "run", "round", "worker", "exclude", "retract"}
-_STATISTICS_KEYS = {"counts", "sums", "gram", "scatter", "holders", "devices"}
-#: A sum over at most this many devices (float64 integers are exact below 2**53).
-MAX_DEVICES = 2**53
 
 
 def partial_topic(fleet: str, worker: str) -> str:
@@ -125,7 +131,7 @@ class CollectRequest:
             validate_id(client, field="exclude")
         if (self.exclude or self.retract) and self.worker is None:
             raise ValueError("clients are excluded from one worker's partial, not every one's")
-        object.__setattr__(self, "retract", _retract(self.retract, self.round))
+        object.__setattr__(self, "retract", checked_retract(self.retract, self.round))
 
     def to_wire(self) -> bytes:
         return pack(
@@ -147,17 +153,17 @@ class CollectRequest:
         obj = unpack(payload, max_bytes=max_bytes)
         if set(obj) != _COLLECT_KEYS or obj["v"] != VERSION or obj["type"] != "collect":
             raise MalformedPayload(f"not a version {VERSION} collect request")
-        worker, exclude = obj["worker"], _strings(obj, "exclude")
+        worker, exclude = obj["worker"], strings_field(obj, "exclude")
         if worker is not None and not isinstance(worker, str):
             raise MalformedPayload("must be a worker id or nil", field="worker")
         try:
             return cls(
-                fleet=_id(obj, "fleet"),
-                run=_id(obj, "run"),
-                round=_int(obj, "round", 0, MAX_ROUND),
+                fleet=id_field(obj, "fleet"),
+                run=id_field(obj, "run"),
+                round=int_field(obj, "round", 0, MAX_ROUND),
                 worker=worker,
                 exclude=frozenset(exclude),
-                retract=_rounds(obj, "retract"),
+                retract=rounds_field(obj, "retract"),
             )
         except ValueError as exc:
             raise MalformedPayload(f"bad collect request: {exc}") from exc
@@ -201,7 +207,7 @@ class PartialMessage:
         if self.retraction is not None and not self.retraction.clients <= set(self.retract):
             raise ValueError("a retraction of a client the request did not name")
         object.__setattr__(self, "copies", MappingProxyType(dict(self.copies)))
-        object.__setattr__(self, "retract", _retract(self.retract, self.round))
+        object.__setattr__(self, "retract", checked_retract(self.retract, self.round))
 
     def to_wire(self) -> bytes:
         p = self.partial
@@ -226,9 +232,9 @@ class PartialMessage:
                     [self.copies[c].stored_at for c in clients], dtype="<f8"
                 ).tobytes(),
                 "excluded": sorted(self.excluded),
-                "statistics": _part_fields(self.statistics),
+                "statistics": part_fields(self.statistics),
                 "retract": dict(sorted(self.retract.items())),
-                "retraction": _part_fields(self.retraction),
+                "retraction": part_fields(self.retraction),
             }
         )
 
@@ -238,21 +244,21 @@ class PartialMessage:
         obj = unpack(payload, max_bytes=max_bytes)
         if set(obj) != _KEYS or obj["v"] != VERSION or obj["type"] != "partial":
             raise MalformedPayload(f"not a version {VERSION} partial sum")
-        c, d = _int(obj, "classes", 1, MAX_CLASSES), _int(obj, "dim", 1, MAX_DIM)
-        clients, excluded = _strings(obj, "clients"), _strings(obj, "excluded")
+        c, d = int_field(obj, "classes", 1, MAX_CLASSES), int_field(obj, "dim", 1, MAX_DIM)
+        clients, excluded = strings_field(obj, "clients"), strings_field(obj, "excluded")
         n = len(clients)
-        digests = _blob(obj, "digests", n * DIGEST_BYTES)
-        stored_at = _array(obj, "stored_at", "<f8", (n,))
-        statistics = _part_from(obj["statistics"], "statistics", c, d)
-        retraction = _part_from(obj["retraction"], "retraction", c, d)
+        digests = blob_field(obj, "digests", n * DIGEST_BYTES)
+        stored_at = array_field(obj, "stored_at", "<f8", (n,))
+        statistics = part_from(obj["statistics"], "statistics", c, d)
+        retraction = part_from(obj["retraction"], "retraction", c, d)
         try:
             for client in (*clients, *excluded):
                 validate_id(client, field="clients")
             partial = PartialSum(
-                weighted=_array(obj, "weighted", "<f8", (c, d)),
-                counts=_array(obj, "counts", "<f8", (c,)),
-                plain=_array(obj, "plain", "<f8", (c, d)),
-                holders=_array(obj, "holders", "<i8", (c,)),
+                weighted=array_field(obj, "weighted", "<f8", (c, d)),
+                counts=array_field(obj, "counts", "<f8", (c,)),
+                plain=array_field(obj, "plain", "<f8", (c, d)),
+                holders=array_field(obj, "holders", "<i8", (c,)),
                 clients=frozenset(clients),
             )
             if len(partial.clients) != n:
@@ -265,15 +271,15 @@ class PartialMessage:
                 for i, client in enumerate(clients)
             }
             return cls(
-                fleet=_id(obj, "fleet"),
-                run=_id(obj, "run"),
-                round=_int(obj, "round", 0, MAX_ROUND),
-                worker=_id(obj, "worker"),
+                fleet=id_field(obj, "fleet"),
+                run=id_field(obj, "run"),
+                round=int_field(obj, "round", 0, MAX_ROUND),
+                worker=id_field(obj, "worker"),
                 partial=partial,
                 copies=copies,
                 excluded=frozenset(excluded),
                 statistics=statistics,
-                retract=_rounds(obj, "retract"),
+                retract=rounds_field(obj, "retract"),
                 retraction=retraction,
             )
         except ValueError as exc:  # the ids', PartialSum's and Copy's own checks
@@ -320,122 +326,3 @@ def combine(messages: Iterable[PartialMessage], *, fleet: str, run: str, round_:
     if len(set(workers)) != len(workers):
         raise ValueError("two partial sums from one worker")
     return merge(m.partial for m in batch)
-
-
-def _int(obj: dict[str, Any], key: str, low: int, high: int) -> int:
-    value = obj[key]
-    if type(value) is not int or not low <= value <= high:
-        raise MalformedPayload(f"must be an integer in {low}..{high}", field=key)
-    return value
-
-
-def _id(obj: dict[str, Any], key: str) -> str:
-    try:
-        return validate_id(obj[key], field=key)
-    except ValueError as exc:
-        raise MalformedPayload(f"bad {key}: {exc}", field=key) from exc
-
-
-def _strings(obj: dict[str, Any], key: str) -> list[str]:
-    value = obj[key]
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise MalformedPayload("must be a list of strings", field=key)
-    return value
-
-
-def _blob(obj: dict[str, Any], key: str, size: int) -> bytes:
-    data = obj[key]
-    if not isinstance(data, bytes) or len(data) != size:
-        raise MalformedPayload(f"must be {size} bytes", field=key)
-    return data
-
-
-def _array(obj: dict[str, Any], key: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    data = _blob(obj, key, int(np.prod(shape)) * 8)
-    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype[1:])
-
-
-def _retract(retract: Mapping[str, int], round_: int) -> Mapping[str, int]:
-    """``retract`` checked (ids, earlier rounds) and frozen."""
-    for client, earlier in retract.items():
-        validate_id(client, field="retract")
-        if type(earlier) is not int or not 0 <= earlier < round_:
-            raise ValueError(f"the earlier copy of {client} must be of a round before {round_}")
-    return MappingProxyType(dict(retract))
-
-
-def _rounds(obj: dict[str, Any], key: str) -> dict[str, int]:
-    value = obj[key]
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and type(v) is int for k, v in value.items()
-    ):
-        raise MalformedPayload("must be a map of client ids to rounds", field=key)
-    return value
-
-
-def statistics_fields(stats: cf.Statistics) -> dict[str, Any]:
-    """Summed closed-form statistics as msgpack fields: raw little-endian float64 (int64
-    for ``holders``), the second moment as its upper triangle, and FedCOF's scatter whole.
-    Also the owner's form on disk (coordinator/owner_statistics.py)."""
-    gram = None if stats.gram is None else cf.upper_triangle(stats.gram)
-    return {
-        "counts": _f8(stats.counts),
-        "sums": _f8(stats.sums),
-        "gram": None if gram is None else _f8(gram),
-        "scatter": None if stats.scatter is None else _f8(stats.scatter),
-        "holders": np.ascontiguousarray(stats.holders, "<i8").tobytes(),
-        "devices": stats.devices,
-    }
-
-
-def _f8(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, "<f8").tobytes()
-
-
-def statistics_from(obj: object, *, num_classes: int, dim: int) -> cf.Statistics:
-    """The statistics of :func:`statistics_fields` for ``num_classes`` x ``dim``, checked:
-    every key and length, exactly one of a second moment and a scatter, finite values,
-    holders within the devices. Any problem is a ``MalformedPayload``."""
-    if not isinstance(obj, dict) or set(obj) != _STATISTICS_KEYS:
-        raise MalformedPayload(f"statistics must be a map of {sorted(_STATISTICS_KEYS)}")
-    c, d = num_classes, dim
-    if (obj["gram"] is None) == (obj["scatter"] is None):
-        raise MalformedPayload("statistics carry a second moment or a scatter", field="gram")
-    triangle = (d * (d + 1) // 2,)
-    try:
-        gram = None if obj["gram"] is None else _array(obj, "gram", "<f8", triangle)
-        scatter = None if obj["scatter"] is None else _array(obj, "scatter", "<f8", (c, d, d))
-        return cf.Statistics(
-            counts=_array(obj, "counts", "<f8", (c,)),
-            sums=_array(obj, "sums", "<f8", (c, d)),
-            gram=None if gram is None else cf.from_upper_triangle(gram),
-            scatter=scatter,
-            holders=_array(obj, "holders", "<i8", (c,)),
-            devices=_int(obj, "devices", 0, MAX_DEVICES),
-        )
-    except ValueError as exc:  # Statistics' own checks: finite, holders within devices
-        raise MalformedPayload(f"bad statistics: {exc}") from exc
-
-
-def _part_fields(part: StatisticsPart | None) -> dict[str, Any] | None:
-    if part is None:
-        return None
-    return {**statistics_fields(part.stats), "clients": sorted(part.clients)}
-
-
-def _part_from(obj: object, key: str, c: int, d: int) -> StatisticsPart | None:
-    if obj is None:
-        return None
-    if not isinstance(obj, dict) or "clients" not in obj:
-        raise MalformedPayload("must be nil or a map of summed statistics", field=key)
-    fields = {k: v for k, v in obj.items() if k != "clients"}
-    clients = _strings(obj, "clients")
-    stats = statistics_from(fields, num_classes=c, dim=d)
-    try:
-        for client in clients:
-            validate_id(client, field=key)
-        if len(set(clients)) != len(clients):
-            raise ValueError("a client is listed twice")
-        return StatisticsPart(stats=stats, clients=frozenset(clients))
-    except ValueError as exc:
-        raise MalformedPayload(f"bad {key}: {exc}", field=key) from exc

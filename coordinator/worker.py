@@ -4,10 +4,12 @@ The broker hands each update published on ``protofleet/v1/<fleet>/update/<client
 member of the group ``$share/<group>/...``, so N workers each see about 1/N of the fleet.
 What a worker does to each message is :class:`coordinator.intake.Intake`'s (signatures,
 admission, the open round, durable storage, receipts, partial sums); this module carries
-the messages: updates from the shared subscription, the coordinator's retained
-announcement, the combiner's collect requests, and the receipts and partials back.
+the messages, over the services' one link (runtime/mqtt_link.py, here speaking MQTT 5):
+updates from the shared subscription, the coordinator's retained announcement, the
+combiner's collect requests, and the receipts and partials back.
 
-Three departures from paho's defaults, two for durability and one for speed:
+Three departures from paho's defaults, two for durability and one for speed, all the
+link's:
 
 - a persistent session (``clean_start=False`` and a session expiry): the broker keeps the
   worker's share of the group, and the updates it had sent but not had acknowledged, while
@@ -41,10 +43,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.reasoncodes import ReasonCode
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from coordinator import config as config_mod
 from coordinator.decision import Decision
@@ -54,9 +52,9 @@ from coordinator.partial_wire import CollectRequest, collect_topic, partial_topi
 from coordinator.worker_store import WorkerStore
 from protocol import ProtocolError, round_topic, update_filter, validate_id
 from protocol.topics import receipt_topic
-from runtime.bulkread import client_class
+from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.sdnotify import Notifier, Watchdog
-from runtime.transport import MqttSettings, load_credentials
+from runtime.transport import MqttSettings
 
 log = logging.getLogger(__name__)
 
@@ -93,47 +91,36 @@ class Worker:
         self.filter = shared_update_filter(group, self.fleet)
         self.session_expiry_s = session_expiry_s
         self._on_update = on_update
-        self._subscribed = threading.Event()
         self._heard = threading.Event()
-        self._refused: list[str] = []
         #: A storage error stops the intake: nothing more is acknowledged, so the broker
         #: delivers it again to this worker's session once it is restarted.
         self.fault: BaseException | None = None
-        # MQTT 5: shared subscriptions do not exist in 3.1.1, which the device-facing
-        # services speak (runtime/mqtt_link.py); hence a client of its own.
-        self._client = client_class()(
-            mqtt.CallbackAPIVersion.VERSION2,
+        # MQTT 5 (shared subscriptions do not exist in 3.1.1, which the device-facing
+        # services speak) with a persistent session; the round topic is among the
+        # subscriptions asked for on every connect, as the broker sends a retained
+        # message on a subscription, not on a resumed session.
+        self.link = MqttLink(
+            settings=self.settings,
             client_id=f"{self.fleet}-worker-{self.name}",
-            protocol=mqtt.MQTTv5,
+            subscriptions=(round_topic(self.fleet), collect_topic(self.fleet), self.filter),
+            on_connected=lambda: None,
+            on_message=self._on_message,
+            reconnect=Reconnect(jittered=False, cap_s=5.0),
             manual_ack=True,
+            session_expiry_s=session_expiry_s,
+            logger=log,
         )
-        self._client.max_inflight_messages_set(1000)
-        credentials = load_credentials(self.settings)
-        if self.settings.username is not None:
-            self._client.username_pw_set(self.settings.username, credentials.password)
-        if credentials.tls is not None:
-            self._client.tls_set_context(credentials.tls)
-        self._client.on_connect = self._on_connect
-        self._client.on_subscribe = self._on_subscribe
-        self._client.on_message = self._on_message
 
     def start(self, *, timeout: float = 10.0) -> Worker:
-        properties = Properties(PacketTypes.CONNECT)
-        properties.SessionExpiryInterval = self.session_expiry_s
-        self._client.connect(
-            self.settings.host,
-            self.settings.port,
-            keepalive=self.settings.keepalive,
-            clean_start=False,
-            properties=properties,
-        )
-        self._client.loop_start()
-        if not self._subscribed.wait(timeout):
+        self.link.start()
+        if not self.link.wait_connected(timeout):
             self.stop()
             raise TimeoutError(f"worker {self.name}: no SUBACK within {timeout} s")
-        if self._refused:
+        if self.link.refused_subscriptions:
             self.stop()
-            raise ConnectionError(f"worker {self.name}: broker refused {self._refused}")
+            raise ConnectionError(
+                f"worker {self.name}: broker refused {self.link.refused_subscriptions}"
+            )
         return self
 
     def wait_heard(self, timeout: float) -> bool:
@@ -141,14 +128,12 @@ class Worker:
         return self._heard.wait(timeout)
 
     def stop(self) -> None:
-        self._client.disconnect()
-        self._client.loop_stop()
+        self.link.close()
 
     def healthy(self) -> bool:
         """For systemd's watchdog: no storage fault, and paho's network thread alive (its
-        death would mean no reconnects; paho keeps it in a private attribute)."""
-        thread = getattr(self._client, "_thread", None)
-        return self.fault is None and thread is not None and thread.is_alive()
+        death would mean no reconnects)."""
+        return self.fault is None and self.link.healthy()
 
     def __enter__(self) -> Worker:
         return self.start()
@@ -156,57 +141,24 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- paho's callbacks (its network thread) ------------------------------------------
+    # -- the link's events (paho's network thread) --------------------------------------
 
-    def _on_connect(
-        self,
-        client: mqtt.Client,
-        userdata: object,
-        flags: object,
-        reason: ReasonCode,
-        properties: object,
-    ) -> None:
-        if reason.is_failure:
-            self._refused.append(f"connect: {reason}")
-            self._subscribed.set()
-            return
-        # Subscribed again on every connect, the round topic too: the broker sends a
-        # retained message on a subscription, not on a resumed session.
-        qos1 = SubscribeOptions(qos=1)
-        client.subscribe(
-            [
-                (round_topic(self.fleet), qos1),
-                (collect_topic(self.fleet), qos1),
-                (self.filter, qos1),
-            ]
-        )
-
-    def _on_subscribe(
-        self,
-        client: mqtt.Client,
-        userdata: object,
-        mid: int,
-        reasons: list[ReasonCode],
-        properties: object,
-    ) -> None:
-        self._refused.extend(f"subscribe: {r}" for r in reasons if r.is_failure)
-        self._subscribed.set()
-
-    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
+    def _on_message(self, message: mqtt.MQTTMessage) -> bool:
+        """Whether ``message`` is handled: only then does the link acknowledge it."""
         # Nothing may escape into paho's network thread: an exception there ends it.
         if self.fault is not None:
-            return  # unacknowledged: delivered again to this session after a restart
+            return False  # unacknowledged: delivered again to this session after a restart
         try:
             self._handle(message)
         except (sqlite3.Error, OSError) as exc:
             log.error("worker %s: storage error, intake stopped: %s", self.name, exc)
             self.fault = exc
-            return
+            return False
         except Exception as exc:
             log.exception("worker %s: unexpected error on %s", self.name, message.topic)
             self.fault = exc
-            return
-        client.ack(message.mid, message.qos)
+            return False
+        return True
 
     def _handle(self, message: mqtt.MQTTMessage) -> None:
         if message.topic == round_topic(self.fleet):
@@ -221,9 +173,7 @@ class Worker:
             if decision.digest is not None:
                 receipt = self.intake.receipt(decision)
                 assert decision.client is not None
-                self._client.publish(
-                    receipt_topic(self.fleet, decision.client), receipt.to_wire(), qos=1
-                )
+                self.link.publish(receipt_topic(self.fleet, decision.client), receipt.to_wire())
             if self._on_update is not None:
                 self._on_update(decision)
 
@@ -240,7 +190,7 @@ class Worker:
             retract=request.retract,
         )  # fmt: skip
         # Not awaited: this is paho's network thread.
-        self._client.publish(partial_topic(self.fleet, self.name), answer.to_wire(), qos=1)
+        self.link.publish(partial_topic(self.fleet, self.name), answer.to_wire())
 
 
 def serve(

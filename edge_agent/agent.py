@@ -13,36 +13,29 @@ import numpy as np
 import torch
 
 from edge_agent import screening
-from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease, check_payload
+from edge_agent.closed_form import ClosedFormDevice, check_payload
 from edge_agent.config import AgentConfig
+from edge_agent.delivery import Delivery, Sent, SignedUpdates
 from edge_agent.evaluation import Evaluator
 from edge_agent.extras import (
     check_update_fits,
     largest_update_bytes,
     load_weights,
-    update_extras,
 )
 from edge_agent.head import local_prototypes
 from edge_agent.ignored import IgnoredAnnouncements
 from edge_agent.inference import dense_globals, rule_of
 from edge_agent.keys import AgentKeys
 from edge_agent.methods import device_method
-from edge_agent.privacy.accounting import gaussian_release
 from edge_agent.privacy.modes import LocalTraining, make_mode
+from edge_agent.secure_delivery import SecureSumInputs
+from edge_agent.secure_join import SecureInput, summed
 from edge_agent.startup import load_training_data, new_head, open_runtime
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel, embed, make_optimiser
 from export.runtime import BackboneRuntime
 from protocol import PrototypeUpdate, RoundAnnouncement
 from runtime.faults import crash_point
-from runtime.secagg.fleet import (
-    flatten,
-    flatten_prototypes,
-    ledger_multiplier,
-    prototype_release,
-    secure_release,
-)
-from runtime.secagg.settings import SecAggSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +51,6 @@ class Decision:
     mismatch: str = ""
     #: A secure fleet's round: what this device adds to the fleet's sum.
     secure: SecureInput | None = None
-
-
-@dataclass(frozen=True)
-class SecureInput:
-    """This device's part of round ``round``'s secure sum (``privacy.aggregation =
-    "secure"``): ``vector``, its statistics less what the sum holds of it already, for the
-    protocol's ``settings``, under the coordinator run ``run``; ``version`` names the data
-    they are of."""
-
-    round: int
-    run: str
-    vector: np.ndarray
-    settings: SecAggSettings
-    version: str
-    #: The statistics the fleet's sum holds of this device once ``vector`` is added
-    #: (None for a prototype method, whose sums are the round's alone).
-    statistics: np.ndarray | None
 
 
 class Agent:
@@ -118,6 +94,9 @@ class Agent:
         # The privacy mechanism at work, chosen once: admit, train, release.
         self.mode = make_mode(cfg.privacy, local=local, state=self.state,
                               data_version=self.data_version)  # fmt: skip
+        # How a round's release leaves the device, chosen once: a signed update, or an
+        # input to the fleet's secure sum (edge_agent/delivery.py).
+        self.delivery: Delivery = SecureSumInputs() if cfg.secure else SignedUpdates()
         # A closed-form method trains nothing: its statistics leave, a linear head returns.
         self.closed: ClosedFormDevice | None = None
         if not self.record.trains_head:
@@ -249,11 +228,25 @@ class Agent:
         return self.mode.predictor
 
     def _answer(self, announcement: RoundAnnouncement, received_bytes: int | None) -> Decision:
-        cfg, mode, round_ = self.cfg, self.mode, announcement.round
+        mode, round_ = self.mode, announcement.round
         self.ignored.flush()
         self._adopt_global(announcement)
-        if self.closed is not None:
-            return self._answer_with_statistics(announcement, received_bytes)
+        closed = self.closed
+        if closed is not None:
+            # What the statistics are of: the data, and the method and size they are taken
+            # in (another [closed_form] dim or method over the same data is another release).
+            version = f"{self.data_version}:{self.cfg.method}:{closed.dim}"
+            sent = self.delivery.statistics(self, announcement, closed=closed, version=version)
+            if sent is None:
+                return self._exhausted(round_)
+            exact = closed.statistics()
+            means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
+            self._save_round(round_, sent, received_bytes, model=None,
+                             prototypes=means.astype(np.float32), counts=exact.counts)  # fmt: skip
+            if sent.reason == "answered":
+                new = sent.record.get("statistics_sent")
+                log.info("round %d answered: %s", round_, "statistics" if new else "no new data")
+            return self._decision(sent)
         if not mode.admit(round_):
             return self._exhausted(round_)
         log.info("round %d: training on %d samples", round_, len(self.train_labels))
@@ -267,30 +260,12 @@ class Agent:
         labels = torch.from_numpy(self.train_labels)
         protos_t, counts_t = local_prototypes(torch.from_numpy(z), labels, self.num_classes)
         # The exact local prototypes stay on the device for inference; what leaves it is
-        # the mode's release.
+        # the mode's release, as the delivery sends it.
         protos, counts = protos_t.numpy(), counts_t.numpy()
-        held = np.flatnonzero(counts > 0)
-        if cfg.secure:
-            return self._prototypes_securely(announcement, trained, protos, counts, received_bytes)
-        release, spent = mode.release(round_, z, self.train_labels)
-        extras = update_extras(
-            method=cfg.method, model=self.model, held=held, z=z, labels=self.train_labels,
-            num_classes=self.num_classes,
-        )  # fmt: skip
-        update, payload = self._signed(announcement, PrototypeUpdate(
-            fleet=cfg.fleet, round=round_, client=cfg.agent_id, bundle=self.bundle_id,
-            method=cfg.method, classes=tuple(int(c) for c in release.classes),
-            counts=mode.wire_counts(release.counts),
-            prototypes=release.prototypes.astype(np.float16), extras=extras,
-            privacy=mode.meta(spent),
-        ))  # fmt: skip
+        sent = self.delivery.prototypes(self, announcement, z=z, protos=protos, counts=counts)
         record = trained.record | {
-            "loss": trained.metrics.loss,
-            "train_seconds": trained.metrics.seconds,
-            "time": time.time(),
-            "bytes_up": len(payload),
-            "bytes_down": received_bytes,
-        }
+            "loss": trained.metrics.loss, "train_seconds": trained.metrics.seconds,
+        }  # fmt: skip
         if self.evaluator is not None:
             # The figures of the head just trained; a method that predicts with what the
             # coordinator returns is scored when that arrives (_adopt_global). A
@@ -299,155 +274,36 @@ class Agent:
             record.update(self.evaluator.after_training(mode.predictor, protos, counts,
                                                         rule=mode.predict_rule))  # fmt: skip
         mode.save()
-        self.state.save_round(round_, model=mode.predictor, prototypes=protos, counts=counts,
-                              update=payload, metrics=record)  # fmt: skip
-        log.info(
-            "round %d answered: loss %.4f, %d classes", round_, trained.metrics.loss, len(held)
-        )
-        return Decision("answered", update=update, payload=payload)
+        self._save_round(round_, sent, received_bytes, model=mode.predictor, prototypes=protos,
+                         counts=counts, record=record)  # fmt: skip
+        if sent.reason == "answered":
+            log.info("round %d answered: loss %.4f, %d classes", round_, trained.metrics.loss,
+                     int((counts > 0).sum()))  # fmt: skip
+        return self._decision(sent)
 
-    def _signed(
-        self, announcement: RoundAnnouncement, update: PrototypeUpdate
-    ) -> tuple[PrototypeUpdate, bytes]:
-        """``update`` signed for the announcement's run, and its bytes on the wire."""
-        run = announcement.auth.run if announcement.auth is not None else None
-        update = self.keys.sign(update, run=run)
-        return update, update.to_wire()
+    def _save_round(
+        self, round_: int, sent: Sent, received_bytes: int | None, *, model: LocalModel | None,
+        prototypes: np.ndarray, counts: np.ndarray, record: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        """The round's record, built here for every method and delivery: what training
+        and scoring measured (``record``), the traffic, and what the delivery adds."""
+        metrics = {"loss": 0.0, "train_seconds": 0.0, **(record or {})} | {
+            "time": time.time(), "bytes_up": len(sent.payload), "bytes_down": received_bytes,
+        } | sent.record  # fmt: skip
+        self.state.save_round(round_, model=model, prototypes=prototypes, counts=counts,
+                              update=sent.payload, metrics=metrics)  # fmt: skip
+        if sent.published:
+            self.state.mark_published(round_)
 
-    def _answer_with_statistics(
-        self, announcement: RoundAnnouncement, received_bytes: int | None
-    ) -> Decision:
-        """A closed-form device's answer: its statistics until the coordinator has stored
-        them for this data version (a receipt says so, :meth:`confirmed`), an update with
-        no rows after that, so a run costs the statistics once and a few hundred bytes a
-        round."""
-        closed, cfg = self.closed, self.cfg
-        assert closed is not None
-        round_ = announcement.round
-        # What the statistics are of: the data, and the method and size they are taken in
-        # (another [closed_form] dim or method over the same data is another release).
-        version = f"{self.data_version}:{cfg.method}:{closed.dim}"
-        if cfg.secure:
-            return self._answer_securely(announcement, version=version)
-        sent = self.state.snapshot.extra.get("statistics_stored") == version
-        made = (
-            (StatisticsRelease.nothing(closed.dim), self.mode.spent())
-            if sent
-            else self.mode.release_statistics(round_, version=version, closed=closed)
-        )
-        if made is None:
-            return self._exhausted(round_)
-        release, spent = made
-        update, payload = self._signed(announcement, release.update(
-            fleet=cfg.fleet, round_=round_, client=cfg.agent_id, bundle=self.bundle_id,
-            method=cfg.method, privacy=self.mode.meta(spent),
-        ))  # fmt: skip
-        if not sent:
-            self.state.record(statistics_sent={"round": round_, "version": version})
-        record: dict[str, Any] = {
-            "loss": 0.0,
-            "train_seconds": 0.0,
-            "time": time.time(),
-            "bytes_up": len(payload),
-            "bytes_down": received_bytes,
-            "statistics_sent": not sent,
-        }
-        exact = closed.statistics()
-        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
-        self.state.save_round(round_, model=None, prototypes=means.astype(np.float32),
-                              counts=exact.counts, update=payload, metrics=record)  # fmt: skip
-        log.info("round %d answered: %s", round_, "statistics" if not sent else "no new data")
-        return Decision("answered", update=update, payload=payload)
-
-    def _answer_securely(self, announcement: RoundAnnouncement, *, version: str) -> Decision:
-        """A secure fleet's answer: this device's statistics go into the round's secure sum
-        (the service runs the protocol), once per data version, and no update carries
-        them. The ledger pays for the sum's noise first, as the sum's epsilon for one
-        round (:func:`runtime.secagg.fleet.ledger_multiplier`): a round this device joins
-        but that aborts is paid for all the same."""
-        closed, cfg, round_ = self.closed, self.cfg, announcement.round
-        assert closed is not None
-        if self.state.snapshot.extra.get("statistics_summed") == version:
-            self._settle(round_, summed=False)
-            log.info("round %d: statistics of this data already in the fleet's sum", round_)
-            return Decision("nothing_new")
-        release = secure_release(
-            cfg.secure_aggregation, k=closed.dim, classes=self.num_classes,
-            gram=self.record.wire.gram,
-        )  # fmt: skip
-        if release.plan is not None:
-            event = gaussian_release(ledger_multiplier(release.plan))
-            ledger = self.mode.ledger
-            if not ledger.allows([event]):
-                return self._exhausted(round_)
-            ledger.record(round_, [event])
-        statistics = flatten(closed.statistics(), gram=release.gram)
-        # The fleet's sum is a running one: new data adds its difference from the data
-        # summed before (the same sensitivity to one example as the statistics).
-        vector = statistics - self.state.load_summed(statistics.size)
-        self._settle(round_, summed=True)
-        run = announcement.auth.run if announcement.auth is not None else announcement.run
-        return Decision(
-            "secure",
-            secure=SecureInput(round=round_, run=run, vector=vector, settings=release.settings,
-                               version=version, statistics=statistics),
-        )  # fmt: skip
-
-    def _prototypes_securely(
-        self,
-        announcement: RoundAnnouncement,
-        trained: Any,
-        protos: np.ndarray,
-        counts: np.ndarray,
-        received_bytes: int | None,
-    ) -> Decision:
-        """A secure FedProto fleet's answer: the round's prototypes go into the round's
-        secure sum (rows of the classes held and a holder count each; no noise, no ledger
-        entry: the claim is that the coordinator sees the sum only), never in an update."""
-        cfg, round_ = self.cfg, announcement.round
-        release = prototype_release(
-            cfg.secure_aggregation, dim=protos.shape[1], classes=self.num_classes
-        )
-        vector = flatten_prototypes(protos, counts > 0)
-        record: dict[str, Any] = trained.record | {
-            "loss": trained.metrics.loss, "train_seconds": trained.metrics.seconds,
-            "time": time.time(), "bytes_up": 0, "bytes_down": received_bytes, "secure": True,
-        }  # fmt: skip
-        if self.evaluator is not None:
-            record.update(self.evaluator.after_training(self.mode.predictor, protos, counts,
-                                                        rule=self.mode.predict_rule))  # fmt: skip
-        self.mode.save()
-        self.state.save_round(round_, model=self.mode.predictor, prototypes=protos,
-                              counts=counts, update=b"", metrics=record)  # fmt: skip
-        self.state.mark_published(round_)
-        run = announcement.auth.run if announcement.auth is not None else announcement.run
-        return Decision(
-            "secure",
-            secure=SecureInput(round=round_, run=run, vector=vector, settings=release.settings,
-                               version=f"round {round_}", statistics=None),
-        )  # fmt: skip
-
-    def _settle(self, round_: int, *, summed: bool) -> None:
-        """Round ``round_`` answered with nothing to publish on the update topic."""
-        closed = self.closed
-        assert closed is not None
-        exact = closed.statistics()
-        means = exact.sums / np.maximum(exact.counts, 1.0)[:, None]
-        record: dict[str, Any] = {
-            "loss": 0.0, "train_seconds": 0.0, "time": time.time(), "bytes_up": 0,
-            "bytes_down": None, "statistics_sent": summed, "secure": True,
-        }  # fmt: skip
-        self.state.save_round(round_, model=None, prototypes=means.astype(np.float32),
-                              counts=exact.counts, update=b"", metrics=record)  # fmt: skip
-        self.state.mark_published(round_)
+    @staticmethod
+    def _decision(sent: Sent) -> Decision:
+        payload = sent.payload if sent.update is not None else None
+        return Decision(sent.reason, update=sent.update, payload=payload, secure=sent.secure)
 
     def summed(self, secure: SecureInput) -> None:
         """The round's secure sum holds this device's statistics (it was a survivor):
         the same data need not be summed again."""
-        if secure.statistics is None:
-            return  # a prototype method's round: nothing carries over
-        self.state.save_summed(secure.statistics)
-        self.state.record(statistics_summed=secure.version)
+        summed(self.state, secure)
 
     def confirmed(self, round_: int) -> None:
         """The coordinator stored this device's update of ``round_`` (its receipt came):

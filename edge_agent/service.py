@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edge_agent.screening import IGNORED
+from edge_agent.secure_join import SecureJoin
 from protocol import (
     FINISHED,
     AgentState,
@@ -28,10 +29,6 @@ from protocol import (
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.messages import Stage
-from runtime.secagg.mqtt import SecAggDeviceLink
-from runtime.secagg.wire import DeviceWire
 from runtime.transport import wait_acknowledged
 from runtime.version import package_version
 
@@ -40,7 +37,7 @@ if TYPE_CHECKING:
 
     # Only named here: the service drives the agent it is handed, so importing it (as
     # `edge-agent --help` does) does not pay for torch, which the agent's module imports.
-    from edge_agent.agent import Agent, SecureInput
+    from edge_agent.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +76,8 @@ class AgentService:
         self._receipts: list[bytes] = []  # receipt payloads, handled on the main thread
         self._pending: _Pending | None = None
         self._open_round: int | None = None  # the newest round announced
-        # A secure fleet: the round this device is adding its statistics to, and its link.
-        self._secure: tuple[SecureInput, SecAggDeviceLink, float] | None = None
+        # A secure fleet: the round this device is adding its input to, and its link.
+        self._secure = SecureJoin(cfg=self.cfg, keys=agent.keys, state=agent.state)
         self._stop = False
         self.malformed = 0
         # The reason of the retained online status, when it says why rounds are ignored.
@@ -253,10 +250,10 @@ class AgentService:
             self.malformed += 1
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
-        self._settle_secure(announcement)
+        self._secure.settle(announcement)
         decision = self.agent.handle(announcement, received_bytes=len(payload))
         if decision.secure is not None:
-            self._join_secure(decision.secure)
+            self._secure.join(decision.secure)
         if (
             announcement.fleet == self.cfg.fleet
             and not decision.mismatch
@@ -308,66 +305,9 @@ class AgentService:
             return
         log.info("round %d: update published (%d bytes)", announcement.round, len(decision.payload))
 
-    # -- a secure fleet's rounds --------------------------------------------------------
-
-    def _join_secure(self, secure: SecureInput) -> None:
-        """Add this device's statistics to round ``secure.round``'s secure sum: the
-        protocol runs on the link's own thread and MQTT client, beside this loop."""
-        cfg, keys = self.cfg, self.agent.keys
-        device = SecAggDevice(
-            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings
-        )
-        wire = DeviceWire(
-            fleet=cfg.fleet, client=cfg.agent_id, run=secure.run, signer=keys.signer,
-            coordinator=keys.coordinator, max_bytes=cfg.mqtt.max_payload_bytes, logger=log,
-        )  # fmt: skip
-        link = SecAggDeviceLink(
-            device=device, vector=secure.vector, wire=wire, mqtt_settings=cfg.mqtt,
-            client_id=f"{cfg.agent_id}-secagg", logger=log,
-        )  # fmt: skip
-        link.start()
-        self._secure = (secure, link, time.monotonic())
-        log.info("round %d: joining the fleet's secure sum", secure.round)
-
-    def _settle_secure(self, announcement: RoundAnnouncement) -> None:
-        """A later round's announcement means the coordinator closed the secure round this
-        device joined: its statistics are in the fleet's sum if it answered every stage
-        and heard no abort (an abort reaches it before the next announcement: the
-        coordinator tells the devices before it closes the round)."""
-        joined = self._secure
-        if joined is None:
-            return
-        secure, link, started = joined
-        if (announcement.round, announcement.run) == (secure.round, secure.run):
-            return  # the same round, announced again
-        self._secure = None
-        sent, received = link.traffic
-        # The round's record gets the protocol's traffic (its update carried nothing).
-        self.agent.state.amend_round(
-            secure.round, secagg_bytes_up=sent, secagg_bytes_down=received,
-            secagg_seconds=time.monotonic() - started,
-        )  # fmt: skip
-        abort = link.abort
-        if abort is not None:
-            log.warning(
-                "round %d: secure aggregation aborted at %s: %s",
-                secure.round, abort.stage.value, abort.reason,
-            )  # fmt: skip
-        elif Stage.UNMASK in link.answered:
-            self.agent.summed(secure)
-            log.info("round %d: statistics added to the fleet's secure sum", secure.round)
-        else:
-            log.warning(
-                "round %d: closed before this device finished its secure-aggregation stages "
-                "(it answered %s); its statistics join a later round",
-                secure.round, ", ".join(s.value for s in link.answered) or "none",
-            )  # fmt: skip
-        link.close()
-
     def _shutdown(self) -> None:
         self._stop = True
-        if self._secure is not None:
-            self._secure[1].close()
+        self._secure.close()
         self.link.close(
             last_word=(self._status_topic, self._status(AgentState.OFFLINE, "shutdown"))
         )

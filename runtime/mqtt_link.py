@@ -30,26 +30,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
-import ssl
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from runtime.bulkread import client_class
+from runtime.mqtt_client import (
+    Reconnect,
+    certificate_refusal,
+    closed_unanswered,
+    make_client,
+)
 from runtime.transport import (
     MqttSettings,
     TakeoverWatch,
     backoff_delay,
     connect_failure,
-    load_credentials,
     wait_acknowledged,
 )
 
@@ -58,106 +61,6 @@ log = logging.getLogger(__name__)
 #: The least wait before trying a broker that refused this client again (within
 #: ``[mqtt] reconnect_max_s`` and the link's cap): a refusal stands until someone acts.
 REFUSED_WAIT_S = 30.0
-
-#: TLS alerts by which a broker refuses a client certificate (OpenSSL's reason names end
-#: so), and what each says of it.
-_CERTIFICATE_ALERTS = {
-    "ALERT_CERTIFICATE_REVOKED": "is revoked",
-    "ALERT_CERTIFICATE_EXPIRED": "has expired",
-    "ALERT_UNKNOWN_CA": "is not issued by a CA the broker trusts",
-    "ALERT_BAD_CERTIFICATE": "is not accepted",
-    "ALERT_UNSUPPORTED_CERTIFICATE": "is not accepted",
-    "ALERT_CERTIFICATE_UNKNOWN": "is not accepted",
-    "ALERT_ACCESS_DENIED": "is not accepted",
-}
-
-
-def certificate_refusal(exc: BaseException | None, settings: MqttSettings) -> str | None:
-    """What a failed TLS handshake says of the broker refusing this client's certificate,
-    or None if it is no such refusal (a broker down, a broker certificate not trusted)."""
-    if not isinstance(exc, ssl.SSLError) or isinstance(exc, ssl.SSLCertVerificationError):
-        return None
-    reason = exc.reason or ""
-    if reason.endswith("ALERT_CERTIFICATE_REQUIRED"):
-        return "it requires a client certificate: set mqtt.tls_cert and mqtt.tls_key"
-    for alert, what in _CERTIFICATE_ALERTS.items():
-        if reason.endswith(alert):
-            return f"this client's certificate mqtt.tls_cert {settings.tls_cert} {what}"
-    return None
-
-
-def closed_unanswered(settings: MqttSettings) -> str:
-    """Why a broker closes a connection before its CONNACK: for a client with a TLS
-    certificate, almost always that it refuses the certificate. Over TLS 1.3 the client
-    finishes its handshake before the broker checks the certificate, so the refusal
-    arrives as a closed connection with no reason (paho: "Unspecified error")."""
-    if settings.tls_cert is not None:
-        return (
-            "it closed the connection before answering: it does not accept this client's "
-            f"certificate mqtt.tls_cert {settings.tls_cert} (revoked, expired or not "
-            "issued by the CA it trusts; the broker's log says which)"
-        )
-    return "it closed the connection before answering"
-
-
-def make_client(
-    settings: MqttSettings,
-    client_id: str,
-    *,
-    will: tuple[str, bytes] | None = None,
-    manual_ack: bool = False,
-) -> mqtt.Client:
-    """A paho client with QoS-1-friendly defaults: persistent session, TLS, credentials,
-    and an optional retained Last Will. With ``manual_ack`` a received QoS 1 message is
-    acknowledged only by ``client.ack``: one left unacknowledged is delivered again after
-    a reconnect. Raises :class:`runtime.transport.CredentialsError` for an unusable
-    password or TLS file."""
-    credentials = load_credentials(settings)
-    # clean_session=False keeps subscriptions and queued QoS 1 messages across reconnects.
-    client = client_class()(
-        mqtt.CallbackAPIVersion.VERSION2,
-        client_id=client_id,
-        clean_session=False,
-        protocol=mqtt.MQTTv311,
-        manual_ack=manual_ack,
-    )
-    # paho's default of 20 in-flight QoS 1 messages throttles a burst of updates.
-    client.max_inflight_messages_set(1000)
-    client.max_queued_messages_set(0)
-    client.reconnect_delay_set(
-        min_delay=max(1, int(settings.reconnect_min_s)),
-        max_delay=max(1, int(settings.reconnect_max_s)),
-    )
-    if settings.username is not None:
-        client.username_pw_set(settings.username, credentials.password)
-    if credentials.tls is not None:
-        client.tls_set_context(credentials.tls)
-    if will is not None:
-        client.will_set(will[0], will[1], qos=1, retain=True)
-    return client
-
-
-@dataclass(frozen=True)
-class Reconnect:
-    """How a link tries the broker again after a failed attempt or a drop.
-
-    ``jittered``: every wait is drawn afresh by :func:`runtime.transport.backoff_delay`
-    from ``[mqtt] reconnect_min_s`` up to ``reconnect_max_s`` and logged ("reconnecting
-    in N s"). paho's own backoff doubles in lock-step across a fleet; a random wait per
-    attempt spreads the reconnects of many devices after a broker restart.
-
-    Otherwise paho's own doubling from 1 s is kept ("retrying"): right for a single
-    client such as the coordinator, which the broker can afford to see often.
-
-    Either way no wait is longer than ``cap_s``, whatever ``reconnect_max_s`` says.
-    """
-
-    jittered: bool
-    cap_s: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not self.cap_s > 0:
-            raise ValueError(f"Reconnect.cap_s must be positive, got {self.cap_s}")
 
 
 class MqttLink:
@@ -186,6 +89,7 @@ class MqttLink:
         reconnect: Reconnect,
         will: tuple[str, bytes] | None = None,
         manual_ack: bool = False,
+        session_expiry_s: int | None = None,
         stopping: Callable[[], bool] = lambda: False,
         logger: logging.Logger = log,
         rng: random.Random | None = None,
@@ -210,12 +114,18 @@ class MqttLink:
         # publication by another client before that may not reach us.
         self._subscribed = threading.Event()
         self._subscribe_mid: int | None = None
+        #: The subscriptions the broker refused at the last (re)connect.
+        self.refused_subscriptions: list[str] = []
         self._started = False
         self._closed = False
         self._takeover = TakeoverWatch(client_id=client_id)
         self._max_delay = max(1, int(min(settings.reconnect_max_s, reconnect.cap_s)))
         #: paho's client. The service talks to the link; tests may look inside.
-        self.client = make_client(settings, client_id, will=will, manual_ack=manual_ack)
+        #: MQTT 5 with a session the broker keeps this long after the client goes (its
+        #: share of a shared subscription, its unacknowledged messages); None: MQTT 3.1.1.
+        self.session_expiry_s = session_expiry_s
+        self.client = make_client(settings, client_id, will=will, manual_ack=manual_ack,
+                                  mqtt5=session_expiry_s is not None)  # fmt: skip
         if not reconnect.jittered:
             self.client.reconnect_delay_set(min_delay=1, max_delay=self._max_delay)
         self.client.on_pre_connect = self._connecting
@@ -257,6 +167,13 @@ class MqttLink:
         self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, props: Any
     ) -> None:
         if mid == self._subscribe_mid:
+            refused = [f"{t}: {r}" for t, r in zip(self.subscriptions, reasons, strict=False)
+                       if getattr(r, "is_failure", False)]  # fmt: skip
+            if refused:
+                # A broker that will not serve a subscription (an MQTT 5 shared one on a
+                # broker without them, an ACL): nothing would ever arrive on it.
+                self._log.error("broker refused subscription(s): %s", "; ".join(refused))
+            self.refused_subscriptions = refused
             self._subscribed.set()
 
     def _disconnected(
@@ -356,9 +273,18 @@ class MqttLink:
         is reported as one in the thread would be, with the error in hand.
         """
         try:
-            self.client.connect(
-                self.settings.host, self.settings.port, keepalive=self.settings.keepalive
-            )
+            if self.session_expiry_s is None:
+                self.client.connect(
+                    self.settings.host, self.settings.port, keepalive=self.settings.keepalive
+                )
+            else:
+                # paho keeps these for its reconnects: the session is resumed each time.
+                properties = Properties(PacketTypes.CONNECT)
+                properties.SessionExpiryInterval = self.session_expiry_s
+                self.client.connect(
+                    self.settings.host, self.settings.port, keepalive=self.settings.keepalive,
+                    clean_start=False, properties=properties,
+                )  # fmt: skip
         except OSError:
             self._connect_failed(self.client, None)
         self.client.loop_start()

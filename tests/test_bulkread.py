@@ -12,7 +12,7 @@ import pytest
 from fleet.transports.broker import MosquittoBroker
 from runtime import bulkread
 from runtime.bulkread import READ_BYTES, BulkReadClient, split_packet
-from runtime.mqtt_link import make_client
+from runtime.mqtt_client import make_client
 from runtime.transport import MqttSettings
 from tests.mqtt_helpers import Collector, connected
 

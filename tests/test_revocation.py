@@ -23,7 +23,8 @@ from protocol import update_filter, update_topic
 from protocol.auth import sign
 from protocol.topics import receipt_topic
 from runtime.keyfiles import load_signer
-from runtime.mqtt_link import MqttLink, Reconnect, certificate_refusal
+from runtime.mqtt_client import Reconnect, certificate_refusal
+from runtime.mqtt_link import MqttLink
 from runtime.transport import MqttSettings
 from tests.coordinator_helpers import coordinator_toml, stand_in_update, stand_ins
 from tests.mqtt_helpers import connected

@@ -26,7 +26,8 @@ from protocol.topics import secagg_down_topic, secagg_up_topic
 from runtime.secagg.device import SecAggDevice
 from runtime.secagg.errors import RoundAborted
 from runtime.secagg.messages import Abort, Advertise, PublicKeys, Roster, Stage
-from runtime.secagg.mqtt import SecAggCoordinatorLink, SecAggDeviceLink, StageDeadlines
+from runtime.secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
+from runtime.secagg.mqtt_device import SecAggDeviceLink
 from runtime.secagg.quantise import QuantiseSpec, sum_error_bound
 from runtime.secagg.server import SecAggResult, SecAggServer
 from runtime.secagg.settings import SecAggSettings

@@ -279,7 +279,7 @@ def test_a_device_whose_budget_would_be_exceeded_does_not_join(
 @pytest.mark.parametrize(
     ("change", "says"),
     [
-        ({"method": "fedpcl"}, "fedpcl needs each device's own: use lda, ridge, fedproto"),
+        ({"method": "fedpcl"}, "fedpcl needs each device's own: use fedproto, lda, ridge"),
         ({"method": "fedcof"}, "fedcof needs each device's own"),
         (
             {"method": "fedproto", "secure_aggregation": _table(epsilon=1.0)},

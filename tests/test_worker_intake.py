@@ -387,7 +387,7 @@ def test_a_queued_burst_read_in_bulk_is_stored_receipted_and_acknowledged_once(
         worker, store = started(Handled([]))
         assert worker.wait_heard(10)
         if bulkread.supported():
-            assert isinstance(worker._client, BulkReadClient)
+            assert isinstance(worker.link.client, BulkReadClient)
         stopped(worker, store)
         publish(client, updates[:60])  # queued for the stopped session
         drained = Handled([])

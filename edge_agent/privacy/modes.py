@@ -34,6 +34,7 @@ from edge_agent.anchored import AnchoredLearner
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.fit_split import FitSplit
 from edge_agent.methods import device_method
+from edge_agent.privacy.accounting import gaussian_release
 from edge_agent.privacy.dpsgd import train_round_dp
 from edge_agent.privacy.ledger import Ledger
 from edge_agent.privacy.mechanisms import Release
@@ -45,6 +46,8 @@ from edge_agent.train import Guidance, LocalModel, RoundMetrics, train_round
 from edge_agent.train_config import TrainConfig
 from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.faults import crash_point
+from runtime.secagg.fleet import ledger_multiplier
+from runtime.secagg.plan import DistributedPlan
 
 #: What leaves the device, and the epsilon spent so far (None without a formal claim).
 Released = tuple[Release, float | None]
@@ -122,6 +125,19 @@ class PrivacyMode(ABC):
     ) -> tuple[StatisticsRelease, float | None] | None:
         """A closed-form device's statistics as they leave it, and the epsilon spent;
         None if the budget refuses them. ``version``: what they are of."""
+
+    def admit_secure_sum(self, round_: int, plan: DistributedPlan | None) -> bool:
+        """A secure fleet's round (edge_agent/secure_delivery.py): the sum's noise, priced
+        as the sum's epsilon for one round (:func:`runtime.secagg.fleet.ledger_multiplier`),
+        recorded before the first stage message leaves; False, and nothing recorded, when
+        the budget refuses it. ``plan`` None: the sum carries no noise and claims none."""
+        if plan is None:
+            return True
+        event = gaussian_release(ledger_multiplier(plan))
+        if not self.ledger.allows([event]):
+            return False
+        self.ledger.record(round_, [event])
+        return True
 
     @abstractmethod
     def spent(self) -> float | None:

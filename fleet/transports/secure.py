@@ -39,7 +39,7 @@ import math
 import os
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coordinator.config import CoordinatorConfig, ModelSettings, WorkersSettings
 from coordinator.strategies import RobustOptions
@@ -57,8 +57,29 @@ from runtime.secagg.fleet import (
 from runtime.secagg.plan import check_ring
 from runtime.security import CoordinatorSecurity
 
-if TYPE_CHECKING:  # fleet/transports/spec.py checks a run with this module's refusal
-    from fleet.transports.spec import RunSpec
+
+class RunSpec(Protocol):
+    """What this module reads of a run (fleet/transports/spec.py::RunSpec, which checks
+    itself with :func:`secure_refusal`: named here, not imported, so the two modules do
+    not import each other)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def coordinator_workers(self) -> int | None: ...
+    @property
+    def epochs(self) -> int: ...
+    @property
+    def privacy(self) -> dict[str, Any]: ...
+    @property
+    def reproducible_noise(self) -> bool: ...
+
 
 #: One in this many devices may drop out of a round, and one in this many of the threshold
 #: may collude with the coordinator.

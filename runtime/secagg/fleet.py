@@ -107,7 +107,7 @@ def method_problem(table: SecureAggregation, method: str) -> str | None:
     can (the table's own completeness aside, :meth:`SecureAggregation.problem`)."""
     record = wire_method(method)
     if not record.secure:
-        secure = sorted(m.name for m in WIRE_METHODS.values() if m.secure)
+        secure = [m.name for m in WIRE_METHODS.values() if m.secure]
         return (
             f'privacy.aggregation = "secure" sums the devices\' releases, and {method} needs '
             f'each device\'s own: use {", ".join(secure)}, or aggregation = "plain"'

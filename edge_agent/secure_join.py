@@ -1,0 +1,116 @@
+"""The MQTT service's side of a secure fleet's rounds (edge_agent/secure_delivery.py makes
+the inputs): the round's secure-aggregation protocol runs on a link of its own beside the
+service's loop, and is settled when a later announcement says the coordinator closed the
+round. Torch-free, as the service is (``edge-agent --help`` must not pay for torch)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_agent.config import AgentConfig
+from edge_agent.keys import AgentKeys
+from edge_agent.state import StateDir
+from protocol import RoundAnnouncement
+from runtime.secagg.device import SecAggDevice
+from runtime.secagg.messages import Stage
+from runtime.secagg.mqtt_device import SecAggDeviceLink
+from runtime.secagg.settings import SecAggSettings
+from runtime.secagg.wire import DeviceWire
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SecureInput:
+    """This device's part of round ``round``'s secure sum: ``vector``, its statistics less
+    what the sum holds of it already (or the round's prototype rows), for the protocol's
+    ``settings``, under the coordinator run ``run``; ``version`` names the data they are
+    of."""
+
+    round: int
+    run: str
+    vector: np.ndarray
+    settings: SecAggSettings
+    version: str
+    #: The statistics the fleet's sum holds of this device once ``vector`` is added
+    #: (None for a prototype method, whose sums are the round's alone).
+    statistics: np.ndarray | None
+
+
+def summed(state: StateDir, secure: SecureInput) -> None:
+    """The round's secure sum holds this device's statistics (it was a survivor): the
+    same data need not be summed again."""
+    if secure.statistics is None:
+        return  # a prototype method's round: nothing carries over
+    state.save_summed(secure.statistics)
+    state.record(statistics_summed=secure.version)
+
+
+class SecureJoin:
+    """The service's side: the secure round this device is adding to, and its link."""
+
+    def __init__(self, *, cfg: AgentConfig, keys: AgentKeys, state: StateDir) -> None:
+        self.cfg, self.keys, self.state = cfg, keys, state
+        self._joined: tuple[SecureInput, SecAggDeviceLink, float] | None = None
+
+    def join(self, secure: SecureInput) -> None:
+        """Add this device's input to round ``secure.round``'s secure sum: the protocol
+        runs on the link's own thread and MQTT client, beside the service's loop."""
+        cfg, keys = self.cfg, self.keys
+        device = SecAggDevice(
+            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings
+        )
+        wire = DeviceWire(
+            fleet=cfg.fleet, client=cfg.agent_id, run=secure.run, signer=keys.signer,
+            coordinator=keys.coordinator, max_bytes=cfg.mqtt.max_payload_bytes, logger=log,
+        )  # fmt: skip
+        link = SecAggDeviceLink(
+            device=device, vector=secure.vector, wire=wire, mqtt_settings=cfg.mqtt,
+            client_id=f"{cfg.agent_id}-secagg", logger=log,
+        )  # fmt: skip
+        link.start()
+        self._joined = (secure, link, time.monotonic())
+        log.info("round %d: joining the fleet's secure sum", secure.round)
+
+    def settle(self, announcement: RoundAnnouncement) -> None:
+        """A later round's announcement means the coordinator closed the secure round this
+        device joined: its statistics are in the fleet's sum if it answered every stage
+        and heard no abort (an abort reaches it before the next announcement: the
+        coordinator tells the devices before it closes the round)."""
+        joined = self._joined
+        if joined is None:
+            return
+        secure, link, started = joined
+        if (announcement.round, announcement.run) == (secure.round, secure.run):
+            return  # the same round, announced again
+        self._joined = None
+        sent, received = link.traffic
+        # The round's record gets the protocol's traffic (its update carried nothing).
+        self.state.amend_round(
+            secure.round, secagg_bytes_up=sent, secagg_bytes_down=received,
+            secagg_seconds=time.monotonic() - started,
+        )  # fmt: skip
+        abort = link.abort
+        if abort is not None:
+            log.warning(
+                "round %d: secure aggregation aborted at %s: %s",
+                secure.round, abort.stage.value, abort.reason,
+            )  # fmt: skip
+        elif Stage.UNMASK in link.answered:
+            summed(self.state, secure)
+            log.info("round %d: statistics added to the fleet's secure sum", secure.round)
+        else:
+            log.warning(
+                "round %d: closed before this device finished its secure-aggregation stages "
+                "(it answered %s); its statistics join a later round",
+                secure.round, ", ".join(s.value for s in link.answered) or "none",
+            )  # fmt: skip
+        link.close()
+
+    def close(self) -> None:
+        if self._joined is not None:
+            self._joined[1].close()
