@@ -203,6 +203,19 @@ def keys(cls: type, prefix: str = "") -> Iterator[str]:
             yield prefix + field.name
 
 
+def defaults(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> default of every key of dataclass ``cls`` that has one."""
+    hints = typing.get_type_hints(cls)
+    found: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            found.update(defaults(hint, f"{prefix}{field.name}."))  # type: ignore[arg-type]
+        elif (value := _default(field)) is not dataclasses.MISSING:
+            found[prefix + field.name] = value
+    return found
+
+
 def free_tables(cls: type, prefix: str = "") -> Iterator[str]:
     """The dotted names of the free-form tables (mappings) of dataclass ``cls``."""
     hints = typing.get_type_hints(cls)
