@@ -37,9 +37,20 @@ check_python() {
   "$python_bin" -c 'import venv' 2>/dev/null || die "$python_bin lacks the venv module (Debian/Ubuntu: apt-get install python3-venv)"
 }
 
-# make_venv DIR [--system-site-packages]
+# make_venv DIR [--system-site-packages]: a venv of $python_bin; one already there from
+# the same Python with the same site packages is kept (a rerun, or the second installer on
+# one machine), else made afresh over it.
 make_venv() {
   local dir=$1; shift
+  local system=false version
+  [ "${1:-}" = --system-site-packages ] && system=true
+  version=$("$python_bin" -c 'import platform; print(platform.python_version())')
+  if [ -x "$dir/bin/python" ] && [ -f "$dir/pyvenv.cfg" ] &&
+    grep -qx "version = $version" "$dir/pyvenv.cfg" &&
+    grep -qx "include-system-site-packages = $system" "$dir/pyvenv.cfg"; then
+    note "keeping the existing $dir (Python $version)"
+    return 0
+  fi
   run "$python_bin" -m venv "$@" "$dir"
   run "$dir/bin/python" -m pip install --quiet --upgrade pip
 }

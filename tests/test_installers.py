@@ -127,9 +127,10 @@ def service_section(unit: Path) -> dict[str, str]:
     return keys
 
 
-def start_as_unit(unit: Path, notify: str) -> LoggedProcess:
+def start_as_unit(unit: Path, notify: str, *, instance: str = "") -> LoggedProcess:
     """The unit's ExecStart as its User, Group and SupplementaryGroups, with its UMask, in
-    the clean environment and working directory systemd gives a system service."""
+    the clean environment and working directory systemd gives a system service (a template
+    unit's ``%i`` is ``instance``)."""
     service = service_section(unit)
     user, group = service["User"], service["Group"]
     extra = [g for g in service.get("SupplementaryGroups", "").split() if g]
@@ -145,7 +146,7 @@ def start_as_unit(unit: Path, notify: str) -> LoggedProcess:
         "/bin/sh", "-c", 'cd / && umask "$0" && exec "$@"', service.get("UMask", "0022"),
         "setpriv", f"--reuid={user}", f"--regid={group}", *groups, "--",
         "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-        *shlex.split(service["ExecStart"]),
+        *shlex.split(service["ExecStart"].replace("%i", instance)),
     ]  # fmt: skip
     # An absolute first argument: LoggedProcess's BIN / script is then that path.
     return LoggedProcess(command[0], command[1:])
@@ -257,6 +258,25 @@ def test_the_installed_services_run_as_their_user_and_serve_a_round(
         agent_notify.sock.close()
         coordinator_notify.sock.close()
     assert not any("Permission denied" in line for line in coordinator.lines + agent.lines)
+
+    # The sharded intake's worker unit, on the same files: it starts as its user, reads
+    # the configuration and the key, and stops on SIGTERM.
+    with (CONFIG / "coordinator.toml").open("a") as config:
+        config.write('[workers]\nnames = ["w1"]\nlocal_sets = "omit"\n')
+    worker_notify = NotifySocket(f"@{tag}-worker")
+    worker = start_as_unit(
+        units / "edge-coordinator-worker@.service", worker_notify.address, instance="w1"
+    )
+    try:
+        worker.wait_for("worker w1 ready", timeout=60)
+        worker_notify.wait_for("READY=1")
+        worker.signal(signal.SIGTERM)
+        assert worker.proc.wait(timeout=60) == 0, "".join(worker.lines[-20:])
+        worker_notify.wait_for("STOPPING=1")
+    finally:
+        worker.close()
+        worker_notify.sock.close()
+    assert owner(STATE / "coordinator" / "worker-w1.sqlite3")[:2] == (USER, USER)
 
     # The service's group reads its configuration and keys, nobody else does; the one an
     # earlier install left root-only was repaired, and editing kept that.
