@@ -191,20 +191,27 @@ CONFIG_DEFAULT = re.compile(
 )
 
 
+def stale_config_defaults(text: str, known: dict[str, object]) -> tuple[int, list[str]]:
+    """How many configuration defaults ``text`` states, and those the code does not have."""
+    checked, wrong = 0, []
+    for found in CONFIG_DEFAULT.finditer(text):
+        table = found["table"] or found["dotted"]
+        key = f"{table}.{found['key']}" if table else found["key"]
+        candidates = [v for k, v in known.items() if k == key or k.endswith(f".{key}")]
+        if not candidates:
+            continue  # an option of a command, not a configuration key
+        checked += 1
+        if not any(_default_shown(found["value"], v) for v in candidates):
+            wrong.append(f"{found[0]} but the code says {candidates}")
+    return checked, wrong
+
+
 def test_documented_configuration_defaults_are_the_code_defaults() -> None:
     known = {**defaults(AgentConfig), **defaults(CoordinatorConfig)}
-    checked, wrong = 0, []
-    for path in DOCS:
-        for found in CONFIG_DEFAULT.finditer(path.read_text()):
-            table = found["table"] or found["dotted"]
-            key = f"{table}.{found['key']}" if table else found["key"]
-            candidates = [v for k, v in known.items() if k == key or k.endswith(f".{key}")]
-            if not candidates:
-                continue  # an option of a command, not a configuration key
-            checked += 1
-            if not any(_default_shown(found["value"], v) for v in candidates):
-                wrong.append(f"{path.name}: {found[0]} but the code says {candidates}")
-    assert checked >= 3 and wrong == []
+    found = [(p.name, stale_config_defaults(p.read_text(), known)) for p in DOCS]
+    assert sum(checked for _, (checked, _) in found) >= 5
+    assert [f"{name}: {w}" for name, (_, wrong) in found for w in wrong] == []
+    assert stale_config_defaults("`[rounds] keep_rounds` (default 25)", known)[1] != []
 
 
 def _default_shown(shown: str, value: object) -> bool:
@@ -221,6 +228,70 @@ def _item_shown(item: str, value: object) -> bool:
         return item.strip("`\"'") == str(value)
     number = float(item.replace(",", "").rstrip("%"))
     return number == value or (item.endswith("%") and number / 100 == value)
+
+
+#: "`--domain` (default clean)", "`--alpha`, default 0.5", "`--prefix DIR` (default `/opt`)".
+OPTION_DEFAULT = re.compile(
+    r"`(?P<option>--[a-z][\w-]*)(?: [A-Z_]+)?`(?:,| \()\s*default:? (?P<value>`[^`]*`|[\w.+-]+)"
+)
+#: "`--protocol fair` (the default", "`--transport mqtt` (default)".
+OPTION_GIVEN = re.compile(
+    r"`(?P<option>--[a-z][\w-]*) (?P<value>(?![A-Z_]+`)[\w.-]+)` \((?:the )?default\b"
+)
+
+
+def option_defaults() -> dict[str, list[tuple[object, str]]]:
+    """Every option of the four commands' subcommands: [(its default, its help)]."""
+    found: dict[str, list[tuple[object, str]]] = {}
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+            for option in action.option_strings:
+                found.setdefault(option, []).append((action.default, action.help or ""))
+
+    for build in PARSERS.values():
+        walk(build())
+    return found
+
+
+def _is_default(value: str, default: object, help_text: str) -> bool:
+    if value in (str(default), f"`{default}`") or f"(default {value})" in help_text:
+        return True
+    try:
+        return float(value) == float(default)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
+def stale_option_defaults(text: str, options: dict[str, list[tuple[object, str]]]) -> list[str]:
+    """The option defaults ``text`` states that no subcommand has; and how many it states."""
+    wrong = []
+    for found in [*OPTION_DEFAULT.finditer(text), *OPTION_GIVEN.finditer(text)]:
+        if found["option"] not in options:
+            continue  # another program's option (make-certs.sh, the installers)
+        if not any(_is_default(found["value"], d, h) for d, h in options[found["option"]]):
+            wrong.append(found[0])
+    return wrong
+
+
+def test_documented_option_defaults_are_the_commands_defaults() -> None:
+    options = option_defaults()
+    stated = sum(
+        1
+        for p in DOCS
+        for f in [*OPTION_DEFAULT.finditer(p.read_text()), *OPTION_GIVEN.finditer(p.read_text())]
+        if f["option"] in options
+    )
+    assert stated >= 5  # the docs' statements are found, not none
+    wrong = [
+        f"{p.name}: {w!r}" for p in DOCS for w in stale_option_defaults(p.read_text(), options)
+    ]
+    assert wrong == []
+    stale = "`--domain` (default inverted) and `--transport vector` (the default)"
+    assert len(stale_option_defaults(stale, options)) == 2
 
 
 # -- FedProto and secure aggregation -----------------------------------------------------------
