@@ -341,5 +341,5 @@ def test_a_dry_run_makes_the_user_before_giving_it_the_configuration(tmp_path: P
         assert "+ install -d -m 750 -o protofleet -g protofleet /var/lib/protofleet" in out
         assert any(line.startswith("+ install -m 640 -g protofleet ") for line in out), out
         if not Path("/run/systemd/system").is_dir():  # a container: said, and no failure
-            assert f"{script}: systemd is not running here (not PID 1): installed; start the " \
-                "services where it runs" in out  # fmt: skip
+            note = "systemd is not running here (not PID 1): installed; start the services"
+            assert f"{script}: {note} where it runs" in out
