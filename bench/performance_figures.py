@@ -150,6 +150,21 @@ def reliability(r: Results) -> str:
     )
 
 
+def database(r: Results) -> str:
+    """The coordinator's database after 150 rounds of 100 FedPCL devices, kept whole and
+    with keep_rounds = 25 (bench.coordinator_bench)."""
+    everything = r.get("coordinator.db_mb_100_clients_150_rounds_keep_all")
+    if everything is None:
+        return "Not measured: run `make bench`."
+    where = r.provenance(r.section_of["coordinator.db_mb_100_clients_150_rounds_keep_all"])
+    retained = r.get("coordinator.db_mb_100_clients_150_rounds_keep_25")
+    return (
+        f"Kept whole, 100 FedPCL devices fill {num(everything)} MB in 150 rounds; with "
+        f"`keep_rounds = 25` the file is {num(retained)} MB after the same 150 rounds "
+        f"(`coordinator.db_mb_100_clients_150_rounds_*`, `make bench`: {where})."
+    )
+
+
 def restart(r: Results) -> str:
     """Rounds and seconds to a closing round after the database is lost or rolled back
     (bench.restart_bench)."""

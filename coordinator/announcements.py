@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -15,7 +16,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.strategies import Aggregate
 from protocol import RoundAnnouncement
-from protocol.auth import sign
+from protocol.auth import Signer, sign
+from protocol.methods import wire_method
+from protocol.weights import averaged_weight_shapes
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +140,43 @@ class Announcer:
                     "devices' mqtt.max_payload_bytes and this setting together"
                 ),
             )
+
+
+def largest_announcement(
+    config: CoordinatorConfig, clients: Sequence[str], *, signer: Signer | None
+) -> RoundAnnouncement:
+    """The largest announcement this coordinator would send to a fleet of ``clients``, built
+    through :meth:`Announcer.announce` before any round runs: every class's global row and
+    what the method sends besides in a round where every client answered (FedPCL's local
+    sets, within the downlink budget; FedDBP's per-client global sets; FedAvg's and FPL's
+    averaged weights, though not FPL's clusters, whose number the data decides). Arrays
+    travel as raw bytes, so zeros have the size of any values. Raises
+    :class:`~coordinator.downlink.AnnouncementRefused`, as that round would, when it is
+    above ``agents.max_payload_bytes``: the size follows from the clients, classes, dim
+    and dtype, so a fleet need not train a round to learn it."""
+    model = config.model
+    record = wire_method(model.method)
+    rows = np.zeros((len(model.classes), model.dim))
+    per_client = {client: rows for client in clients}
+    weights = (
+        averaged_weight_shapes(
+            feature_dim=model.feature_dim, out_dim=model.dim, num_classes=len(model.classes),
+            norm=model.norm,
+        )
+        if record.averaged
+        else {}
+    )  # fmt: skip
+    aggregate = Aggregate(
+        global_classes=tuple(range(len(model.classes))),
+        global_prototypes=rows,
+        # A round owner over workers sends none: they do not sum ([workers] local_sets).
+        local_sets=per_client if record.local_sets and not config.workers.enabled else {},
+        # FedDBP's Fisher scores make each client's global set its own.
+        client_globals=per_client if record.extras == "fisher" else {},
+        extras={name: np.zeros(shape, np.float32) for name, shape in weights.items()},
+    )
+    # A run id as long as the store's (secrets.token_hex(8)): the signature covers it.
+    announcer = Announcer(
+        config=config, keys=CoordinatorKeys(signer=signer), run_id="0" * 16, run_started=0.0
+    )
+    return announcer.announce(1, aggregate, deadline=0.0)

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="print the coordinator's state as JSON (read from its database)"
     )
     p_status.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
-    add_example_config(sub, prog="edge-coordinator", example=EXAMPLE)
+    add_example_config(
+        sub, prog="edge-coordinator", example=EXAMPLE, config=config_mod.CoordinatorConfig
+    )
     return parser
 
 

@@ -215,7 +215,7 @@ class WorkersSettings:
 class PrivacySettings:
     """``aggregation``: ``plain``, each device's release reaches the coordinator, or
     ``secure``, only the fleet's sum does (runtime/secagg/, the ``[secure_aggregation]``
-    table; lda and ridge)."""
+    table; lda, ridge and fedproto)."""
 
     aggregation: Literal["plain", "secure"] = "plain"
 

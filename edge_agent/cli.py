@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edge_agent.commands import doctor, predict, privacy_plan, run, status
+from edge_agent.config import AgentConfig
 from runtime.cliutil import add_example_config, make_parser, print_example_config
 from runtime.cliutil import run as run_command
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --bundle: keep TensorRT engines here (the agent keeps them in its state "
         "directory's providers/ folder; point at it to build them before the agent starts)",
     )
-    add_example_config(sub, prog="edge-agent", example=EXAMPLE)
+    add_example_config(sub, prog="edge-agent", example=EXAMPLE, config=AgentConfig)
     return parser
 
 

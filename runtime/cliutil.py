@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.example_config import render as render_example
 from runtime.settings import ConfigError
 from runtime.version import package_version
 
@@ -120,10 +121,11 @@ def add_example_config(
     *,
     prog: str,
     example: Path,
+    config: type,
 ) -> None:
-    """The ``example-config`` command (handled by :func:`print_example_config`): the
-    commented example shipped inside the package, so a device installed from a wheel
-    has it too."""
+    """The ``example-config`` command (handled by :func:`print_example_config`): every key
+    of the ``config`` dataclass with its default, commented by the example shipped inside
+    the package (so a device installed from a wheel has it too)."""
     p = sub.add_parser(
         "example-config",
         help="print a configuration file with every key, its default and what it does",
@@ -131,11 +133,12 @@ def add_example_config(
         f"  {prog} example-config > {example.name}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.set_defaults(example=example)
+    p.set_defaults(example=example, config=config)
 
 
 def print_example_config(args: argparse.Namespace) -> int:
-    sys.stdout.write(args.example.read_text(encoding="utf-8"))
+    notes = args.example.read_text(encoding="utf-8")
+    sys.stdout.write(render_example(args.config, notes))
     return 0
 
 

@@ -64,6 +64,7 @@ else
   note "not a Jetson: plain install"
 fi
 check_python
+system_user
 note "Python: $("$python_bin" -c 'import platform; print(platform.python_version())')"
 
 venv="$DESTDIR$prefix/venv"
@@ -112,8 +113,7 @@ fi
 install_unit edge-agent
 install_config "$(cd "$(dirname "$0")/.." && pwd)/edge_agent/agent.toml" agent.toml
 install_docs
-run install -d -m 750 "$DESTDIR/var/lib/protofleet"
-system_user
+state_dir
 daemon_reload
 
 # -- does the GPU really run? --------------------------------------------------------------

@@ -42,6 +42,7 @@ if [ -n "$certs" ]; then
   done
 fi
 check_python
+system_user
 
 venv="$DESTDIR$prefix/venv"
 make_venv "$venv"
@@ -57,7 +58,7 @@ install_unit edge-coordinator
 install_unit edge-coordinator-worker@
 install_config "$here/../coordinator/coordinator.toml" coordinator.toml
 install_docs
-run install -d -m 750 "$DESTDIR/var/lib/protofleet"
+state_dir
 
 if [ "$with_mosquitto" = 1 ]; then
   run install -d "$DESTDIR/etc/mosquitto/conf.d" "$DESTDIR/etc/mosquitto/protofleet"
@@ -73,10 +74,11 @@ if [ -n "$certs" ]; then
     run chown mosquitto "$DESTDIR/etc/mosquitto/protofleet/broker.key"
   fi
   run install -m 644 "$certs/ca.crt" "$certs/clients/coordinator.crt" "$DESTDIR/etc/protofleet/"
-  run install -m 640 "$certs/clients/coordinator.key" "$DESTDIR/etc/protofleet/"
+  # The key the coordinator signs and connects with: its group reads it, no one else.
+  run install -m 640 "${group_opts[@]}" "$certs/clients/coordinator.key" "$DESTDIR/etc/protofleet/"
   # Enrolment for signed updates: every device certificate make-certs.sh issued (the key
   # in each signs that device's updates; remove a file and reload to take a device out).
-  run install -d -m 750 "$DESTDIR/etc/protofleet/devices"
+  run install -d -m 750 "${group_opts[@]}" "$DESTDIR/etc/protofleet/devices"
   for crt in "$certs"/clients/*.crt; do
     # The coordinator tier's own certificates are no devices.
     case "$(basename "$crt")" in coordinator.crt|coordinator-worker.crt) continue ;; esac
@@ -88,7 +90,6 @@ if [ -n "$certs" ]; then
     run install -m 644 "$crt" "$DESTDIR/etc/protofleet/devices/"
   done
 fi
-system_user
 daemon_reload
 
 cat <<EOM

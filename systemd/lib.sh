@@ -1,6 +1,10 @@
 # Shared by install-agent.sh and install-coordinator.sh (sourced, not run).
 # Every change to the machine goes through `run` so --dry-run can print it instead.
 
+# What is installed is meant for the service user to run and read: a root shell's private
+# umask (077) would leave the venv out of its reach. Private files get explicit modes.
+umask 022
+
 DESTDIR=${DESTDIR:-}
 prefix=/opt/protofleet
 dry_run=0
@@ -33,9 +37,20 @@ check_python() {
   "$python_bin" -c 'import venv' 2>/dev/null || die "$python_bin lacks the venv module (Debian/Ubuntu: apt-get install python3-venv)"
 }
 
-# make_venv DIR [--system-site-packages]
+# make_venv DIR [--system-site-packages]: a venv of $python_bin; one already there from
+# the same Python with the same site packages is kept (a rerun, or the second installer on
+# one machine), else made afresh over it.
 make_venv() {
   local dir=$1; shift
+  local system=false version
+  [ "${1:-}" = --system-site-packages ] && system=true
+  version=$("$python_bin" -c 'import platform; print(platform.python_version())')
+  if [ -x "$dir/bin/python" ] && [ -f "$dir/pyvenv.cfg" ] &&
+    grep -qx "version = $version" "$dir/pyvenv.cfg" &&
+    grep -qx "include-system-site-packages = $system" "$dir/pyvenv.cfg"; then
+    note "keeping the existing $dir (Python $version)"
+    return 0
+  fi
   run "$python_bin" -m venv "$@" "$dir"
   run "$dir/bin/python" -m pip install --quiet --upgrade pip
 }
@@ -54,14 +69,47 @@ install_unit() {
   fi
 }
 
-# install_config EXAMPLE NAME: an example configuration, never over an existing one.
+# What the service reads (configs, keys, /etc/protofleet itself): root owns it, the
+# service's group may read it, nobody else anything. systemd does not change the owner of
+# a ConfigurationDirectory= (systemd.exec(5)), so the installer gives it out. A staged tree
+# (DESTDIR) keeps the packager's owners: the group exists on the target machine only.
+service_group=protofleet
+group_opts=()
+[ -n "$DESTDIR" ] || group_opts=(-g "$service_group")
+
+# config_dir: /etc/protofleet, created or repaired (root:protofleet 0750).
+config_dir() {
+  run install -d -m 750 "${group_opts[@]}" "$DESTDIR/etc/protofleet"
+}
+
+# service_reads FILE...: an existing file repaired to root:protofleet 0640, as a fresh
+# install makes it (an install from before this rule left root:root, unreadable).
+service_reads() {
+  [ -n "$DESTDIR" ] && return 0
+  run chown "root:$service_group" "$@"
+  run chmod 640 "$@"
+}
+
+# install_config EXAMPLE NAME: an example configuration, never over an existing one (whose
+# owner and mode are repaired instead).
 install_config() {
   local example=$1 name=$2 dest="$DESTDIR/etc/protofleet/$2"
-  run install -d -m 750 "$DESTDIR/etc/protofleet"
+  config_dir
   if [ -e "$dest" ]; then
     note "kept the existing $dest"
+    service_reads "$dest"
   else
-    run install -m 640 "$example" "$dest"
+    run install -m 640 "${group_opts[@]}" "$example" "$dest"
+  fi
+}
+
+# state_dir: /var/lib/protofleet, the service user's own, as StateDirectory= would make it
+# (so the commands also run where systemd does not start them).
+state_dir() {
+  if [ -n "$DESTDIR" ]; then
+    run install -d -m 750 "$DESTDIR/var/lib/protofleet"
+  else
+    run install -d -m 750 -o "$service_group" -g "$service_group" /var/lib/protofleet
   fi
 }
 
@@ -75,20 +123,27 @@ install_docs() {
   return 0
 }
 
-# The service user and systemd itself are only touched on a real install.
+# The service user and systemd itself are only touched on a real install. The user comes
+# first: everything the service reads is then given to its group.
 system_user() {
   if [ -n "$DESTDIR" ]; then
     note "DESTDIR is set: create the 'protofleet' system user on the target machine"
     return 0
   fi
   if ! id protofleet >/dev/null 2>&1; then
-    run useradd --system --home-dir /var/lib/protofleet --no-create-home \
+    run useradd --system --user-group --home-dir /var/lib/protofleet --no-create-home \
       --shell /usr/sbin/nologin protofleet
   fi
 }
 
 daemon_reload() {
-  if [ -z "$DESTDIR" ] && command -v systemctl >/dev/null; then
+  [ -z "$DESTDIR" ] || return 0
+  # sd_booted(3)'s test: without it (a container, a chroot) systemctl can only fail.
+  if [ ! -d /run/systemd/system ]; then
+    note "systemd is not running here (not PID 1): installed; start the services where it runs"
+    return 0
+  fi
+  if command -v systemctl >/dev/null; then
     run systemctl daemon-reload
   fi
   return 0

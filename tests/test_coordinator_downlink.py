@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator import downlink
-from coordinator.announcements import Announcer
+from coordinator.announcements import Announcer, largest_announcement
 from coordinator.config import AgentsSettings, CoordinatorConfig, ModelSettings
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
@@ -242,3 +242,28 @@ def test_the_coordinator_refuses_an_announcement_above_the_agents_limit(tmp_path
     nxt = manager.poll()
     assert nxt is not None and nxt.round == 1
     assert 0 < len(nxt.local_sets) < 40 and len(nxt.to_wire()) <= 900
+
+
+def test_the_largest_announcement_is_known_before_any_round_runs(tmp_path) -> None:
+    # The refusal above, predicted from the clients, classes, dim and dtype alone: the size
+    # is the one round 1 would have had, to the byte, and refused in the same words.
+    base = config(tmp_path, min_clients=40, wait_after_quorum_s=0.0)
+    cfg = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, downlink_budget=0),
+        agents=AgentsSettings(max_payload_bytes=1024),
+    )
+    updates = [stand_in_update(i, 0) for i in range(40)]
+    with pytest.raises(downlink.AnnouncementRefused) as predicted:
+        largest_announcement(cfg, [u.client for u in updates], signer=None)
+    manager = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    for update in updates:
+        manager.offer(update.to_wire(), topic_client=update.client)
+    with pytest.raises(downlink.AnnouncementRefused) as measured:
+        manager.poll()
+    assert predicted.value.size == measured.value.size
+    assert str(predicted.value) == str(measured.value)
+    # Within a budget it fits, and so does the round.
+    bounded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, downlink_budget=900))
+    largest = largest_announcement(bounded, [u.client for u in updates], signer=None)
+    assert len(largest.to_wire()) <= 900 and 0 < len(largest.local_sets) < 40

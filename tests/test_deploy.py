@@ -134,40 +134,6 @@ def test_installers_stage_the_expected_tree_and_units_verify(tmp_path: Path, cer
     assert f"kept the existing {stage}/etc/protofleet/agent.toml" in out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("release", "jetpack"), [("R35", "5"), ("R36", "6")])
-def test_agent_installer_on_jetson_uses_system_packages_and_the_named_ort(
-    tmp_path: Path, release: str, jetpack: str
-) -> None:
-    tegra = tmp_path / "nv_tegra_release"
-    tegra.write_text(
-        f"# {release} (release), REVISION: 4.1, GCID: 1, BOARD: generic, EABI: aarch64\n"
-    )
-    env = {"DESTDIR": str(tmp_path / "stage"), "PROTOFLEET_TEGRA_RELEASE": str(tegra)}
-    out = sh(
-        str(SYSTEMD / "install-agent.sh"),
-        "--dry-run",
-        "--ort-wheel",
-        "/wheels/ort-gpu.whl",
-        env=env,
-    )
-    assert f"(JetPack {jetpack})" in out
-    assert "--system-site-packages" in out
-    assert "/wheels/ort-gpu.whl" in out
-    assert "doctor --require-gpu" in out
-    assert not (tmp_path / "stage").exists()  # a dry run touches nothing
-
-    result = subprocess.run(
-        [str(SYSTEMD / "install-agent.sh"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert "--ort-wheel FILE or --ort-index URL" in result.stderr
-
-
 # -- life cycle under systemd ----------------------------------------------------------------
 
 

@@ -9,10 +9,11 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.downlink import DEFAULT_BUDGET
-from fleet.cli.main import build_parser
-from fleet.cli.options import sweep_options
+from fleet.cli.main import build_parser, main
+from fleet.cli.options import DataOptions, sweep_options
 from fleet.report.notes import settings
-from fleet.transports.configs import coordinator_tables
+from fleet.transports.configs import announcement_refusal, coordinator_tables
+from fleet.transports.spec import RunSpec
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES
 from runtime.settings import build
 from runtime.transport import MqttSettings
@@ -62,3 +63,46 @@ def test_a_report_names_a_budget_other_than_the_default() -> None:
         "memory transport, every local set announced"
     )
     assert settings({"downlink_budget": 131072}) == "downlink 131,072 bytes"
+
+
+def test_an_announcement_too_large_is_refused_before_the_clients_data_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 450 exact FedPCL local sets of 10 x 256 float32: 4.6 MB against the devices' 4 MiB.
+    # It used to end the run after the data, the feature extraction and round 0.
+    class Made(Exception):
+        """The clients' data would be made now."""
+
+    def made(self: DataOptions, seed: int) -> None:
+        raise Made
+
+    monkeypatch.setattr(DataOptions, "partition", made)
+    out = tmp_path / "out"
+    argv = ["compare", "--methods", "solo,fedpcl", "--seeds", "0", "--clients", "450",
+            "--transport", "memory", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--downlink-budget", "exact"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(
+        "edge-fleet: error: fedpcl with 450 clients: round 1: refusing to publish an "
+        "announcement of 4,640,220 bytes, above agents.max_payload_bytes = 4,194,304"
+    )
+    assert not out.exists()
+    # Within the default budget the same fleet passes the check and goes on to its data.
+    with pytest.raises(Made):
+        main(argv)
+
+
+def test_a_size_that_needs_the_bundle_is_asked_again_once_it_is_known(tmp_path: Path) -> None:
+    # dp-features sends backbone features: the bundle's feature size decides the rows.
+    spec = RunSpec(method="fedpcl", rounds=1, bundle=tmp_path, out=tmp_path, downlink_budget=0,
+                   privacy={"mechanism": "dp-features"})  # fmt: skip
+    names = [f"client-{i:04d}" for i in range(120)]
+    classes = tuple(str(c) for c in range(10))
+    assert announcement_refusal(spec, classes, names, feature_dim=None) is None
+    refused = announcement_refusal(spec, classes, names, feature_dim=896)
+    assert refused is not None and refused.startswith("fedpcl with 120 clients: round 1: ")
+    assert announcement_refusal(spec, classes, names[:5], feature_dim=896) is None
+    # The same fleet sending 256-d head prototypes fits.
+    plain = RunSpec(method="fedpcl", rounds=1, bundle=tmp_path, out=tmp_path, downlink_budget=0)
+    assert announcement_refusal(plain, classes, names, feature_dim=None) is None

@@ -13,6 +13,7 @@ import pytest
 from fleet.report.markdown import markdown
 from fleet.report.notes import train_note
 from fleet.report.plots import plot_domains
+from fleet.report.privacy_report import curves, plot_accuracy_vs_epsilon
 from fleet.report.privacy_report import markdown as privacy_markdown
 from fleet.report.summary import build_report, to_json
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
@@ -198,3 +199,33 @@ def test_a_privacy_report_claims_the_secure_sums_guarantee_and_says_what_it_comp
     # A secure sum without noise claims nothing.
     claim |= {"epsilon": 0.0, "guarantee": "none"}
     assert "Formal arms' guarantee" not in privacy_markdown(document)
+
+
+def privacy_document() -> dict[str, Any]:
+    """An ``edge-fleet privacy --closed-form lda`` report of two settings."""
+    epsilons = [1.0, 8.0]
+    rows = {"fedpcl (no privacy)": 0.8, "solo (no privacy)": 0.6, "lda exact sum (no privacy)": 0.8}
+    for e in epsilons:
+        rows |= {f"fedpcl dp eps={e:g}": 0.5, f"fedpcl dp-features eps={e:g}": 0.7,
+                 f"lda dp-features eps={e:g}": 0.6, f"lda secure eps={e:g}": 0.75}  # fmt: skip
+    return {"epsilons": epsilons, "delta": 1e-5, "mechanisms": ["dp", "dp-features"],
+            "closed_form": "lda", "results": {"feature": rows, "label": dict(rows)}}  # fmt: skip
+
+
+def test_every_arm_of_the_privacy_plot_has_its_own_colour_and_style(tmp_path: Path) -> None:
+    document = privacy_document()
+    arms = curves(document)
+    assert len(arms) == 7
+    # "FedPCL without privacy" and "lda, exact sum" were one colour, both dotted.
+    assert len({a.colour for a in arms}) == len({str(a.style) for a in arms}) == len(arms)
+    # Every arm is a row the report holds.
+    rows = document["results"]["feature"]
+    for arm in arms:
+        assert arm.row.format(e="8") in rows, arm.row
+    plot = plot_accuracy_vs_epsilon(document, tmp_path / "accuracy_vs_epsilon.png")
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    # Without --closed-form, and with one mechanism, only the arms that ran are drawn.
+    plain = {**document, "closed_form": None, "mechanisms": ["dp"]}
+    assert [a.label for a in curves(plain)] == [
+        "DP FedPCL (DP-SGD)", "FedPCL without privacy", "Solo (shares nothing)",
+    ]  # fmt: skip

@@ -42,7 +42,8 @@ class PrivacySettings:
     # guarantee, and every update, ledger entry, status and report says so.
     reproducible_noise_seed: int | None = None
     # plain: the device's release reaches the coordinator; secure: only the fleet's sum of
-    # the devices' statistics does, noised by the [secure_aggregation] table (lda, ridge).
+    # the devices' statistics does, noised by the [secure_aggregation] table (lda, ridge;
+    # fedproto sums prototype rows without noise).
     aggregation: str = "plain"
 
     def __post_init__(self) -> None:

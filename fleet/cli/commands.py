@@ -23,6 +23,7 @@ from fleet.report import summary as report_mod
 from fleet.report.central import CENTRAL, CENTRAL_TRAIN
 from fleet.report.central import run as run_central
 from fleet.report.plots import plot_contribution
+from fleet.transports.configs import announcement_refusal
 from fleet.transports.runner import run as run_fleet
 from fleet.transports.spec import RunResult
 from runtime.cliutil import UsageError
@@ -54,9 +55,25 @@ def compare(args: argparse.Namespace, methods: list[str], seeds: list[int]) -> d
         check_method(options, method)
     # Everything a sweep's options can get wrong is checked before the zoo is built, which
     # takes minutes the first time: the data too, whose first partition the sweep reuses.
+    refuse_large_announcements(options, methods, seeds[0])
     first = options.data.partition(seeds[0])
     with hold_output_folder(options.out):  # after every check: a usage error leaves no folder
         return _sweep(options, methods, seeds, first)
+
+
+def refuse_large_announcements(options: SweepOptions, methods: list[str], seed: int) -> None:
+    """A round announcement larger than the agents take, refused from the clients' names,
+    the classes, dim and dtype: before their data is made (minutes at hundreds of clients),
+    the zoo is built or any run starts. The runs ask again with the bundle's sizes."""
+    planned = options.data.planned_clients(seed)
+    if planned is None:
+        return
+    names, classes = planned
+    for method in methods:
+        spec = options.spec(method=method, seed=seed, out=options.out)
+        refused = announcement_refusal(spec, classes, names, feature_dim=None)
+        if refused is not None:
+            raise UsageError(refused)
 
 
 def _sweep(

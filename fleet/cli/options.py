@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fleet.data.bundles import resolve_bundle
-from fleet.data.partition import Partition, digits5, from_directory, from_npz
+from fleet.data.digits5 import CLASSES as DIGIT_CLASSES
+from fleet.data.partition import Partition, digits5, digits5_clients, from_directory, from_npz
 from fleet.transports.configs import planned_workers_refusal
 from fleet.transports.mqtt import broker_refusal, parse_broker_url
 from fleet.transports.protocols import protocol_train
@@ -49,6 +50,13 @@ class DataOptions:
         """The same data in another digits-5 setting (a sweep over several)."""
         assert self.digits5 is not None
         return replace(self, digits5=replace(self.digits5, split=split))
+
+    def planned_clients(self, seed: int) -> tuple[list[str], tuple[str, ...]] | None:
+        """The client names and class list :meth:`partition` will give, without making the
+        clients' data; None for --data, whose classes only its files say."""
+        if self.digits5 is None:
+            return None
+        return digits5_clients(seed=seed, **asdict(self.digits5)), DIGIT_CLASSES
 
     def partition(self, seed: int) -> Partition:
         if self.digits5 is not None:

@@ -139,6 +139,42 @@ def source_plan(
     return plan
 
 
+def _check_digits5(
+    *, clients: int, split: str, train: int, test: int, alpha: float, domain: str
+) -> None:
+    if split not in SPLITS:
+        raise UsageError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if clients < 1 or train < 2 or test < 1:
+        raise UsageError("need at least 1 client, 2 training and 1 test sample per client")
+    if alpha <= 0:
+        raise UsageError(f"--alpha must be positive, got {alpha}")
+    if domain not in DOMAINS:
+        raise UsageError(f"--domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
+
+
+def digits5_name(index: int, domain: str) -> str:
+    return f"client-{index:04d}-{domain}"
+
+
+def digits5_clients(
+    *,
+    clients: int,
+    split: str,
+    seed: int,
+    train: int,
+    test: int,
+    alpha: float = 0.5,
+    domain: str = "clean",
+) -> list[str]:
+    """The names of :func:`digits5`'s clients, in seconds rather than the minutes its
+    images take to make: what a fleet's announcements weigh is known from them."""
+    _check_digits5(clients=clients, split=split, train=train, test=test, alpha=alpha,
+                   domain=domain)  # fmt: skip
+    plan = source_plan(clients=clients, split=split, seed=seed, train=train, test=test,
+                       alpha=alpha, domain=domain)  # fmt: skip
+    return [digits5_name(i, dom) for i, (dom, _, _) in enumerate(plan)]
+
+
 def digits5(
     *,
     clients: int,
@@ -150,14 +186,8 @@ def digits5(
     domain: str = "clean",
 ) -> Partition:
     """The paper's non-IID settings on digits-5 (see the module docstring)."""
-    if split not in SPLITS:
-        raise UsageError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if clients < 1 or train < 2 or test < 1:
-        raise UsageError("need at least 1 client, 2 training and 1 test sample per client")
-    if alpha <= 0:
-        raise UsageError(f"--alpha must be positive, got {alpha}")
-    if domain not in DOMAINS:
-        raise UsageError(f"--domain must be one of {', '.join(DOMAINS)}, got {domain!r}")
+    _check_digits5(clients=clients, split=split, train=train, test=test, alpha=alpha,
+                   domain=domain)  # fmt: skip
     out = []
     for i, (dom, train_idx, test_idx) in enumerate(
         source_plan(clients=clients, split=split, seed=seed, train=train, test=test,
@@ -167,7 +197,7 @@ def digits5(
         x_test, y_test = domain_data(dom, seed=seed * 1000 + 2 * i + 1, indices=test_idx)
         out.append(
             ClientData(
-                name=f"client-{i:04d}-{dom}",
+                name=digits5_name(i, dom),
                 domain=dom,
                 train_x=_to_uint8(x_train),
                 train_y=y_train,

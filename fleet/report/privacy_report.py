@@ -4,6 +4,7 @@ plot; with ``--closed-form``, the closed-form method's local against distributed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,37 +87,64 @@ def _closed_form_lines(document: dict[str, Any]) -> list[str]:
     ]
 
 
-LINE_STYLES = {"dp": ("o", "-"), "dp-features": ("s", "-.")}
-LABELS = {"dp": "DP FedPCL (DP-SGD)", "dp-features": "FedPCL, dp-features release"}
-CLOSED_FORM_STYLES = {"dp-features": ("^", "--"), "secure": ("D", "-")}
-CLOSED_FORM_LABELS = {"dp-features": "each device's noise", "secure": "secure sum's noise"}
+@dataclass(frozen=True)
+class Curve:
+    """One arm of the plot: its rows in a split's results (``{e}`` stands for each epsilon;
+    none for an arm without privacy, drawn as a level line), its label, and a colour and
+    line style no other arm has, so every arm reads apart whatever the legend's order."""
+
+    row: str
+    label: str
+    colour: str
+    style: str | tuple[int, tuple[int, ...]]
+    marker: str | None = None
+
+
+def curves(document: dict[str, Any]) -> list[Curve]:
+    """The arms of ``edge-fleet privacy``'s plot, in the legend's order."""
+    out = [
+        Curve("fedpcl dp eps={e}", "DP FedPCL (DP-SGD)", "C0", "-", "o"),
+        Curve("fedpcl dp-features eps={e}", "FedPCL, dp-features release", "C1", "-.", "s"),
+    ]
+    mechanisms = document.get("mechanisms", ["dp"])
+    out = [c for c in out if c.row.split()[1] in mechanisms]
+    out.append(Curve("fedpcl (no privacy)", "FedPCL without privacy", "C2", ":"))
+    if method := document.get("closed_form"):
+        out += [
+            Curve(f"{method} dp-features eps={{e}}", f"{method}, each device's noise", "C3",
+                  "--", "^"),
+            Curve(f"{method} secure eps={{e}}", f"{method}, secure sum's noise", "C4",
+                  (0, (5, 1)), "D"),
+            Curve(f"{method} exact sum (no privacy)", f"{method}, exact sum", "C5", (0, (1, 3))),
+        ]  # fmt: skip
+    out.append(Curve("solo (no privacy)", "Solo (shares nothing)", "C7", (0, (3, 1, 1, 1, 1, 1))))
+    return out
 
 
 def plot_accuracy_vs_epsilon(document: dict[str, Any], path: Path) -> Path:
+    """One panel per split, each arm in its own colour and style."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    splits = list(document["results"].items())
+    fig, axes = plt.subplots(1, len(splits), figsize=(3.6 * len(splits) + 3.2, 4.2), dpi=120,
+                             sharey=True, squeeze=False)  # fmt: skip
     epsilons = document["epsilons"]
-    for i, (split, rows) in enumerate(document["results"].items()):
-        colour = f"C{i}"
-        for mechanism in document.get("mechanisms", ["dp"]):
-            marker, style = LINE_STYLES[mechanism]
-            ys = [100 * rows[f"fedpcl {mechanism} eps={e:g}"] for e in epsilons]
-            ax.plot(epsilons, ys, marker=marker, linestyle=style, color=colour,
-                    label=f"{LABELS[mechanism]}, {_label(split, document)}")  # fmt: skip
-        ax.axhline(100 * rows["fedpcl (no privacy)"], color=colour, linestyle=":",
-                   label=f"FedPCL without privacy, {split}")  # fmt: skip
-        if method := document.get("closed_form"):
-            for kind, (marker, style) in CLOSED_FORM_STYLES.items():
-                ys = [100 * rows[f"{method} {kind} eps={e:g}"] for e in epsilons]
-                ax.plot(epsilons, ys, marker=marker, linestyle=style, color=colour,
-                        label=f"{method}, {CLOSED_FORM_LABELS[kind]}, {split}")  # fmt: skip
-            ax.axhline(100 * rows[f"{method} exact sum (no privacy)"], color=colour,
-                       linestyle=(0, (1, 3)), label=f"{method}, exact sum, {split}")  # fmt: skip
-        ax.axhline(100 * rows["solo (no privacy)"], color=colour, linestyle="--",
-                   label=f"Solo (shares nothing), {split}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
-    ax.set_xlabel(f"epsilon (delta {document['delta']:g}, whole run)")
-    ax.set_ylabel("final mean test accuracy (%)")
-    ax.set_ylim(0, 100)
-    return finish(plt, fig, ax, path, legend_size=7)
+    arms = curves(document)
+    for i, (ax, (split, rows)) in enumerate(zip(axes[0], splits, strict=True)):
+        last = i == len(splits) - 1  # the legend is drawn once, beside the last panel
+        for arm in arms:
+            label = arm.label if last else None
+            if arm.marker is None:
+                ax.axhline(100 * rows[arm.row], color=arm.colour, linestyle=arm.style,
+                           label=label)  # fmt: skip
+                continue
+            ys = [100 * rows[arm.row.format(e=f"{e:g}")] for e in epsilons]
+            ax.plot(epsilons, ys, marker=arm.marker, linestyle=arm.style, color=arm.colour,
+                    label=label)  # fmt: skip
+        ax.set_title(_label(split, document), fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+        ax.set_xlabel(f"epsilon (delta {document['delta']:g}, whole run)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("final mean test accuracy (%)")
+    return finish(plt, fig, axes[0][-1], path, legend_size=7)

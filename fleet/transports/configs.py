@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.announcements import largest_announcement
 from coordinator.config import CoordinatorConfig
+from coordinator.downlink import AnnouncementRefused
 from coordinator.owner import refusal
 from edge_agent.config import ClosedFormSettings
 from fleet.data.partition import ClientData
 from fleet.transports import secure as secure_mod
 from fleet.transports.spec import FLEET, RunSpec, train_table
+from protocol.auth import Signer
 from protocol.methods import wire_method
 from runtime.keyfiles import generate_ed25519
 from runtime.secagg.fleet import SecureAggregation
@@ -196,6 +199,38 @@ def planned_workers_refusal(spec: RunSpec) -> str | None:
     tables = coordinator_tables(spec, "unset", ("0",), 1, dim=1, feature_dim=1,
                                 security={"insecure": True})  # fmt: skip
     return workers_refusal(tables)
+
+
+def announcement_refusal(
+    spec: RunSpec, classes: tuple[str, ...], clients: list[str], *, feature_dim: int | None
+) -> str | None:
+    """Why this run's coordinator would refuse its round announcements (larger than the
+    agents' payload limit), asked before the agents start, which costs their feature
+    extraction and a round; None when they fit. ``feature_dim`` None: the bundle is not
+    known yet, and a run whose sizes depend on it is asked again once it is."""
+    record = wire_method(spec.method)
+    needs_bundle = (
+        record.averaged or record.closed_form or spec.privacy.get("mechanism") == ("dp-features")
+    )
+    if feature_dim is None and needs_bundle:
+        return None
+    features = feature_dim or 1
+    tables = coordinator_tables(spec, "unset", classes, len(clients),
+                                dim=prototype_dim(spec, features), feature_dim=features,
+                                security={"insecure": True})  # fmt: skip
+    try:
+        config = build(CoordinatorConfig, tables)
+    except ConfigError:
+        return None  # said, in its own words, where the run builds it
+    # cryptography: imported here, with the key the run itself makes (Ed25519), so the
+    # signature is counted at its size.
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    try:
+        largest_announcement(config, clients, signer=Signer(ed25519.Ed25519PrivateKey.generate()))
+    except AnnouncementRefused as exc:
+        return f"{spec.method} with {len(clients)} clients: {exc}"
+    return None
 
 
 def write_config(path: Path, tables: dict[str, Any]) -> Path:

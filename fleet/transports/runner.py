@@ -20,6 +20,7 @@ from fleet.data.partition import Partition
 from fleet.transports.collect import collect, round_seconds
 from fleet.transports.configs import (
     agent_tables,
+    announcement_refusal,
     coordinator_tables,
     fleet_keys,
     prototype_dim,
@@ -45,6 +46,10 @@ def run(spec: RunSpec, partition: Partition) -> RunResult:
         bundle=spec.bundle.absolute(),
         feature_cache=spec.feature_cache and spec.feature_cache.absolute(),
     )
+    names = [c.name for c in partition.clients]
+    refused = announcement_refusal(spec, partition.classes, names, feature_dim=bundle.feature_dim)
+    if refused is not None:
+        raise UsageError(refused)
     secure = secure_table(spec, partition, feature_dim=bundle.feature_dim)
     spec.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
