@@ -7,7 +7,7 @@ edge_agent/agent.toml, coordinator/coordinator.toml). A key the notes lack is st
 bare; a test holds each shipped file equal to what is rendered from it, so the file a
 user copies and the command's output are one text.
 
-Regenerate the shipped files after adding a key: ``python -m runtime.example_config``.
+Regenerate the shipped files after adding a key: ``python -m tests.example_configs``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -225,30 +224,3 @@ def free_tables(cls: type, prefix: str = "") -> Iterator[str]:
             yield from free_tables(hint, f"{prefix}{field.name}.")  # type: ignore[arg-type]
         elif _is_table(hint):
             yield prefix + field.name
-
-
-def shipped() -> dict[Path, type]:
-    """The shipped example files and the dataclass each is rendered from."""
-    from coordinator.config import CoordinatorConfig
-    from edge_agent.config import AgentConfig
-
-    root = Path(__file__).resolve().parent.parent
-    return {
-        root / "edge_agent" / "agent.toml": AgentConfig,
-        root / "coordinator" / "coordinator.toml": CoordinatorConfig,
-    }
-
-
-def main() -> int:
-    """Rewrite the shipped example files from their dataclasses (after adding a key)."""
-    for path, cls in shipped().items():
-        text = path.read_text(encoding="utf-8")
-        rendered = render(cls, text)
-        if rendered != text:
-            path.write_text(rendered, encoding="utf-8")
-            print(f"rewrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

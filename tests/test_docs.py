@@ -26,8 +26,10 @@ from edge_agent.cli import build_parser as agent_parser
 from edge_agent.config import AgentConfig
 from export.cli import build_parser as export_parser
 from fleet.cli.main import build_parser as fleet_parser
+from protocol.methods import WIRE_METHODS
 from runtime.example_config import defaults
-from runtime.secagg.fleet import SECURE_METHODS
+
+SECURE_METHODS = {m.name for m in WIRE_METHODS.values() if m.secure}
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -12,7 +12,8 @@ from coordinator.cli import main as coordinator_main
 from coordinator.config import CoordinatorConfig
 from edge_agent.cli import main as agent_main
 from edge_agent.config import AgentConfig
-from runtime.example_config import free_tables, keys, render, shipped
+from runtime.example_config import free_tables, keys, render
+from tests.example_configs import shipped
 
 KEY = re.compile(r"^(?:#\s*)?([A-Za-z_][A-Za-z0-9_]*)\s*=")
 TABLE = re.compile(r"^\[([A-Za-z0-9_.]+)\]")
@@ -55,7 +56,7 @@ def test_the_keys_the_examples_used_to_miss_are_listed(capsys) -> None:
 def test_the_shipped_example_is_what_example_config_prints(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     assert render(shipped()[path], text) == text, (
-        f"{path} differs from its dataclasses: run `python -m runtime.example_config`"
+        f"{path} differs from its dataclasses: run `python -m tests.example_configs`"
     )
 
 
