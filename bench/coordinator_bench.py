@@ -17,8 +17,8 @@ import paho.mqtt.client as mqtt
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import Store
-from coordinator.store_reader import StoreReader
+from coordinator.storage.store import Store
+from coordinator.storage.store_reader import StoreReader
 from coordinator.strategies import make_strategy
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, round_topic, update_topic

@@ -63,7 +63,7 @@ from bench.intake_fleet import (
     wait_ready,
 )
 from bench.reliability_bench import _wait, publish_burst
-from coordinator.owner_service import receipt_filter
+from coordinator.service.owner_service import receipt_filter
 from fleet.transports.broker import BrokerAddress, MosquittoBroker
 from protocol import RoundAnnouncement, round_topic, update_topic
 from protocol.auth import Signer, sign, signature_problem

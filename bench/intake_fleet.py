@@ -72,7 +72,7 @@ class Fleet:
             f"[mqtt]\nport = {port}\n"
             f'[security]\nkey = "{self.root / "coordinator.key"}"\n'
             f'devices = "{self.root / "devices"}"\n'
-            # What the round owner requires (coordinator/owner.py::refusal).
+            # What the round owner requires (coordinator/tier/owner.py::refusal).
             "[robust]\nmedian_count_cap = false\nmedian_norm_clip = false\n"
             "median_direction_screen = false\n"
             f'[workers]\nnames = {json.dumps(list(WORKERS))}\nlocal_sets = "omit"\n'

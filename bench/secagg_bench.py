@@ -15,9 +15,9 @@ for all:
 - ``local``: each device's ``dp-features`` release (``ClosedFormDevice.noisy_release``
   with ``plan_features``'s multiplier at the same epsilon), summed by the coordinator's
   ``statistics_of``;
-- ``secagg``: each device quantises its statistics (``runtime.secagg.quantise``: clip to
+- ``secagg``: each device quantises its statistics (``secagg.quantise``: clip to
   the declared dataset bound, scale ``SCALE``, stochastic rounding) and adds its share
-  ``N_Z(0, sigma^2 / t)``, with ``sigma^2`` from ``runtime.secagg.plan``
+  ``N_Z(0, sigma^2 / t)``, with ``sigma^2`` from ``secagg.plan``
   (``THRESHOLD`` of the 1,000 devices must survive, ``COLLUDING`` may collude); the ring
   sum is decoded (``decode``) and solved;
 - ``noise off``: the same without noise: equal to ``exact`` within ``sum_error_bound``.
@@ -25,7 +25,7 @@ for all:
 What runs the full protocol: the real ``SecAggDevice`` / ``SecAggServer`` round (keys,
 Shamir shares, masks, unmasking, every message through its wire form) on ``PROTOCOL_DEVICES``
 devices at k 64, with noise off (its decoded sum against the exact one and the bound) and
-on (the exact integer sampler of ``runtime.secagg.noise``). The 1,000-device sums are
+on (the exact integer sampler of ``secagg.noise``). The 1,000-device sums are
 formed directly from the same quantiser and ring arithmetic, without masks (they cancel
 exactly in the ring, which that run and tests/test_secagg_protocol.py check), and with
 the noise drawn by :func:`discrete_gaussian`, a vectorised numpy sampler of the same
@@ -57,6 +57,7 @@ from random import Random
 
 import numpy as np
 
+import closed_form as cf
 from bench.closed_form_bench import DELTA, DP_KS
 from bench.export_bench import ZOO, ensure_zoo
 from bench.one_backbone import pooled_features
@@ -68,20 +69,19 @@ from edge_agent.privacy.accounting import plan_features
 from fleet.engine.batch import FleetFeatures
 from fleet.engine.secure_sum import discrete_gaussian
 from fleet.transports.spec import FLEET
-from runtime import closed_form as cf
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.masks import Bits, ring_add
-from runtime.secagg.noise import device_noise
-from runtime.secagg.plan import (
+from secagg.device import SecAggDevice
+from secagg.masks import Bits, ring_add
+from secagg.noise import device_noise
+from secagg.plan import (
     DistributedPlan,
     SecureSum,
     check_ring,
     plan_distributed,
     statistics_clip,
 )
-from runtime.secagg.quantise import QuantiseSpec, decode, round_scaled, sum_error_bound, to_ring
-from runtime.secagg.server import SecAggServer
-from runtime.secagg.settings import SecAggSettings
+from secagg.quantise import QuantiseSpec, decode, round_scaled, sum_error_bound, to_ring
+from secagg.server import SecAggServer
+from secagg.settings import SecAggSettings
 
 #: Projections tried for every variant: the small k give each device's own noise its best
 #: chance (its second moment has k(k+1)/2 entries to noise), the large the exact sum.

@@ -45,8 +45,8 @@ from bench.export_bench import ensure_zoo
 from coordinator.config import CoordinatorConfig, ModelSettings, PrivacySettings, RoundSettings
 from coordinator.rounds import RoundManager
 from coordinator.rounds.secure import SecureOutcome
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
+from coordinator.service.service import CoordinatorService
+from coordinator.storage.store import Store
 from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig, ClosedFormSettings, DataSettings
 from edge_agent.privacy.settings import PrivacySettings as AgentPrivacy
@@ -55,12 +55,12 @@ from export.bundle import load as load_bundle
 from fleet.data.digits5 import DOMAINS, domain_data
 from fleet.transports.broker import MosquittoBroker
 from fleet.transports.configs import fleet_keys
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.fleet import SecureAggregation, secure_release
-from runtime.secagg.server import SecAggServer
-from runtime.secagg.settings import SecAggSettings
 from runtime.security import AgentSecurity, CoordinatorSecurity
 from runtime.transport import MqttSettings
+from secagg.device import SecAggDevice
+from secagg.fleet import SecureAggregation, secure_release
+from secagg.server import SecAggServer
+from secagg.settings import SecAggSettings
 
 FLEET = "cost"
 DEVICES = 100

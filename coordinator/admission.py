@@ -18,11 +18,11 @@ from types import MappingProxyType
 
 import numpy as np
 
+from closed_form import triangle_size
 from coordinator.aggregate import NORM_TOLERANCE
 from protocol import PrototypeUpdate
 from protocol.methods import COUNTS, GRAM, wire_method
 from protocol.weights import averaged_weight_shapes
-from runtime.closed_form import triangle_size
 
 FISHER = "fisher"
 

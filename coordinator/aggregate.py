@@ -43,7 +43,7 @@ def mean_of_sums(sums: F64, totals: F64, *, holders: np.ndarray | None = None) -
     """``sums / totals`` for every class with ``totals > 0`` (zeros elsewhere), divided
     once more by ``holders`` if given (the paper's weighting), and the (C,) mask of those
     classes. The one division every averaging rule ends in, whether its sums were taken
-    over all updates at once or added up from workers' partial sums (coordinator/partial.py).
+    over all updates at once or added up from workers' partial sums (coordinator/tier/partial.py).
     """
     has = totals > 0
     out = np.zeros_like(sums)

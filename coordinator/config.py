@@ -16,10 +16,10 @@ from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
 from protocol.methods import wire_method
-from runtime.secagg.fleet import AGGREGATIONS, SecureAggregation, method_problem
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
+from secagg.fleet import AGGREGATIONS, SecureAggregation, method_problem
 
 Scalar = bool | int | float | str
 
@@ -172,7 +172,7 @@ MAX_WORKERS = 256
 @dataclass(frozen=True)
 class WorkersSettings:
     """The sharded intake (docs/scale.md, docs/deploy.md): with workers named here,
-    ``edge-coordinator run`` is the round owner (coordinator/owner.py) and the updates go
+    ``edge-coordinator run`` is the round owner (coordinator/tier/owner.py) and the updates go
     to ``edge-coordinator worker --name NAME`` processes on the shared subscription
     ``$share/<group>/...``. ``names`` or ``count`` (``w1`` ... ``wN``), not both; neither
     runs the single coordinator. ``collect_retry_s``: how often a collect request is sent
@@ -214,7 +214,7 @@ class WorkersSettings:
 @dataclass(frozen=True)
 class PrivacySettings:
     """``aggregation``: ``plain``, each device's release reaches the coordinator, or
-    ``secure``, only the fleet's sum does (runtime/secagg/, the ``[secure_aggregation]``
+    ``secure``, only the fleet's sum does (secagg/, the ``[secure_aggregation]``
     table; lda, ridge and fedproto)."""
 
     aggregation: Literal["plain", "secure"] = "plain"

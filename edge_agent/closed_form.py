@@ -4,7 +4,7 @@ linear head it predicts with.
 The device trains nothing by gradient. Its frozen backbone features are made unit-norm,
 passed through a public random projection to ``k`` dimensions when the fleet sets one
 (seeded from the fleet id: every device and the coordinator agree on it without a
-message) and clipped to norm <= 1. Their class statistics (``runtime.closed_form``)
+message) and clipped to norm <= 1. Their class statistics (``closed_form``)
 leave the device once per data version; the coordinator sums every device's and
 announces the solved linear head.
 
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
+import closed_form as cf
 from edge_agent.config import ClosedFormSettings
 from edge_agent.fit_split import FitSplit
 from edge_agent.methods import DeviceMethod
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
 from protocol.methods import BIAS, COUNTS, GRAM
-from runtime import closed_form as cf
 from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class ClosedFormDevice:
         """The statistics through one Gaussian mechanism of multiplier ``noise_multiplier``
         (noise std over the release's joint L2 sensitivity under adding or removing one
         example of norm <= 1). With a second moment: (G, s, n), sensitivity sqrt(3)
-        (``runtime.closed_form``). Without (fedcof): the sums and counts, sqrt(2). Every
+        (``closed_form``). Without (fedcof): the sums and counts, sqrt(2). Every
         class is sent, present or not, so the set sent reveals nothing."""
         exact = self.statistics()
         if self.method.wire.gram:

@@ -11,10 +11,10 @@ from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.train_config import TrainConfig
 from export.runtime import RuntimeSettings
 from protocol import validate_id
-from runtime.secagg.fleet import SecureAggregation, method_problem
 from runtime.security import AgentSecurity
 from runtime.settings import load_config
 from runtime.transport import MqttSettings
+from secagg.fleet import SecureAggregation, method_problem
 
 
 @dataclass(frozen=True)

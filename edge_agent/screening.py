@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 #: A device's status reason while it refuses the fleet's announcements as not signed by
 #: the coordinator key it pinned; the coordinator counts and alerts on it
-#: (coordinator/presence.py). Taken back once a signed announcement is answered.
+#: (coordinator/rounds/presence.py). Taken back once a signed announcement is answered.
 BAD_COORDINATOR_SIGNATURE = (
     f"{protocol.BAD_COORDINATOR_SIGNATURE}: announcements are not signed by the coordinator "
     "key this device pinned (security.coordinator); check it pairs with the coordinator's "

@@ -22,7 +22,7 @@ from edge_agent.closed_form import ClosedFormDevice
 from edge_agent.delivery import Agent, Delivery, Sent
 from edge_agent.secure_join import SecureInput
 from protocol import RoundAnnouncement
-from runtime.secagg.fleet import flatten, flatten_prototypes, prototype_release, secure_release
+from secagg.fleet import flatten, flatten_prototypes, prototype_release, secure_release
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from edge_agent.config import AgentConfig
 from edge_agent.keys import AgentKeys
 from edge_agent.state import StateDir
 from protocol import RoundAnnouncement
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.messages import Stage
-from runtime.secagg.mqtt_device import SecAggDeviceLink
-from runtime.secagg.settings import SecAggSettings
-from runtime.secagg.wire import DeviceWire
+from secagg.device import SecAggDevice
+from secagg.messages import Stage
+from secagg.mqtt_device import SecAggDeviceLink
+from secagg.settings import SecAggSettings
+from secagg.wire import DeviceWire
 
 log = logging.getLogger(__name__)
 

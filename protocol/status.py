@@ -23,7 +23,7 @@ class AgentState(str, Enum):
 FINISHED = "finished"
 #: The start of a device's ``reason`` while it refuses the fleet's announcements as not
 #: signed by the coordinator key it pinned: a coordinator restarted with another key
-#: learns it from its devices' statuses (coordinator/presence.py).
+#: learns it from its devices' statuses (coordinator/rounds/presence.py).
 BAD_COORDINATOR_SIGNATURE = "bad_coordinator_signature"
 
 

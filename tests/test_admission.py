@@ -12,7 +12,7 @@ from coordinator.admission import Admission
 from coordinator.config import AdmissionSettings, ModelSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies import available
 from edge_agent.train import LocalModel
 from edge_agent.train_config import TrainConfig

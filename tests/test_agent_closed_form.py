@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import closed_form as cf
 from coordinator.strategies import make_strategy
 from coordinator.strategies.closed_form import announced
 from edge_agent.agent import Agent
@@ -31,7 +32,6 @@ from fleet.transports.runner import run
 from fleet.transports.spec import RunSpec
 from protocol import PrototypeUpdate, RoundAnnouncement
 from protocol.methods import BIAS, GRAM
-from runtime import closed_form as cf
 from tests.agent_helpers import RUN, RUN_STARTED, agent_config
 
 

@@ -81,7 +81,7 @@ def test_option_checks_and_help_do_not_import_torch():
     # agent's config file and its state folder.
     code = (
         "import sys\n"
-        "import coordinator.cli, edge_agent.cli, export.cli, fleet.cli.main\n"
+        "import coordinator.service.cli, edge_agent.cli, export.cli, fleet.cli.main\n"
         "from edge_agent.config import AgentConfig\n"
         "from edge_agent.state import StateDir\n"
         "from fleet.transports.spec import RunSpec\n"
@@ -114,7 +114,10 @@ def test_the_wheel_ships_the_example_configs(tmp_path):
     # file from inside the package. Built from a copy, so the tree is left as it is.
     root = Path(__file__).resolve().parent.parent
     src = tmp_path / "src"
-    packages = ("protocol", "runtime", "export", "edge_agent", "coordinator", "fleet")
+    packages = (
+        "protocol", "closed_form", "runtime", "secagg", "export", "edge_agent", "coordinator",
+        "fleet",
+    )  # fmt: skip
     for name in packages:
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from runtime.closed_form.heads import (
+from closed_form.heads import (
     LinearHead,
     fedcof_covariances,
     fedcof_gram,
@@ -15,7 +15,7 @@ from runtime.closed_form.heads import (
     oas_shrinkage,
     ridge_head,
 )
-from runtime.closed_form.statistics import (
+from closed_form.statistics import (
     Statistics,
     clip_rows,
     device_statistics,

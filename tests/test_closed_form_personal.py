@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from runtime.closed_form.heads import LinearHead, lda_head
-from runtime.closed_form.personal import personalised_head
-from runtime.closed_form.statistics import clip_rows, device_statistics
+from closed_form.heads import LinearHead, lda_head
+from closed_form.personal import personalised_head
+from closed_form.statistics import clip_rows, device_statistics
 
 PK, PC = 6, 3
 

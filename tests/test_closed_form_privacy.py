@@ -6,15 +6,15 @@ import math
 import numpy as np
 import pytest
 
-from runtime.closed_form.privacy import (
+from closed_form.privacy import (
     SENSITIVITY,
     denoise,
     noised,
     release_delta,
     sensitivity_bound,
 )
-from runtime.closed_form.statistics import Statistics, clip_rows, device_statistics
-from runtime.closed_form.triangles import triangle_size, upper_triangle
+from closed_form.statistics import Statistics, clip_rows, device_statistics
+from closed_form.triangles import triangle_size, upper_triangle
 
 
 def test_sensitivity_is_reached_by_a_unit_basis_vector() -> None:

@@ -4,14 +4,14 @@ counts, sums and Gram matrix by hand, and merge, the exact sum over devices."""
 import numpy as np
 import pytest
 
-from runtime.closed_form.statistics import (
+from closed_form.statistics import (
     Statistics,
     clip_rows,
     device_statistics,
     means_statistics,
     merge,
 )
-from runtime.closed_form.triangles import (
+from closed_form.triangles import (
     dim_of_triangle,
     from_upper_triangle,
     triangle_size,

@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import closed_form as cf
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.stored import RunningStatistics
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies import RobustOptions, make_strategy
 from coordinator.strategies.closed_form import fleet_statistics
 from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
 from protocol.methods import BIAS, GRAM
-from runtime import closed_form as cf
 from runtime.security import CoordinatorSecurity
 
 K, C = 6, 4

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import EXAMPLE
 from coordinator.config import load
+from coordinator.service.cli import EXAMPLE
 from runtime.settings import ConfigError, parse_value
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from coordinator import downlink
-from coordinator.announcements import Announcer, largest_announcement
 from coordinator.config import AgentsSettings, CoordinatorConfig, ModelSettings
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import Store
+from coordinator.rounds.announcements import Announcer, largest_announcement
+from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate, make_strategy
 from edge_agent.train import Guidance
 from protocol import PrototypeUpdate, RoundAnnouncement
@@ -196,7 +196,7 @@ def test_a_budget_with_room_for_fewer_than_the_floor_sends_the_floor_and_says_so
         ModelSettings(method="fedpcl", downlink_budget=-1)
     # Room for the global prototypes alone (5.5 kB in float16), not for one set beside them.
     ann = announcer(tmp_path, signer_key, announce_dtype="f2", downlink_budget=8_000)
-    with caplog.at_level("WARNING", logger="coordinator.announcements"):
+    with caplog.at_level("WARNING", logger="coordinator.rounds.announcements"):
         first = ann.announce(3, aggregate(20), deadline=9.0)
         second = ann.announce(4, aggregate(20), deadline=9.0)
     assert len(first.local_sets) == len(second.local_sets) == downlink.MIN_SETS == 5

@@ -34,7 +34,7 @@ def test_json_log_lines_carry_the_structured_fields():
 
 def test_coordinator_never_imports_torch():
     code = (
-        "import sys, coordinator.cli, coordinator.service, coordinator.rounds, coordinator.strategies;"
+        "import sys, coordinator.service.cli, coordinator.service.service, coordinator.rounds, coordinator.strategies;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -10,8 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import closed_form as cf
 from coordinator import aggregate as agg
-from coordinator.partial import (
+from coordinator.strategies import make_strategy
+from coordinator.strategies.closed_form import ClosedForm, fleet_statistics
+from coordinator.tier.partial import (
     RAW,
     OverlapError,
     PartialSum,
@@ -19,15 +22,12 @@ from coordinator.partial import (
     merge,
     partial_of,
 )
-from coordinator.partial_statistics import StatisticsPart, merge_parts, part_of, replaced
-from coordinator.partial_wire import CollectRequest, Copy, PartialMessage
-from coordinator.strategies import make_strategy
-from coordinator.strategies.closed_form import ClosedForm, fleet_statistics
+from coordinator.tier.partial_statistics import StatisticsPart, merge_parts, part_of, replaced
+from coordinator.tier.partial_wire import CollectRequest, Copy, PartialMessage
 from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
 from protocol.codec import pack, unpack
 from protocol.errors import MalformedPayload
-from runtime import closed_form as cf
 from tests.coordinator_helpers import DIM, stand_in_update
 
 
@@ -162,7 +162,7 @@ def test_merged_partials_give_the_strategies_global_prototypes() -> None:
     np.testing.assert_allclose(got[has], paper.global_prototypes, rtol=1e-12, atol=1e-15)
 
 
-# -- closed-form statistics (coordinator/partial_statistics.py, their wire form) ----------------
+# -- closed-form statistics (coordinator/tier/partial_statistics.py, their wire form) ----------------
 
 
 def release(client: str, x: list, y: list, *, method: str = "lda", round_: int = 1):

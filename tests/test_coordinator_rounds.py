@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import Commit, StateError, Store
+from coordinator.storage.store import Commit, StateError, Store
 from protocol import AgentState, Status
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import CLASSES, DIM, config, hand_globals, stand_in_update
@@ -225,11 +225,11 @@ def test_status_messages_update_the_client_table(tmp_path, caplog):
     offline = Status(
         fleet="lab", client="dev-0", state=AgentState.OFFLINE, version="0.1.0", reason="lost"
     )
-    with caplog.at_level(logging.INFO, logger="coordinator.presence"):
+    with caplog.at_level(logging.INFO, logger="coordinator.rounds.presence"):
         # A restarted coordinator's session replays queued statuses: one line says it.
         for _ in range(3):
             m.record_status(offline.to_wire(), topic_client="dev-0")
-    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.presence"]
+    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.rounds.presence"]
     assert said == ["client dev-0 is offline (lost)"]
     summary = m.store.summary()
     assert summary["clients"][0]["state"] == "offline" and summary["clients_online"] == 0

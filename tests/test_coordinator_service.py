@@ -17,8 +17,8 @@ import pytest
 
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.service import RECONNECT_MAX_S, CoordinatorService
-from coordinator.store import Store
+from coordinator.service.service import RECONNECT_MAX_S, CoordinatorService
+from coordinator.storage.store import Store
 from fleet.transports.broker import MosquittoBroker, free_port
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.topics import receipt_topic

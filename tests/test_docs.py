@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from bench.figure_results import Results
-from coordinator.cli import build_parser as coordinator_parser
 from coordinator.config import CoordinatorConfig
+from coordinator.service.cli import build_parser as coordinator_parser
 from edge_agent.cli import build_parser as agent_parser
 from edge_agent.config import AgentConfig
 from export.cli import build_parser as export_parser

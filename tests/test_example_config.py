@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main as coordinator_main
 from coordinator.config import CoordinatorConfig
+from coordinator.service.cli import main as coordinator_main
 from edge_agent.cli import main as agent_main
 from edge_agent.config import AgentConfig
 from runtime.example_config import free_tables, keys, render

@@ -22,9 +22,9 @@ from coordinator.config import (
     database_in,
 )
 from coordinator.config import load as load_coordinator_config
-from coordinator.owner import refusal
 from coordinator.strategies import RobustOptions
 from coordinator.strategies.base import RAW
+from coordinator.tier.owner import refusal
 from edge_agent.methods import METHODS
 from fleet.cli.commands import cmd_compare, cmd_run
 from fleet.cli.main import build_parser

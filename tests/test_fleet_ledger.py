@@ -5,8 +5,8 @@ tests/test_fleet_runs.py)."""
 import sqlite3
 from pathlib import Path
 
-from coordinator.schema import SCHEMA
-from coordinator.store import Commit, Store
+from coordinator.storage.schema import SCHEMA
+from coordinator.storage.store import Commit, Store
 from fleet.report.ledger import update_ledger
 
 

@@ -17,7 +17,7 @@ from fleet.report.privacy_report import curves, plot_accuracy_vs_epsilon
 from fleet.report.privacy_report import markdown as privacy_markdown
 from fleet.report.summary import build_report, to_json
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
-from runtime.secagg.fleet import SecureAggregation
+from secagg.fleet import SecureAggregation
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -15,10 +15,11 @@ from random import Random
 import numpy as np
 import pytest
 
+import closed_form as cf
 from coordinator.config import database_in
 from coordinator.config import load as load_coordinator_config
 from coordinator.rounds.secure import SUM_KEY, FleetSum
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies.closed_form import LDA
 from edge_agent.closed_form import ClosedFormDevice
 from edge_agent.config import ClosedFormSettings
@@ -37,11 +38,10 @@ from fleet.transports.spec import FLEET, RunSpec
 from fleet.transports.vector import features_of
 from fleet.transports.vector_closed_form import noise_sources
 from protocol import RoundAnnouncement
-from runtime import closed_form as cf
 from runtime.cliutil import UsageError
-from runtime.secagg.fleet import SecureAggregation, flatten, secure_release, unflatten
-from runtime.secagg.plan import statistics_clip
-from runtime.secagg.quantise import QuantiseSpec, sum_error_bound
+from secagg.fleet import SecureAggregation, flatten, secure_release, unflatten
+from secagg.plan import statistics_clip
+from secagg.quantise import QuantiseSpec, sum_error_bound
 
 PNG = b"\x89PNG\r\n\x1a\n"
 K = 16  # a small public projection: the runs here test the plumbing, not the accuracy

@@ -79,12 +79,19 @@ def _why_not() -> str | None:
         return (
             f"no python{sys.version_info.major}.{sys.version_info.minor} the service user may run"
         )
-    if not _open_to_all(Path(sysconfig.get_paths()["purelib"]) / "numpy" / "__init__.py", 0o004):
-        return "the test's own packages are out of the service user's reach"
+    numpy_init = Path(sysconfig.get_paths()["purelib"]) / "numpy" / "__init__.py"
+    if not numpy_init.resolve().stat().st_mode & 0o004:
+        return "the test's own packages are not readable by other users"
     present = [str(p) for p in MADE if p.exists()] + ([f"user {USER}"] if _exists(USER) else [])
     if present:
         return f"this machine has a ProtoFleet install ({', '.join(present)}) the test would change"
     return None
+
+
+def closed_parents(path: Path) -> list[Path]:
+    """The folders above ``path`` another user cannot pass through (a checkout under /root,
+    mode 0700): the service user must reach the test's own packages there."""
+    return [p for p in path.resolve().parents if not p.stat().st_mode & 0o001]
 
 
 def sh(*args: str) -> str:
@@ -167,7 +174,12 @@ def installed(tmp_path: Path) -> Iterator[Installed]:
     certs = tmp_path / "fleet-certs"
     sh(str(SYSTEMD / "make-certs.sh"), "--out", str(certs), "coordinator", "dev-a")
     units_dir_made = not UNITS[0].parent.exists()
+    # Opened for passing through (o+x, no listing) while the services run, and closed
+    # again after: wherever CI keeps its checkout, the test's packages serve the services.
+    opened = {p: p.stat().st_mode for p in closed_parents(Path(sysconfig.get_paths()["purelib"]))}
     try:
+        for folder, mode in opened.items():
+            os.chmod(folder, mode | 0o001)
         # A configuration an earlier install left, root:root as every install used to:
         # kept, and given to the service's group.
         CONFIG.mkdir(mode=0o750)
@@ -188,6 +200,8 @@ def installed(tmp_path: Path) -> Iterator[Installed]:
         runs["agent"] = install(str(SYSTEMD / "install-agent.sh"), *python)
         yield Installed(certs=certs, runs=runs)
     finally:
+        for folder, mode in opened.items():
+            os.chmod(folder, mode)
         for path in MADE:
             if path.is_dir():
                 shutil.rmtree(path)

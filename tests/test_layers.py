@@ -15,13 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What each package may import of the project's own packages (itself always).
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
+    "closed_form": set(),
     "runtime": {"protocol"},
+    "secagg": {"protocol", "runtime", "closed_form"},
     "export": {"protocol", "runtime"},
-    "coordinator": {"protocol", "runtime"},
-    "edge_agent": {"protocol", "runtime", "export"},
-    "fleet": {"protocol", "runtime", "export", "coordinator", "edge_agent"},
-    "bench": {"protocol", "runtime", "export", "coordinator", "edge_agent", "fleet"},
-}
+    "coordinator": {"protocol", "runtime", "closed_form", "secagg"},
+    "edge_agent": {"protocol", "runtime", "closed_form", "secagg", "export"},
+    "fleet": {"protocol", "runtime", "closed_form", "secagg", "export", "coordinator", "edge_agent"},
+    "bench": {
+        "protocol", "runtime", "closed_form", "secagg", "export", "coordinator", "edge_agent",
+        "fleet",
+    },
+}  # fmt: skip
 PROTOCOL_THIRD_PARTY = {"numpy", "msgpack", "cryptography"}
 
 
@@ -158,6 +163,60 @@ def test_no_fleet_room_imports_one_above_it(room: str) -> None:
         str(path.relative_to(ROOT)): sorted(fleet_rooms_imported(path) & above)
         for path in sorted((ROOT / "fleet" / room).rglob("*.py"))
         if fleet_rooms_imported(path) & above
+    }
+    assert upward == {}
+
+
+#: coordinator/'s rooms and which of the others each may import: the strategies and the
+#: storage at the bottom, the round cycle over them, the worker tier that runs the cycle
+#: over workers, and the services and command over all of it. The modules beside the rooms
+#: (configuration, keys, metrics, admission, the decision, the downlink budget, the
+#: aggregation math) are the coordinator's shared vocabulary: every room may import them,
+#: and they import no room but the strategies (docs/architecture.md).
+COORDINATOR_ROOMS: dict[str, set[str]] = {
+    "strategies": set(),
+    "storage": set(),
+    "rounds": {"strategies", "storage"},
+    "tier": {"strategies", "storage", "rounds"},
+    "service": {"strategies", "storage", "rounds", "tier"},
+}
+COORDINATOR_SHARED = {"config", "keys", "metrics", "admission", "decision", "downlink", "aggregate"}
+
+
+def rooms_imported(path: Path, package: str) -> set[str]:
+    """The rooms of ``package`` that ``path`` imports, lazily or not."""
+    rooms: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+            modules = [node.module]
+            if node.module == package:
+                modules = [f"{package}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names if a.name.startswith(f"{package}.")]
+        rooms.update(m.split(".")[1] for m in modules if m.count(".") >= 1)
+    return rooms
+
+
+def test_every_coordinator_module_lives_in_a_room_or_is_shared() -> None:
+    loose = {p.stem for p in (ROOT / "coordinator").glob("*.py") if p.name != "__init__.py"}
+    assert loose == COORDINATOR_SHARED
+    rooms = {p.name for p in (ROOT / "coordinator").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(COORDINATOR_ROOMS)
+
+
+@pytest.mark.parametrize("room", [*sorted(COORDINATOR_ROOMS), "(shared)"])
+def test_no_coordinator_room_imports_one_above_it(room: str) -> None:
+    if room == "(shared)":
+        paths = [ROOT / "coordinator" / f"{name}.py" for name in sorted(COORDINATOR_SHARED)]
+        allowed = {"strategies"} | COORDINATOR_SHARED
+    else:
+        paths = sorted((ROOT / "coordinator" / room).rglob("*.py"))
+        allowed = COORDINATOR_ROOMS[room] | COORDINATOR_SHARED | {room}
+    upward = {
+        str(path.relative_to(ROOT)): sorted(rooms_imported(path, "coordinator") - allowed)
+        for path in paths
+        if rooms_imported(path, "coordinator") - allowed
     }
     assert upward == {}
 

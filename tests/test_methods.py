@@ -16,11 +16,14 @@ from edge_agent.methods import DEVICE_METHODS, METHODS, device_method
 from edge_agent.train import LOSSES
 from fleet.engine.losses import GROUP_LOSSES
 from protocol.methods import WIRE_METHODS, WireMethod, wire_method
-from runtime.secagg.fleet import SecureAggregation, method_problem
+from secagg.fleet import SecureAggregation, method_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = {ROOT / "protocol" / "methods.py", ROOT / "edge_agent" / "methods.py"}
-PACKAGES = ("protocol", "runtime", "export", "edge_agent", "coordinator", "fleet", "bench")
+PACKAGES = (
+    "protocol", "closed_form", "runtime", "secagg", "export", "edge_agent", "coordinator", "fleet",
+    "bench",
+)  # fmt: skip
 
 
 def test_every_registry_covers_exactly_the_recorded_methods():

@@ -1,4 +1,4 @@
-"""The round owner of a sharded coordinator (coordinator/owner.py): its decisions without a
+"""The round owner of a sharded coordinator (coordinator/tier/owner.py): its decisions without a
 broker (quorum from the workers' receipts, the collect and its exclusions, a worker that
 does not answer, a restart), the methods it refuses in one line, and the issue's test: three
 worker processes over a real Mosquitto, one killed with SIGKILL in the middle of a round and
@@ -22,16 +22,16 @@ import pytest
 
 from coordinator.config import CoordinatorConfig, WorkersSettings
 from coordinator.config import load as load_config
-from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
-from coordinator.owner import RoundOwner, refusal
-from coordinator.owner_service import OwnerService, receipt_filter
-from coordinator.partial_wire import CollectRequest, collect_topic
-from coordinator.store import Store
+from coordinator.service.owner_service import OwnerService, receipt_filter
+from coordinator.storage.store import Store
 from coordinator.strategies import RobustOptions, make_strategy
 from coordinator.strategies.base import RAW
-from coordinator.worker_ledger import worker_summary
-from coordinator.worker_store import WorkerStore
+from coordinator.tier.intake import Intake
+from coordinator.tier.owner import RoundOwner, refusal
+from coordinator.tier.partial_wire import CollectRequest, collect_topic
+from coordinator.tier.worker_ledger import worker_summary
+from coordinator.tier.worker_store import WorkerStore
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.auth import Verifier, sign, signature_problem

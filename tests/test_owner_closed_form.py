@@ -15,24 +15,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import closed_form as cf
 from coordinator.config import load as load_config
-from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
-from coordinator.owner import Closed
-from coordinator.partial_wire import CollectRequest, PartialMessage, collect_topic
 from coordinator.rounds import RoundManager
 from coordinator.rounds.stored import RunningStatistics
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate
-from coordinator.worker import Worker
-from coordinator.worker_store import WorkerStore
+from coordinator.tier.intake import Intake
+from coordinator.tier.owner import Closed
+from coordinator.tier.partial_wire import CollectRequest, PartialMessage, collect_topic
+from coordinator.tier.worker import Worker
+from coordinator.tier.worker_store import WorkerStore
 from edge_agent.closed_form import StatisticsRelease
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.auth import sign
 from protocol.methods import BIAS
-from runtime import closed_form as cf
 from runtime.transport import MqttSettings
 from tests.coordinator_helpers import BUNDLE, DIM, coordinator_toml
 from tests.mqtt_helpers import connected
@@ -245,7 +245,7 @@ def test_statistics_whose_earlier_copy_is_gone_stay_and_the_new_ones_are_left_ou
               statistics(2, 1, method="lda", version=1)]  # fmt: skip
     for i, u in enumerate(second):
         offer(tier, WORKERS[i], u, keys)
-    with caplog.at_level(logging.ERROR, logger="coordinator.owner_statistics"):
+    with caplog.at_level(logging.ERROR, logger="coordinator.tier.owner_statistics"):
         _, asked, closed = close_round(tier)
     assert "worker w3 no longer holds its statistics of round 0" in caplog.text
     # Asked back from w3, not found there: dev-2's new statistics (on w3) are left out.

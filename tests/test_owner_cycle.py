@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load as load_config
-from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
-from coordinator.partial_wire import CollectRequest
-from coordinator.worker_store import WorkerStore
+from coordinator.tier.intake import Intake
+from coordinator.tier.partial_wire import CollectRequest
+from coordinator.tier.worker_store import WorkerStore
 from fleet.transports.broker import MosquittoBroker
 from protocol import AgentState, RoundAnnouncement, Status, status_topic
 from tests.mqtt_helpers import connected

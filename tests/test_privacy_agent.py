@@ -91,6 +91,7 @@ def public_view(decision: Decision, fleet: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism", ["dp", "dp-features"])
 def test_neighbouring_data_sets_publish_byte_identical_metadata(
     small_zoo: Path, tmp_path: Path, mechanism: str

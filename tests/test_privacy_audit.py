@@ -22,6 +22,7 @@ def test_clopper_pearson_by_hand() -> None:
     assert high == 1.0 and low == pytest.approx(0.025 ** (1 / 100), rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("space", ["embeddings", "features"])
 def test_the_canary_audit_holds_for_the_release_and_fails_for_a_broken_one(space: str) -> None:
     """Both formal releases: dp (unit embeddings) and dp-features (raw features of norms up

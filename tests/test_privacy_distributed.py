@@ -1,4 +1,4 @@
-"""The distributed discrete Gaussian's plan and account (runtime/secagg/plan.py):
+"""The distributed discrete Gaussian's plan and account (secagg/plan.py):
 a calibration worked by hand, KLS's tau by hand, the rounding's sensitivity checked on real
 statistics, monotonicity, the epsilon recomputed by Opacus's RDP accountant, and the ring
 that a sum could wrap refused."""
@@ -14,8 +14,8 @@ import pytest
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-from runtime import closed_form as cf
-from runtime.secagg.plan import (
+import closed_form as cf
+from secagg.plan import (
     CONVERSION_SLACK,
     DistributedPlan,
     SecureSum,
@@ -28,7 +28,7 @@ from runtime.secagg.plan import (
     zcdp_epsilon,
     zcdp_for_epsilon,
 )
-from runtime.secagg.quantise import QuantiseSpec, max_devices, stochastic_round
+from secagg.quantise import QuantiseSpec, max_devices, stochastic_round
 
 #: ln(1/delta) = 4: the hand computations stay in square roots.
 DELTA_E4 = math.exp(-4.0)

@@ -17,8 +17,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from coordinator.config import CoordinatorConfig, RoundSettings
 from coordinator.rounds import RoundManager
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
+from coordinator.service.service import CoordinatorService
+from coordinator.storage.store import Store
 from fleet.transports.broker import MosquittoBroker
 from protocol import RoundAnnouncement, round_topic
 from protocol.auth import sign

@@ -22,8 +22,8 @@ import pytest
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.open_round import OpenRound
-from coordinator.run_reports import RunReports
-from coordinator.store import Store
+from coordinator.rounds.run_reports import RunReports
+from coordinator.storage.store import Store
 from edge_agent.agent import Agent
 from export import bundle as bundle_mod
 from protocol import AgentState, RoundAnnouncement, Status

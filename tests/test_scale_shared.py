@@ -14,10 +14,11 @@ import pytest
 
 from coordinator.admission import Admission
 from coordinator.decision import Decision
-from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
-from coordinator.partial import RAW, OverlapError, global_prototypes, partial_of
-from coordinator.partial_wire import (
+from coordinator.strategies import make_strategy
+from coordinator.tier.intake import Intake
+from coordinator.tier.partial import RAW, OverlapError, global_prototypes, partial_of
+from coordinator.tier.partial_wire import (
     CollectRequest,
     Copy,
     PartialMessage,
@@ -26,9 +27,8 @@ from coordinator.partial_wire import (
     exclusions,
     partial_filter,
 )
-from coordinator.strategies import make_strategy
-from coordinator.worker import Worker, shared_update_filter
-from coordinator.worker_store import WorkerStore
+from coordinator.tier.worker import Worker, shared_update_filter
+from coordinator.tier.worker_store import WorkerStore
 from fleet.transports.broker import MosquittoBroker
 from protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -297,10 +297,10 @@ def test_two_workers_on_one_shared_subscription_equal_one_coordinator(
     merged = combine(messages, fleet="lab", run=RUN, round_=1)
 
     # Partial sums are of the rows and counts as sent: the default median defences need
-    # the whole round at once (coordinator/partial.py::RAW), so the single coordinator
+    # the whole round at once (coordinator/tier/partial.py::RAW), so the single coordinator
     # they equal is one without them.
     single = make_strategy("fedpcl", robust=RAW).aggregate(UPDATES, num_classes=3, dim=DIM)
     values, has = global_prototypes(merged)
     assert tuple(int(c) for c in np.flatnonzero(has)) == single.global_classes
-    # Equal up to float64 rounding (see coordinator/partial.py::global_prototypes).
+    # Equal up to float64 rounding (see coordinator/tier/partial.py::global_prototypes).
     np.testing.assert_allclose(values[has], single.global_prototypes, rtol=1e-12, atol=1e-15)

@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from runtime.secagg.graph import graph_seed, harary, neighbour_graph
+from secagg.graph import graph_seed, harary, neighbour_graph
 
 
 def test_harary_even_k_is_a_ring_of_nearest_neighbours() -> None:

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.auth import Signer, sign, signature_problem
 from protocol.errors import FieldError, InvalidId, ProtocolError
-from runtime.secagg.messages import (
+from secagg.messages import (
     CIPHERTEXT_BYTES,
     SHARE_BYTES,
     Abort,

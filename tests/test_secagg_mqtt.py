@@ -23,16 +23,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fleet.transports.broker import BrokerAddress, MosquittoBroker
 from protocol.auth import Signer, sign
 from protocol.topics import secagg_down_topic, secagg_up_topic
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.errors import RoundAborted
-from runtime.secagg.messages import Abort, Advertise, PublicKeys, Roster, Stage
-from runtime.secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
-from runtime.secagg.mqtt_device import SecAggDeviceLink
-from runtime.secagg.quantise import QuantiseSpec, sum_error_bound
-from runtime.secagg.server import SecAggResult, SecAggServer
-from runtime.secagg.settings import SecAggSettings
-from runtime.secagg.wire import CoordinatorWire, DeviceWire
 from runtime.transport import MqttSettings
+from secagg.device import SecAggDevice
+from secagg.errors import RoundAborted
+from secagg.messages import Abort, Advertise, PublicKeys, Roster, Stage
+from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
+from secagg.mqtt_device import SecAggDeviceLink
+from secagg.quantise import QuantiseSpec, sum_error_bound
+from secagg.server import SecAggResult, SecAggServer
+from secagg.settings import SecAggSettings
+from secagg.wire import CoordinatorWire, DeviceWire
 from tests.mqtt_helpers import connected
 from tests.test_mqtt_link import Lines, attached_lines
 

@@ -9,7 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from runtime.secagg.noise import (
+from secagg.noise import (
     bernoulli,
     bernoulli_exp,
     device_noise,

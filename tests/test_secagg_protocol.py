@@ -12,10 +12,10 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from runtime.secagg.device import SecAggDevice
-from runtime.secagg.errors import Refused, RoundAborted
-from runtime.secagg.graph import neighbour_graph
-from runtime.secagg.messages import (
+from secagg.device import SecAggDevice
+from secagg.errors import Refused, RoundAborted
+from secagg.graph import neighbour_graph
+from secagg.messages import (
     Abort,
     MaskedInput,
     PublicKeys,
@@ -24,9 +24,9 @@ from runtime.secagg.messages import (
     Stage,
     Survivors,
 )
-from runtime.secagg.quantise import QuantiseSpec, sum_error_bound
-from runtime.secagg.server import SecAggResult, SecAggServer
-from runtime.secagg.settings import SecAggSettings
+from secagg.quantise import QuantiseSpec, sum_error_bound
+from secagg.server import SecAggResult, SecAggServer
+from secagg.settings import SecAggSettings
 
 M = TypeVar("M", bound=SecAggMessage)
 N = 20

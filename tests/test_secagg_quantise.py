@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from runtime.secagg.masks import Bits, ring_add
-from runtime.secagg.quantise import (
+from secagg.masks import Bits, ring_add
+from secagg.quantise import (
     QuantiseSpec,
     decode,
     encode,

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from runtime.secagg.shamir import P521, Share, combine, interpolate, split
+from secagg.shamir import P521, Share, combine, interpolate, split
 
 
 class Scripted(random.Random):

@@ -19,7 +19,7 @@ from protocol.topics import (
     secagg_up_filter,
     secagg_up_topic,
 )
-from runtime.secagg.messages import (
+from secagg.messages import (
     CIPHERTEXT_BYTES,
     KEY_BYTES,
     SHARE_BYTES,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import closed_form as cf
 from coordinator.config import (
     CoordinatorConfig,
     ModelSettings,
@@ -29,8 +30,8 @@ from coordinator.config import (
 )
 from coordinator.rounds import RoundManager
 from coordinator.rounds.secure import SUM_KEY, FleetSum, SecureOutcome
-from coordinator.service import CoordinatorService
-from coordinator.store import Store
+from coordinator.service.service import CoordinatorService
+from coordinator.storage.store import Store
 from coordinator.strategies import RobustOptions
 from coordinator.strategies.closed_form import LDA
 from edge_agent.agent import Agent
@@ -40,17 +41,16 @@ from edge_agent.service import AgentService
 from export.bundle import load as load_bundle
 from fleet.transports.broker import MosquittoBroker
 from fleet.transports.configs import FleetKeys, fleet_keys
-from runtime import closed_form as cf
-from runtime.secagg.fleet import (
+from runtime.security import AgentSecurity, CoordinatorSecurity
+from runtime.transport import MqttSettings
+from secagg.fleet import (
     SecureAggregation,
     flatten,
     flatten_prototypes,
     global_prototypes,
     unflatten,
 )
-from runtime.secagg.quantise import sum_error_bound
-from runtime.security import AgentSecurity, CoordinatorSecurity
-from runtime.transport import MqttSettings
+from secagg.quantise import sum_error_bound
 from tests.agent_helpers import CLASSES, agent_config, announcement
 
 K = 12

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from coordinator.schema import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
-from coordinator.store import Store
+from coordinator.storage.schema import WAL_BACKSTOP_BYTES, WAL_CHECKPOINT_BYTES
+from coordinator.storage.store import Store
 
 BATCH_BYTES = 5 << 20  # past the checkpoint size, far below the writer's own backstop
 

@@ -7,8 +7,8 @@ import sqlite3
 
 import pytest
 
-from coordinator.schema import PAGE_SIZE
-from coordinator.store import StateError, StorageFault, Store
+from coordinator.storage.schema import PAGE_SIZE
+from coordinator.storage.store import StateError, StorageFault, Store
 
 
 def filled_store(path):

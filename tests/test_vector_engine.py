@@ -16,7 +16,7 @@ import torch
 
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import StateError, Store
+from coordinator.storage.store import StateError, Store
 from edge_agent.train import Guidance, LocalModel, make_optimiser, train_round
 from edge_agent.train_config import TrainConfig
 from fleet.cli.commands import cmd_run

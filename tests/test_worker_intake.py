@@ -17,10 +17,11 @@ import pytest
 
 from coordinator.config import load as load_config
 from coordinator.decision import Decision
-from coordinator.intake import Intake
 from coordinator.keys import CoordinatorKeys
-from coordinator.partial import RAW, PartialSum, global_prototypes
-from coordinator.partial_wire import (
+from coordinator.strategies import make_strategy
+from coordinator.tier.intake import Intake
+from coordinator.tier.partial import RAW, PartialSum, global_prototypes
+from coordinator.tier.partial_wire import (
     CollectRequest,
     PartialMessage,
     collect_topic,
@@ -28,9 +29,8 @@ from coordinator.partial_wire import (
     exclusions,
     partial_filter,
 )
-from coordinator.strategies import make_strategy
-from coordinator.worker import Worker
-from coordinator.worker_store import WorkerStore
+from coordinator.tier.worker import Worker
+from coordinator.tier.worker_store import WorkerStore
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.auth import Signer, Verifier, sign, signature_problem
@@ -293,7 +293,7 @@ def test_a_resend_landing_on_a_second_worker_is_counted_once_and_receipted(
 
 def worker_process(config: Path, name: str) -> LoggedProcess:
     process = LoggedProcess(
-        "python", ["-m", "coordinator.worker", "--config", str(config), "--name", name]
+        "python", ["-m", "coordinator.tier.worker", "--config", str(config), "--name", name]
     )
     process.wait_for(f"worker {name} ready", timeout=20)
     return process

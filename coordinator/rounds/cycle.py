@@ -7,7 +7,7 @@ the in-memory and vector fleets and the tests drive it the same way.
 What a round's result is made of comes from a plugged-in tally (coordinator/rounds/tally.py),
 and how updates come in from the driver: the single coordinator
 (coordinator/rounds/manager.py) stores them itself; the round owner of a sharded fleet
-(coordinator/owner.py) counts the receipts its workers send.
+(coordinator/tier/owner.py) counts the receipts its workers send.
 
 ::
 
@@ -31,18 +31,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from coordinator.announcements import Announcer
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
-from coordinator.presence import Presence
-from coordinator.rejections import Rejections
+from coordinator.rounds.announcements import Announcer
 from coordinator.rounds.open_round import OpenRound
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.rejections import Rejections
+from coordinator.rounds.run_history import RunHistory
+from coordinator.rounds.run_reports import RunReports
+from coordinator.rounds.screening import Screening
 from coordinator.rounds.tally import Tallied, Tally
-from coordinator.run_history import RunHistory
-from coordinator.run_reports import RunReports
-from coordinator.screening import Screening
-from coordinator.store import Commit, RoundRow, Store
+from coordinator.storage.store import Commit, RoundRow, Store
 from coordinator.strategies import Aggregate
 from protocol import PrototypeUpdate, RoundAnnouncement, Status
 from protocol.receipts import payload_digest

@@ -2,7 +2,7 @@
 updates taken in and stored here. Transport-free, so it is driven the same way by the MQTT
 service, an in-memory fleet and the tests.
 
-An update goes ``offer`` -> :mod:`protocol` decode -> :mod:`coordinator.screening` ->
+An update goes ``offer`` -> :mod:`protocol` decode -> :mod:`coordinator.rounds.screening` ->
 ``Store.add_update``, and its receipt names the stored bytes' digest. The round's result
 comes from the tally the method and the fleet's privacy settings call for
 (:meth:`RoundManager._make_tally`): the strategy over the stored updates, the running sum
@@ -19,16 +19,16 @@ from coordinator.decision import ACCEPTED, Decision
 from coordinator.metrics import Metrics
 from coordinator.rounds.cycle import RoundCycle
 from coordinator.rounds.secure import SecureOutcome, SecureSum
+from coordinator.rounds.statistics import FleetStatistics
 from coordinator.rounds.stored import RunningStatistics, StoredUpdates
 from coordinator.rounds.tally import Tally
-from coordinator.statistics import FleetStatistics
-from coordinator.store import RoundRow, Store
+from coordinator.storage.store import RoundRow, Store
 from coordinator.strategies import Strategy, make_strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement
 from protocol.methods import wire_method
 from protocol.receipts import payload_digest
-from runtime.secagg.fleet import SecureRelease, prototype_release, secure_release
+from secagg.fleet import SecureRelease, prototype_release, secure_release
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class RoundManager(RoundCycle):
             config.model.method, robust=config.robust, **dict(config.model.strategy)
         )
         #: A secure fleet's (privacy.aggregation = "secure") public settings: each round
-        #: closes with its secure-aggregation round (coordinator/secure_rounds.py runs it).
+        #: closes with its secure-aggregation round (coordinator/rounds/secure_rounds.py runs it).
         self.secure: SecureRelease | None = None
         super().__init__(config=config, store=store, metrics=metrics, clock=clock)
 
@@ -144,7 +144,7 @@ class RoundManager(RoundCycle):
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
     def take_secure(self, outcome: SecureOutcome) -> bool:
-        """The open round's secure aggregation has ended (coordinator/secure_rounds.py):
+        """The open round's secure aggregation has ended (coordinator/rounds/secure_rounds.py):
         :meth:`poll` closes the round with it. False for another round's (a late one)."""
         with self._lock:
             if self._done or not isinstance(self.tally, SecureSum):

@@ -1,6 +1,6 @@
 """A secure fleet's tally (``privacy.aggregation = "secure"``, coordinator/rounds/tally.py):
 each coordinator round is closed by the outcome of its secure-aggregation round
-(coordinator/secure_rounds.py runs it over MQTT), not by counting updates.
+(coordinator/rounds/secure_rounds.py runs it over MQTT), not by counting updates.
 
 - lda and ridge: the round's unmasked sum is added to the fleet's running sum
   (:class:`FleetSum`, kept in the meta table with the round's close), and the head is
@@ -22,11 +22,11 @@ import numpy as np
 
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.tally import Tallied, Tally
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import RoundAnnouncement
-from runtime.secagg.fleet import SecureRelease, global_prototypes, unflatten
+from secagg.fleet import SecureRelease, global_prototypes, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class SecureOutcome:
     seconds: float = 0.0
 
 
-#: The meta-table key of a secure fleet's running sum (coordinator/store.py).
+#: The meta-table key of a secure fleet's running sum (coordinator/storage/store.py).
 SUM_KEY = "secure_sum"
 
 
@@ -53,7 +53,7 @@ class FleetSum:
     """A secure fleet's statistics: the sum of every secure round's unmasked sum. A device
     adds its statistics once per data version, and after new data the difference from
     what it added before (edge_agent/agent.py), so the running sum is every device's
-    latest, as a plain fleet's coordinator/statistics.py holds it. ``devices``: how many
+    latest, as a plain fleet's coordinator/rounds/statistics.py holds it. ``devices``: how many
     device inputs went into it (a device that adds a difference counts again)."""
 
     total: np.ndarray

@@ -1,7 +1,7 @@
 """The single coordinator's two tallies over the updates it stores
 (coordinator/rounds/tally.py): the method's strategy over the round's stored updates, and,
 for the closed-form methods, the running sum of every client's latest statistics
-(coordinator/statistics.py), added to as updates arrive."""
+(coordinator/rounds/statistics.py), added to as updates arrive."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.rounds.open_round import OpenRound
+from coordinator.rounds.statistics import FleetStatistics
 from coordinator.rounds.tally import Tallied, Tally
-from coordinator.statistics import FleetStatistics
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from coordinator.strategies import Strategy
 from protocol import PrototypeUpdate, RoundAnnouncement
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Tallied:
     """What a tally made of the round it closes: the ``aggregate`` to announce, and what
-    the close's transaction writes beside it (coordinator/store.py::Commit)."""
+    the close's transaction writes beside it (coordinator/storage/store.py::Commit)."""
 
     aggregate: Aggregate
     #: The updates the round closed with, and where they came from (the close's log line).

@@ -14,7 +14,7 @@ from coordinator import aggregate as agg
 from protocol import PrototypeUpdate
 
 #: How a round's global prototypes come out of the workers' merged partial sums
-#: (coordinator/partial.py::global_prototypes): ``count``, the count-weighted mean;
+#: (coordinator/tier/partial.py::global_prototypes): ``count``, the count-weighted mean;
 #: ``paper``, with FedPCL's printed 1/|N_j|; ``client``, the holders' plain mean.
 PartialMean = Literal["count", "paper", "client"]
 
@@ -62,7 +62,7 @@ def _lower_median(values: np.ndarray) -> float:
 
 
 #: The rows and counts as sent, no defence applied: what partial sums add up
-#: (coordinator/partial.py) and what the methods' own arithmetic is tested on.
+#: (coordinator/tier/partial.py) and what the methods' own arithmetic is tested on.
 RAW = RobustOptions(median_count_cap=False, median_norm_clip=False, median_direction_screen=False)
 
 

@@ -1,7 +1,7 @@
 """Closed-form heads from the fleet's class statistics: LDA, ridge (Fed3R) and FedCOF.
 
 A device of these methods sends its statistics once per data version (the sums a linear
-classifier is solved from: ``runtime/closed_form/``); the coordinator adds every
+classifier is solved from: ``closed_form/``); the coordinator adds every
 client's latest statistics exactly, in float64, and solves once. What it announces is the
 linear classifier: its weight rows as the global prototype rows (one per class present in
 the fleet) and its biases as the ``"bias"`` extra. A round in which no client sent new
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+import closed_form as cf
 from coordinator.strategies.base import Aggregate, RobustOptions, Strategy, register
 from protocol import PrototypeUpdate
 from protocol.methods import BIAS, COUNTS, GRAM
-from runtime import closed_form as cf
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from edge_agent.train import Guidance, LocalModel, RoundMetrics, train_round
 from edge_agent.train_config import TrainConfig
 from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.faults import crash_point
-from runtime.secagg.fleet import ledger_multiplier
-from runtime.secagg.plan import DistributedPlan
+from secagg.fleet import ledger_multiplier
+from secagg.plan import DistributedPlan
 
 #: What leaves the device, and the epsilon spent so far (None without a formal claim).
 Released = tuple[Release, float | None]
@@ -128,7 +128,7 @@ class PrivacyMode(ABC):
 
     def admit_secure_sum(self, round_: int, plan: DistributedPlan | None) -> bool:
         """A secure fleet's round (edge_agent/secure_delivery.py): the sum's noise, priced
-        as the sum's epsilon for one round (:func:`runtime.secagg.fleet.ledger_multiplier`),
+        as the sum's epsilon for one round (:func:`secagg.fleet.ledger_multiplier`),
         recorded before the first stage message leaves; False, and nothing recorded, when
         the budget refuses it. ``plan`` None: the sum carries no noise and claims none."""
         if plan is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from edge_agent.privacy.accounting import ACCOUNTANTS
 from edge_agent.privacy.mechanisms import MECHANISMS, MechanismSpec
 from edge_agent.privacy.randomness import guarantee
-from runtime.secagg.fleet import AGGREGATIONS
+from secagg.fleet import AGGREGATIONS
 
 
 @dataclass(frozen=True)

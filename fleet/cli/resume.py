@@ -28,7 +28,7 @@ from fleet.data.partition import Partition
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec
 from runtime.cliutil import UsageError
 from runtime.files import atomic_write
-from runtime.secagg.fleet import SecureAggregation
+from secagg.fleet import SecureAggregation
 
 log = logging.getLogger(__name__)
 

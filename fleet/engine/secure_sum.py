@@ -2,9 +2,9 @@
 secure fleet unmasks, formed without running the protocol (``--transport vector
 --secure-aggregation``, and bench/secagg_bench.py at 1,000 devices).
 
-Each device's input is what :meth:`runtime.secagg.device.SecAggDevice.masked_input`
-encodes before it masks: its flattened statistics (``runtime.secagg.fleet.flatten``)
-clipped, scaled and stochastically rounded (``runtime.secagg.quantise.round_scaled``),
+Each device's input is what :meth:`secagg.device.SecAggDevice.masked_input`
+encodes before it masks: its flattened statistics (``secagg.fleet.flatten``)
+clipped, scaled and stochastically rounded (``secagg.quantise.round_scaled``),
 plus its share ``N_Z(0, sigma^2 / t)`` of the distributed noise, mapped into the ring.
 The masks are left out: the pairwise masks cancel and the self masks are removed exactly
 in the ring, which tests/test_secagg_protocol.py checks on the real state machines. The
@@ -12,7 +12,7 @@ decoded ring sum is then what the round hands the coordinator.
 
 The noise comes from :func:`discrete_gaussian`, a vectorised numpy sampler of the same
 discrete Gaussian (Canonne, Kamath and Steinke's Algorithm 3 in floating point): a
-device's exact sampler (``runtime.secagg.noise``) draws about 36,000 values a second on
+device's exact sampler (``secagg.noise``) draws about 36,000 values a second on
 the development machine, and one k-512 sum of 1,000 devices needs 136 million. It is for
 simulation only: its floating-point acceptance test is not the hardened sampler a device
 runs.
@@ -25,15 +25,15 @@ from random import Random
 
 import numpy as np
 
-from runtime.secagg.masks import ring_add
-from runtime.secagg.quantise import QuantiseSpec, decode, round_scaled, to_ring
+from secagg.masks import ring_add
+from secagg.quantise import QuantiseSpec, decode, round_scaled, to_ring
 
 
 def discrete_gaussian(size: int, sigma2: float, rng: np.random.Generator) -> np.ndarray:
     """``size`` draws of ``N_Z(0, sigma2)`` (int64): a discrete Laplace of scale
     ``s = floor(sigma) + 1`` (the difference of two geometric counts of ratio
     ``exp(-1/s)``), kept with probability ``exp(-(|y| - sigma2/s)^2 / (2 sigma2))``,
-    CKS Algorithm 3 as ``runtime.secagg.noise.discrete_gaussian`` runs it exactly."""
+    CKS Algorithm 3 as ``secagg.noise.discrete_gaussian`` runs it exactly."""
     if not (math.isfinite(sigma2) and sigma2 > 0):
         raise ValueError(f"sigma2 must be positive and finite, got {sigma2}")
     s = math.floor(math.sqrt(sigma2)) + 1

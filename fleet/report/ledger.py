@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.store_reader import StoreReader
+from coordinator.storage.store_reader import StoreReader
 from fleet.transports.collect import run_database
 from fleet.transports.spec import RunSpec
 

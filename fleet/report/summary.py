@@ -19,8 +19,8 @@ from fleet.report.markdown import markdown
 from fleet.report.plots import plot_accuracy, plot_domains
 from fleet.transports.secure import agent_tables
 from fleet.transports.spec import RunResult, RunSpec, train_table
-from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import build
+from secagg.fleet import SecureAggregation
 
 
 def _mean(values: Sequence[float | None]) -> float:

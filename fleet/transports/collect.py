@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import database_in
-from coordinator.store_reader import StoreReader
+from coordinator.storage.store_reader import StoreReader
 from edge_agent.state import StateDir
 from fleet.data.partition import Partition
 from fleet.transports.spec import ClientRecord, RunResult, RunSpec

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.announcements import largest_announcement
 from coordinator.config import CoordinatorConfig
 from coordinator.downlink import AnnouncementRefused
-from coordinator.owner import refusal
+from coordinator.rounds.announcements import largest_announcement
+from coordinator.tier.owner import refusal
 from edge_agent.config import ClosedFormSettings
 from fleet.data.partition import ClientData
 from fleet.transports import secure as secure_mod
@@ -20,8 +20,8 @@ from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.auth import Signer
 from protocol.methods import wire_method
 from runtime.keyfiles import generate_ed25519
-from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import ConfigError, build
+from secagg.fleet import SecureAggregation
 
 
 def toml_value(value: Any) -> str:
@@ -159,7 +159,7 @@ def coordinator_tables(
 
 def workers_tables(spec: RunSpec) -> dict[str, Any]:
     """With ``spec.coordinator_workers``, the coordinator's [workers] table (``w1`` ...
-    ``wN``) and what the round owner needs besides (coordinator/owner.py::refusal);
+    ``wN``) and what the round owner needs besides (coordinator/tier/owner.py::refusal);
     nothing for the single coordinator."""
     if spec.coordinator_workers is None:
         return {}

@@ -12,7 +12,7 @@ import torch
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import Store
+from coordinator.storage.store import Store
 from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig
 from export.runtime import BackboneRuntime, RuntimeSettings

@@ -30,7 +30,7 @@ from fleet.transports.mqtt import run_mqtt
 from fleet.transports.secure import public_settings
 from fleet.transports.spec import RunResult, RunSpec
 from runtime.cliutil import UsageError
-from runtime.secagg.fleet import SecureAggregation
+from secagg.fleet import SecureAggregation
 
 
 def run(spec: RunSpec, partition: Partition) -> RunResult:

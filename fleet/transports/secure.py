@@ -15,7 +15,7 @@ training-split sizes, the budget it asks for), never tuned on results:
   the fewest survivors and the shares that rebuild a secret, so a dropped device's masking
   key needs ``t`` shares from its surviving neighbours: tolerating the ``n - t`` drops
   ``t`` allows needs degree ``n - 1``. A sparse SecAgg+ graph of logarithmic degree would
-  need a threshold per neighbourhood (Bell et al., CCS 2020), which runtime/secagg/ does
+  need a threshold per neighbourhood (Bell et al., CCS 2020), which secagg/ does
   not have; a degree between the ``t - 1`` ``SecAggSettings`` admits and ``n - 1`` saves
   at most a tenth of the pairs and gives up dropouts the threshold promises to survive.
 - ``dataset_size``: the largest client's training split (or a larger declared
@@ -47,15 +47,15 @@ from coordinator.strategies.base import RAW
 from edge_agent.privacy.settings import PrivacySettings
 from protocol.methods import wire_method
 from runtime.cliutil import UsageError
-from runtime.secagg.fleet import (
+from runtime.security import CoordinatorSecurity
+from secagg.fleet import (
     SecureAggregation,
     SecureRelease,
     ledger_multiplier,
     prototype_release,
     secure_release,
 )
-from runtime.secagg.plan import check_ring
-from runtime.security import CoordinatorSecurity
+from secagg.plan import check_ring
 
 
 class RunSpec(Protocol):
@@ -91,7 +91,7 @@ COLLUDING_EVERY = 10
 MIN_STAGE_S = 20.0
 #: What the deadline's estimate assumes a core does per second, about half of what the
 #: development machine (AMD EPYC, 2 cores) measures: the exact discrete Gaussian sampler's
-#: draws at a fleet's share sizes (runtime/secagg/noise.py, 36,000), mask words
+#: draws at a fleet's share sizes (secagg/noise.py, 36,000), mask words
 #: (keystream, 60 million) and backbone rows (the agent computes its features when round
 #: 0 asks for its statistics).
 NOISE_DRAWS_PER_S = 15_000.0

@@ -13,8 +13,8 @@ from edge_agent.train_config import TrainConfig
 from fleet.transports.layout import RunLayout
 from fleet.transports.secure import secure_refusal
 from runtime.cliutil import UsageError
-from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import ConfigError, build
+from secagg.fleet import SecureAggregation
 
 FLEET = "sim"
 TRANSPORTS = ("mqtt", "memory", "vector")

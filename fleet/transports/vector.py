@@ -33,8 +33,8 @@ from fleet.transports.spec import FLEET, ClientRecord, RunSpec, train_table
 from fleet.transports.vector_closed_form import drive_closed_form
 from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-from runtime.secagg.fleet import SecureAggregation
 from runtime.settings import build
+from secagg.fleet import SecureAggregation
 
 
 def drive(

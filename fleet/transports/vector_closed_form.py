@@ -41,7 +41,7 @@ from fleet.transports.spec import FLEET, RunSpec
 from fleet.transports.vector_records import Records, drive_rounds
 from protocol import PrivacyMeta, RoundAnnouncement
 from runtime.cliutil import UsageError
-from runtime.secagg.fleet import SecureAggregation, flatten
+from secagg.fleet import SecureAggregation, flatten
 
 
 def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> ClosedFormDevice:
@@ -148,7 +148,7 @@ def _secure_rounds(spec: RunSpec, data: FleetFeatures, table: SecureAggregation,
                    names: list[str], num_classes: int, dim: int,
                    records: Records) -> Callable[[RoundAnnouncement], SecureOutcome]:  # fmt: skip
     """The outcome of each round's secure aggregation, as the coordinator's secure round
-    hands it to the round manager (coordinator/secure_rounds.py)."""
+    hands it to the round manager (coordinator/rounds/secure_rounds.py)."""
     release = release_of(table, spec, k=dim, classes=num_classes)
     settings = release.settings
     share = None if release.plan is None else release.plan.share_sigma2

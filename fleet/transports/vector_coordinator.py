@@ -16,7 +16,7 @@ from __future__ import annotations
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
-from coordinator.store import StateError, Store
+from coordinator.storage.store import StateError, Store
 from protocol import PrototypeUpdate
 from protocol.methods import wire_method
 

@@ -108,7 +108,7 @@ def drive_rounds(
     payload: a vector run cannot resume, and the close aggregates what the manager decoded
     (fleet/transports/vector_coordinator.py). A secure fleet's round is closed by its
     secure-aggregation round instead: ``secure_round`` gives its outcome, which the manager
-    takes as coordinator/secure_rounds.py hands it over."""
+    takes as coordinator/rounds/secure_rounds.py hands it over."""
     cfg = build(CoordinatorConfig, coord)
     store = VectorStore(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:

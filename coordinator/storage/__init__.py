@@ -1,0 +1,2 @@
+"""The coordinator's durable state: its SQLite store, schema, checkpointer and the status
+summary read from it."""

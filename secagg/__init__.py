@@ -1,0 +1,36 @@
+"""Secure aggregation, a protocol of its own beside protocol/ (its own messages, topics
+and stages): the server learns the fleet's noised sum, never a device's input.
+
+The protocol (Bonawitz et al., CCS 2017; SecAgg+ of Bell et al., CCS 2020 when each device
+pairs with a sparse set of neighbours rather than all) runs in four stages per round, each
+over MQTT once it is wired in. This package holds the pure pieces they are built of and
+the two sides' state machines, transport-free: :class:`~secagg.device.SecAggDevice`
+and :class:`~secagg.server.SecAggServer`, exchanging the messages of
+:mod:`~secagg.messages` over a neighbour graph drawn from a public seed
+(:mod:`~secagg.graph`):
+
+1. Key advertisement: each device publishes two X25519 public keys, one to encrypt the
+   shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks.
+2. Share keys: each device draws a 32-byte self-mask seed ``b_u`` and splits it and its
+   mask private key into Shamir shares for its neighbours, threshold ``t``
+   (:mod:`~secagg.shamir`).
+3. Masked input: each device clips, scales and rounds its vector
+   (:mod:`~secagg.quantise`), adds its share of the distributed discrete Gaussian
+   noise in the integer domain (:mod:`~secagg.noise`), maps it into ``Z_{2^k}``
+   and adds its self mask and pairwise masks (:mod:`~secagg.masks`).
+4. Unmasking: the survivors send, for every neighbour, the share of its seed ``b_u`` if it
+   survived or of its mask key if it dropped; the server rebuilds them
+   (:func:`~secagg.shamir.combine`), removes the masks that did not cancel
+   (:func:`~secagg.masks.unmask_sum`) and decodes the noised sum
+   (:func:`~secagg.quantise.decode`).
+
+The threshold ``t``, the neighbour count, the ring width, the clip bound, the scale and the
+noise parameter are public fleet settings (:mod:`~secagg.settings`). Imports:
+numpy, msgpack, ``cryptography``, the standard library and the wire conventions of
+``protocol/`` (the stage messages are signable like every other message). Over MQTT, signed, the
+rounds run through :mod:`~secagg.mqtt` (topics ``secagg/up`` and ``secagg/down``,
+docs/protocol.md) with :mod:`~secagg.wire` checking every message; a fleet's
+rounds use them through :mod:`~secagg.fleet` (coordinator/rounds/secure_rounds.py, the
+agent's service). Not built: the signed consistency round against a coordinator that shows
+devices different survivor lists (docs/privacy.md says what that leaves open).
+"""

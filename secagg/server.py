@@ -1,0 +1,322 @@
+"""The coordinator's side of a secure-aggregation round: collect, relay, check, unmask.
+
+Transport-free: the caller hands in each device message as it arrives (``take_*``) and
+closes each stage when its deadline passes (``close_*``), which returns what to send each
+device next. Whoever has not answered by then has dropped; the round goes on while at
+least ``t`` devices remain and aborts with :class:`~secagg.errors.RoundAborted`
+(naming the stage and the reason) otherwise, or when too few shares of some secret come
+back to rebuild it. :meth:`SecAggServer.abort_messages` then says so to every device.
+
+What the coordinator holds is never a device's input: the masked inputs are added into one
+running sum as they arrive, and the last stage rebuilds the self-mask seed ``b_u`` of the
+survivors and the masking key ``s_v`` of the devices that dropped after sharing keys, the
+two sets being disjoint, which the devices enforce on their side too. The unmasked sum
+is the only plain number it ever computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NoReturn
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+from protocol import fields as f
+from protocol.ids import validate_id
+from secagg.errors import Refused, RoundAborted
+from secagg.graph import neighbour_graph
+from secagg.masks import MaskContext, pair_secret, ring_add, ring_dtype, unmask_sum
+from secagg.messages import (
+    Abort,
+    Advertise,
+    MaskedInput,
+    PublicKeys,
+    RelayedShares,
+    Roster,
+    SecAggMessage,
+    ShareKeys,
+    Stage,
+    Survivors,
+    Unmask,
+)
+from secagg.quantise import decode
+from secagg.sealing import share_of
+from secagg.settings import SecAggSettings
+from secagg.shamir import Share, combine
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class SecAggResult:
+    """The round's outcome: ``total`` (float64, ``(length,)``) is the decoded sum of the
+    inputs of ``survivors``, noise included; ``dropped`` names who failed to answer each
+    stage (advertising is joining, so nobody drops from it)."""
+
+    total: np.ndarray
+    survivors: tuple[str, ...]
+    dropped: Mapping[Stage, tuple[str, ...]] = field(default_factory=dict)
+
+
+class SecAggServer:
+    """Round ``round`` of ``fleet`` as the coordinator runs it."""
+
+    def __init__(self, *, fleet: str, round: int, settings: SecAggSettings) -> None:
+        self.fleet = validate_id(fleet, field="fleet")
+        self.round = f.integer(round, field="round")
+        if not isinstance(settings, SecAggSettings):
+            raise TypeError(f"expected SecAggSettings, got {type(settings).__name__}")
+        self.settings = settings
+        self.stage: Stage | None = Stage.ADVERTISE
+        self.aborted: RoundAborted | None = None
+        self._context = MaskContext(fleet=fleet, round=round)
+        self._keys: dict[str, PublicKeys] = {}
+        self._clients: tuple[str, ...] = ()
+        self._index: dict[str, int] = {}
+        self._graph: Mapping[str, frozenset[str]] = {}
+        self._shares: dict[str, ShareKeys] = {}
+        self._digests: dict[str, bytes] = {}
+        self._sum = np.zeros(settings.length, dtype=ring_dtype(settings.spec.bits))
+        self._unmasks: dict[str, Unmask] = {}
+        self._seed_shares: dict[str, list[Share]] = {}
+        self._key_shares: dict[str, list[Share]] = {}
+        self._dropped: dict[Stage, tuple[str, ...]] = {}
+
+    # Stage 1: key advertisement.
+
+    def take_advertise(self, message: Advertise) -> None:
+        self._open(Stage.ADVERTISE, message)
+        if self._repeat(self._keys.get(message.client), message.keys, message.client):
+            return
+        published = {key for pair in self._keys.values() for key in (pair.c, pair.s)}
+        if {message.keys.c, message.keys.s} & published:
+            # A key another device already advertised: a replay under a second name.
+            raise self._refuse("advertised a key another device already holds", message.client)
+        self._keys[message.client] = message.keys
+
+    def close_advertise(self) -> dict[str, Roster]:
+        """Each advertiser's roster: the sorted list of all of them, and the keys of it and
+        its neighbours."""
+        self._open(Stage.ADVERTISE)
+        clients = tuple(sorted(self._keys))
+        self._enough(Stage.ADVERTISE, len(clients), "devices advertised keys")
+        if not self.settings.fits(len(clients)):
+            bits = self.settings.spec.bits
+            self._abort(
+                Stage.ADVERTISE, f"{len(clients)} inputs could overflow the {bits}-bit ring"
+            )
+        self._clients = clients
+        self._index = {c: i + 1 for i, c in enumerate(clients)}
+        self._graph = neighbour_graph(
+            clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round
+        )
+        self.stage = Stage.SHARE
+        return {
+            u: Roster(
+                fleet=self.fleet,
+                round=self.round,
+                client=u,
+                clients=clients,
+                keys={v: self._keys[v] for v in self._graph[u] | {u}},
+            )
+            for u in clients
+        }
+
+    # Stage 2: sharing keys.
+
+    def take_share(self, message: ShareKeys) -> None:
+        self._open(Stage.SHARE, message, among=self._clients)
+        if self._repeat(self._shares.get(message.client), message, message.client):
+            return
+        if set(message.ciphertexts) != self._graph[message.client]:
+            raise self._refuse("did not share with exactly its neighbours", message.client)
+        self._shares[message.client] = message
+
+    def close_share(self) -> dict[str, RelayedShares]:
+        """For each device that shared, the ciphertexts its neighbours addressed to it."""
+        self._open(Stage.SHARE)
+        self._dropped[Stage.SHARE] = self._left(self._clients, self._shares)
+        self._enough(Stage.SHARE, len(self._shares), "devices shared keys")
+        self.stage = Stage.MASKED_INPUT
+        return {
+            u: RelayedShares(
+                fleet=self.fleet,
+                round=self.round,
+                client=u,
+                ciphertexts={
+                    v: self._shares[v].ciphertexts[u] for v in self._graph[u] if v in self._shares
+                },
+            )
+            for u in sorted(self._shares)
+        }
+
+    # Stage 3: masked inputs.
+
+    def take_masked_input(self, message: MaskedInput) -> None:
+        self._open(Stage.MASKED_INPUT, message, among=self._shares)
+        digest = hashlib.sha256(message.masked).digest()
+        if self._repeat(self._digests.get(message.client), digest, message.client):
+            return
+        vector = message.vector()
+        if message.bits != self.settings.spec.bits or vector.size != self.settings.length:
+            raise self._refuse(
+                f"sent {vector.size} {message.bits}-bit words, not {self.settings.length} "
+                f"of {self.settings.spec.bits} bits",
+                message.client,
+            )
+        self._digests[message.client] = digest
+        self._sum = ring_add(self._sum, vector)
+
+    def close_masked_input(self) -> dict[str, Survivors]:
+        """For each device whose masked input is in the sum, the list of all of them."""
+        self._open(Stage.MASKED_INPUT)
+        self._dropped[Stage.MASKED_INPUT] = self._left(self._shares, self._digests)
+        self._enough(Stage.MASKED_INPUT, len(self._digests), "devices sent masked inputs")
+        self.stage = Stage.UNMASK
+        survivors = tuple(sorted(self._digests))
+        return {
+            u: Survivors(fleet=self.fleet, round=self.round, client=u, survivors=survivors)
+            for u in survivors
+        }
+
+    # Stage 4: unmasking.
+
+    def take_unmask(self, message: Unmask) -> None:
+        u = message.client
+        self._open(Stage.UNMASK, message, among=self._digests)
+        if self._repeat(self._unmasks.get(u), message, u):
+            return
+        shared = {v for v in self._graph[u] if v in self._shares}
+        seeds = {v for v in shared if v in self._digests} | {u}
+        if set(message.seed_shares) != seeds or set(message.key_shares) != shared - seeds:
+            raise self._refuse("did not give exactly the shares the survivors call for", u)
+        t, x = self.settings.threshold, self._index[u]
+        try:
+            parsed = {
+                (kind, v): share_of(value, x=x, threshold=t)
+                for kind, given in (("seed", message.seed_shares), ("key", message.key_shares))
+                for v, value in given.items()
+            }
+        except ValueError as exc:
+            raise self._refuse("gave a share outside the field", u) from exc
+        self._unmasks[u] = message
+        for (kind, v), share in parsed.items():
+            pool = self._seed_shares if kind == "seed" else self._key_shares
+            pool.setdefault(v, []).append(share)
+
+    def close_unmask(self) -> SecAggResult:
+        """Rebuild the survivors' seeds and the dropped devices' masking keys, remove what
+        did not cancel, and decode the survivors' sum."""
+        self._open(Stage.UNMASK)
+        self._dropped[Stage.UNMASK] = self._left(self._digests, self._unmasks)
+        self._enough(Stage.UNMASK, len(self._unmasks), "devices sent their shares")
+        survivors = sorted(self._digests)
+        dropped = sorted(set(self._shares) - set(self._digests))
+        # Each device's input is hidden by b_u and by s_u; rebuild one or the other, never both.
+        assert not set(survivors) & set(dropped)
+        seeds = {
+            self._index[u]: self._rebuild(u, self._seed_shares, "self-mask seed") for u in survivors
+        }
+        dangling: dict[tuple[int, int], bytes] = {}
+        for v in dropped:
+            partners = sorted(self._graph[v] & set(survivors))
+            if not partners:
+                continue
+            key = X25519PrivateKey.from_private_bytes(
+                self._rebuild(v, self._key_shares, "masking key")
+            )
+            if key.public_key().public_bytes_raw() != self._keys[v].s:
+                self._abort(
+                    Stage.UNMASK, f"the rebuilt masking key of {v} is not the one it advertised"
+                )
+            for u in partners:
+                peer = X25519PublicKey.from_public_bytes(self._keys[u].s)
+                dangling[(self._index[u], self._index[v])] = pair_secret(key, peer)
+        total = unmask_sum(self._sum, self_seeds=seeds, dangling=dangling, context=self._context)
+        self.stage = None
+        return SecAggResult(
+            total=decode(total, spec=self.settings.spec),
+            survivors=tuple(survivors),
+            dropped=MappingProxyType(dict(self._dropped)),
+        )
+
+    def abort_messages(self) -> dict[str, Abort]:
+        """After an abort, the notice for every device that advertised keys."""
+        if self.aborted is None:
+            raise ValueError(f"round {self.round} has not aborted")
+        stage, why = Stage(self.aborted.stage), self.aborted.why
+        return {
+            u: Abort(fleet=self.fleet, round=self.round, client=u, stage=stage, reason=why)
+            for u in sorted(self._keys)
+        }
+
+    @property
+    def dropped(self) -> Mapping[Stage, tuple[str, ...]]:
+        """Who failed to answer each stage closed so far."""
+        return MappingProxyType(dict(self._dropped))
+
+    def _rebuild(self, owner: str, pool: Mapping[str, list[Share]], what: str) -> bytes:
+        shares = pool.get(owner, [])
+        t = self.settings.threshold
+        if len(shares) < t:
+            self._abort(
+                Stage.UNMASK,
+                f"{len(shares)} shares of the {what} of {owner} came back, fewer than t = {t}",
+            )
+        try:
+            return combine(shares)
+        except ValueError as exc:
+            self._abort(Stage.UNMASK, f"the shares of the {what} of {owner} disagree", cause=exc)
+
+    def _open(
+        self,
+        stage: Stage,
+        message: SecAggMessage | None = None,
+        among: Container[str] | None = None,
+    ) -> None:
+        """Refuse unless ``stage`` is the open one and ``message`` is for this round and
+        from a device still in it (one of ``among``)."""
+        if self.aborted is not None:
+            raise self.aborted
+        if self.stage is not stage:
+            now = "over" if self.stage is None else f"at {self.stage.value}"
+            raise Refused(
+                f"the round is {now}, not at {stage.value}",
+                round=self.round,
+                client=None if message is None else message.client,
+            )
+        if message is None:
+            return
+        if (message.fleet, message.round) != (self.fleet, self.round):
+            raise self._refuse(
+                f"sent a message for round {message.round} of {message.fleet}", message.client
+            )
+        if among is not None and message.client not in among:
+            raise self._refuse("is not in the round at this stage", message.client)
+
+    def _repeat(self, before: object, now: object, client: str) -> bool:
+        """True for a redelivered message; refuses a second, different one."""
+        if before is None:
+            return False
+        if before == now:
+            return True
+        raise self._refuse("sent a second, different message for this stage", client)
+
+    def _enough(self, stage: Stage, count: int, what: str) -> None:
+        t = self.settings.threshold
+        if count < t:
+            self._abort(stage, f"{count} {what}, fewer than the threshold t = {t}")
+
+    def _abort(self, stage: Stage, why: str, *, cause: Exception | None = None) -> NoReturn:
+        self.aborted = RoundAborted(why, round=self.round, stage=stage.value)
+        self.stage = None
+        raise self.aborted from cause
+
+    @staticmethod
+    def _left(before: Iterable[str], after: Mapping[str, object]) -> tuple[str, ...]:
+        return tuple(sorted(set(before) - set(after)))
+
+    def _refuse(self, why: str, client: str) -> Refused:
+        return Refused(f"{client} {why}", round=self.round, client=client)

@@ -1,0 +1,56 @@
+"""The public settings of a fleet's secure aggregation, the same on every party."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from secagg.noise import device_sigma2
+from secagg.quantise import QuantiseSpec, max_devices
+
+#: Standard deviations of the summed noise kept free in the ring: a discrete Gaussian
+#: passes 10 sigma with probability below 1e-22, so the noised sum never wraps in practice.
+NOISE_TAILS = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecAggSettings:
+    """``threshold`` (t): the fewest devices, and the fewest shares of any one secret,
+    a round may finish with. ``neighbours`` (k): how many peers each device pairs with
+    (SecAgg+); ``k >= n - 1`` is the complete graph of the original protocol. Each device
+    shares its secrets among its neighbours and itself, so ``t <= k + 1``. ``length``:
+    the vector's dimension. ``sigma2``: the distributed discrete Gaussian's parameter for
+    the whole sum, in quantisation units squared (None: no noise); each device adds its
+    ``sigma2 / t`` part (:mod:`~secagg.noise`). The ring's width is ``spec.bits``."""
+
+    threshold: int
+    neighbours: int
+    spec: QuantiseSpec
+    length: int
+    sigma2: int | Fraction | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.threshold) is not int or self.threshold < 2:
+            # Shamir with t = 1 would hand every neighbour the secret itself.
+            raise ValueError(f"threshold {self.threshold} must be an integer of at least 2")
+        if type(self.neighbours) is not int or self.neighbours + 1 < self.threshold:
+            raise ValueError(
+                f"{self.neighbours} neighbours hold {self.neighbours + 1} shares of each "
+                f"secret (with the device's own), fewer than the threshold {self.threshold}"
+            )
+        if type(self.length) is not int or self.length < 1:
+            raise ValueError(f"vector length {self.length} must be a positive integer")
+        if self.sigma2 is not None:
+            device_sigma2(self.sigma2, threshold=self.threshold)
+
+    def headroom(self, devices: int) -> int:
+        """The integer room the summed noise of ``devices`` devices needs in the ring."""
+        if self.sigma2 is None:
+            return 0
+        total = device_sigma2(self.sigma2, threshold=self.threshold) * devices
+        return math.ceil(NOISE_TAILS * math.sqrt(total))
+
+    def fits(self, devices: int) -> bool:
+        """Whether the sum of ``devices`` inputs, noise included, stays inside the ring."""
+        return devices <= max_devices(spec=self.spec, headroom=self.headroom(devices))
