@@ -16,7 +16,12 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+
+#: File descriptors are the process's: two threads taking them at once would each restore
+#: the other's sink, and stdout would stay in a deleted file. Reentrant for nesting.
+_HELD = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -29,7 +34,7 @@ def captured(logger: logging.Logger) -> Iterator[None]:
         with contextlib.suppress(Exception):
             stream.flush()
     python_out = io.StringIO()
-    with tempfile.TemporaryFile() as sink:
+    with _HELD, tempfile.TemporaryFile() as sink:
         saved: list[tuple[int, int]] = []
         try:
             for fd in (1, 2):
