@@ -22,7 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+import torch
+
+from bench.export_bench import ensure_zoo
 from bench.run import FORMAT, commit, machine
+from export import bench
+from export import bundle as bundle_mod
+from export.errors import ExportError
+from export.probe import working_providers
+from export.providers import CUDA, TENSORRT
+from export.sources import Source, load
 
 HERE = Path(__file__).resolve().parent
 SECTION = "gpu"
@@ -32,9 +42,6 @@ FLEET_METHODS = "lda,fedpcl"
 def gpu_providers() -> tuple[list[str], list[str]]:
     """(what this onnxruntime lists, the GPU providers the probe found working)."""
     import onnxruntime as ort
-
-    from export.probe import working_providers
-    from export.providers import CUDA, TENSORRT
 
     listed = ort.get_available_providers()
     working = [p.provider for p in working_providers(listed) if p.works]
@@ -64,9 +71,6 @@ def flatten(prefix: str, results: dict[str, Any]) -> dict[str, float]:
 
 
 def _effnet_targets() -> list[Any]:
-    from export import bench
-    from export.errors import ExportError
-    from export.sources import Source, load
 
     try:
         loaded = load(Source.parse("name=effnet-lite0,pretrained=efficientnet-lite0"))
@@ -78,13 +82,6 @@ def _effnet_targets() -> list[Any]:
 
 def measure(zoo: Path) -> tuple[dict[str, float], dict[str, Any]]:
     """The section's figures and what it ran on."""
-    # Here, not at the top: the one-line answer of a machine without a GPU needs neither
-    # torch nor the benchmarks.
-    import onnxruntime as ort
-    import torch
-
-    from export import bench
-    from export import bundle as bundle_mod
 
     out: dict[str, float] = {}
     doctor = subprocess.run(
@@ -162,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
             f"onnxruntime lists ({', '.join(listed)}); nothing measured, {args.out} unchanged"
         )
         return 0
-    from bench.export_bench import ensure_zoo
 
     start = time.perf_counter()
     try:

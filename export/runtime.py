@@ -176,9 +176,11 @@ class BackboneRuntime:
             options = dict(self.providers).get(kept[0], {})
             if member.parity_file is not None and runs_fp16(member, kept[0], options):
                 inputs, expected = bundle_mod.load_parity(self.bundle.path / member.parity_file)
+                # One image at a time: the warm-up's shape, so TensorRT builds no engine
+                # for the check alone (minutes on a Jetson).
                 with ortlog.captured(log):
                     check = check_fp16(
-                        member.name, self.sessions[i], inputs, expected, provider=kept[0]
+                        member.name, self.sessions[i], inputs, expected, provider=kept[0], batch=1
                     )
                 self.fp16_checks[member.name] = check
                 if not check.ok and member.precision != "fp16":

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from export import quantize
+from export import probe, quantize
 from export.bench import Arm, plan
+from export.cli import main
 from export.providers import CPU, CUDA, TENSORRT
 
 CPU_ARMS = [
@@ -49,9 +50,6 @@ def test_bench_json_parses_when_a_listed_provider_fails(monkeypatch, capfd) -> N
     """onnxruntime-gpu listing TensorRT and CUDA on a machine where neither loads: each
     session asking for them prints onnxruntime's fallback block to stdout."""
     import onnxruntime as ort
-
-    from export import probe
-    from export.cli import main
 
     real = ort.InferenceSession
 

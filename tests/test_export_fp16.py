@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import onnx
@@ -12,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from edge_agent.cli import main
 from export import builder, quantize
 from export import bundle as bundle_mod
 from export.errors import ExportError
@@ -151,7 +154,6 @@ def test_a_sound_fp16_backbone_is_checked_and_served(tmp_path: Path) -> None:
 
 
 def test_the_doctor_reports_the_refused_fp16_backbone(broken_fp16_bundle, capsys) -> None:
-    from edge_agent.cli import main
 
     assert main(["doctor", "--bundle", str(broken_fp16_bundle)]) == 1
     out, err = capsys.readouterr()
@@ -160,3 +162,42 @@ def test_the_doctor_reports_the_refused_fp16_backbone(broken_fp16_bundle, capsys
     assert served["refused"].startswith("backbone net: fp16 on CPUExecutionProvider")
     assert err.strip().splitlines()[-1] == f"edge-agent: doctor: {served['refused']}"
     assert "Traceback" not in err
+
+
+class TensorRTStandIn:
+    """TensorRT as this CPU machine can show it: a session that reports TensorRT and, with
+    ``trt_fp16_enable``, computes the model's fp16 conversion for real (on the CPU
+    provider), as a TensorRT fp16 engine would; without it, the fp32 model."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.options: list[dict[str, Any]] = []
+
+    def __call__(
+        self, model: Any, *, sess_options: Any = None, providers: list[str], provider_options: Any
+    ) -> Any:
+        import onnxruntime as ort
+
+        opts = dict(zip(providers, provider_options, strict=True)).get(TENSORRT, {})
+        if isinstance(model, str):  # a backbone (the probe passes bytes)
+            self.options.append(opts)
+            if opts.get("trt_fp16_enable"):
+                half = self.tmp / f"half{len(self.options)}.onnx"
+                quantize.to_fp16(Path(model), half)
+                model = str(half)
+        session = ort.InferenceSession(model, sess_options=sess_options, providers=[CPU])
+        return SimpleNamespace(run=session.run, get_providers=lambda: [TENSORRT, CPU])
+
+
+def test_tensorrt_fp16_that_breaks_a_backbone_falls_back_to_fp32_engines(tmp_path: Path) -> None:
+    bundle, _ = builder.build(loaded(Scaled(scale=1e-9)), tmp_path / "b", images=samples())
+    trt = TensorRTStandIn(tmp_path)
+    runtime = BackboneRuntime(bundle, available=[TENSORRT, CPU], session_factory=trt)
+    assert runtime.active_providers["net"][0] == TENSORRT
+    assert runtime.fp16_refused["net"].startswith(f"backbone net: fp16 on {TENSORRT} gives")
+    assert [o.get("trt_fp16_enable") for o in trt.options] == [True, False]
+    parity = bundle.members[0].parity_file
+    assert parity is not None
+    inputs, expected = bundle_mod.load_parity(bundle.path / parity)
+    x = (inputs[8:] * 0.5) + 0.5  # the held-out half, back to [0, 1] images
+    assert cosines(expected[8:], runtime.extract(x)).min() > 0.9999

@@ -9,8 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import probe
 from export.probe import PROBE_MODEL, probe_providers
-from export.runtime import CPU, CUDA, TENSORRT
+from export.runtime import CPU, CUDA, TENSORRT, BackboneRuntime
 
 
 def test_embedded_model_is_the_documented_matmul() -> None:
@@ -116,7 +117,6 @@ class ListedButBroken:
 def test_a_listed_but_broken_provider_is_probed_once_then_never_requested(
     small_zoo, capfd, caplog
 ) -> None:
-    from export.runtime import BackboneRuntime
 
     factory = ListedButBroken()
     with caplog.at_level("WARNING"):
@@ -134,8 +134,6 @@ def test_the_probe_is_kept_per_build_and_machine_and_refreshed_on_demand(
     tmp_path, monkeypatch
 ) -> None:
     import json
-
-    from export import probe
 
     monkeypatch.setattr(probe, "_PROBED", {})
     cache = tmp_path / "providers" / probe.CACHE_FILE
