@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from export import probe, quantize
-from export.bench import Arm, plan
+from export.bench import Arm, headline, plan
 from export.cli import main
 from export.providers import CPU, CUDA, TENSORRT
 
@@ -70,13 +70,16 @@ def test_bench_json_parses_when_a_listed_provider_fails(monkeypatch, capfd) -> N
         quantize, "rounding", SimpleNamespace(collect=lambda *a, **k: None, apply=lambda *a: None)
     )
     code = main(
-        ["bench", "cnn32", "--input", "32", "--batches", "2", "--min-time", "0.01", "--json"]
+        ["bench", "cnn32", "--input", "32", "--batches", "1,32", "--min-time", "0.01", "--json"]
     )
     out, _ = capfd.readouterr()
     assert code == 0
     report = json.loads(out)  # nothing but the JSON on stdout
     assert report["providers"] == [TENSORRT, CUDA, CPU] and report["working"] == [CPU]
-    assert list(report["batches"]["2"]) == ["cpu"]
-    row = report["batches"]["2"]["cpu"]
+    assert list(report["batches"]["32"]) == ["cpu"]  # no GPU arm: CUDA did not work
+    row = report["batches"]["32"]["cpu"]
     assert row["ort_fp32_vs_torch"] == pytest.approx(row["ort_fp32"] / row["torch"])
+    # The flat keys `make bench` records are the CPU's.
+    flat = headline(report, "x.")
+    assert flat["x.ort_fp32_ips_b32"] == row["ort_fp32"] and flat["x.int8_vs_fp32"] > 0
     assert report["cosine_vs_cpu_fp32"]["cpu"]["ort_int8"]["min"] > 0.9
