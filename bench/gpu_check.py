@@ -96,9 +96,10 @@ def measure(zoo: Path) -> tuple[dict[str, float], dict[str, Any]]:
     out["gpu.doctor_backbones_on_gpu"] = float(
         sum(b["served_by"] != "CPUExecutionProvider" for b in served.values())
     )
-    zoo_results = bench.run(bench.targets_for_bundle(bundle_mod.load(zoo)))
+    # int8 is a CPU figure `make bench` measures; its quantization would take minutes here.
+    zoo_results = bench.run(bench.targets_for_bundle(bundle_mod.load(zoo)), int8=False)
     out |= flatten("gpu.zoo_", zoo_results)
-    effnet = bench.run(_effnet_targets())
+    effnet = bench.run(_effnet_targets(), int8=False)
     out |= flatten("gpu.effnet_lite0_", effnet)
     with tempfile.TemporaryDirectory(prefix="protofleet-gpu-check-") as tmp:
         start = time.perf_counter()

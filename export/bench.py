@@ -9,7 +9,7 @@ import copy
 import logging
 import platform
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,17 +102,16 @@ RATIOS = (
 )
 
 
-def plan(working: Sequence[str], *, torch_cuda: bool) -> list[Arm]:
+def plan(working: Sequence[str], *, torch_cuda: bool, int8: bool = True) -> list[Arm]:
     """The arms to time, given the providers the probe found working and whether torch
     sees a CUDA device: the CPU's as ever (torch, ONNX Runtime fp32 and int8), and on a
     working CUDA provider the same GPU's torch, ONNX Runtime fp32 and fp16, and
     TensorRT fp16 where TensorRT works too. fp16 on the CPU provider is not timed: it
-    computes in fp32 between casts, and is slower."""
-    arms = [
-        Arm("torch", "cpu", "fp32"),
-        Arm("ort_fp32", "cpu", "fp32", CPU),
-        Arm("ort_int8", "cpu", "int8", CPU),
-    ]
+    computes in fp32 between casts, and is slower. ``int8=False`` leaves int8 out (its
+    quantization takes minutes for a large backbone)."""
+    arms = [Arm("torch", "cpu", "fp32"), Arm("ort_fp32", "cpu", "fp32", CPU)]
+    if int8:
+        arms.append(Arm("ort_int8", "cpu", "int8", CPU))
     if CUDA in working:
         if torch_cuda:
             arms.append(Arm("torch", "cuda", "fp32"))
@@ -122,26 +121,37 @@ def plan(working: Sequence[str], *, torch_cuda: bool) -> list[Arm]:
     return arms
 
 
-def _ort_call(sessions: list[Any], feeds: list[np.ndarray], *, bind: bool) -> Any:
-    """One batch through every target's session, host arrays in and out. On a GPU the
-    output is bound to a host array of the right shape (ONNX Runtime's I/O binding), so
-    the copy back from the device lands there directly instead of in a new array."""
+def _ort_call(
+    sessions: list[Any], feeds: list[np.ndarray], *, bind: bool
+) -> Callable[[], list[np.ndarray]]:
+    """A call sending one batch through every target's session, host arrays in and host
+    arrays (the features) out. With ``bind`` (on a GPU) the output is bound to a host
+    array of the right shape (ONNX Runtime's I/O binding), so the copy back from the
+    device lands there directly instead of in a new array each call."""
     if not bind:
-        return lambda: [s.run(None, {INPUT_NAME: f}) for s, f in zip(sessions, feeds, strict=True)]
+        return lambda: [
+            s.run(None, {INPUT_NAME: f})[0] for s, f in zip(sessions, feeds, strict=True)
+        ]
     import onnxruntime as ort
 
     bindings = []
     for session, feed in zip(sessions, feeds, strict=True):
         (output,) = session.get_outputs()
-        host = np.empty((len(feed), output.shape[1]), dtype=np.float32)
         binding = session.io_binding()
-        binding.bind_ortvalue_output(output.name, ort.OrtValue.ortvalue_from_numpy(host))
+        if isinstance(output.shape[1], int):
+            host = np.empty((len(feed), output.shape[1]), dtype=np.float32)
+            binding.bind_ortvalue_output(output.name, ort.OrtValue.ortvalue_from_numpy(host))
+        else:  # a symbolic feature size: ONNX Runtime allocates the host array
+            binding.bind_output(output.name, "cpu")
         bindings.append((session, binding, feed))
 
-    def call() -> None:
+    def call() -> list[np.ndarray]:
+        out = []
         for session, binding, feed in bindings:
             binding.bind_cpu_input(INPUT_NAME, feed)  # copied to the GPU inside the run
             session.run_with_iobinding(binding)
+            out.append(binding.get_outputs()[0].numpy())  # the host array, no copy
+        return out
 
     return call
 
@@ -164,13 +174,16 @@ def _open(path: Path, options: Any, arm: Arm) -> Any:
     chain: list[tuple[str, dict[str, Any]]] = [(arm.provider, {})]
     if arm.provider == TENSORRT:
         chain = [(TENSORRT, {"trt_fp16_enable": True}), (CUDA, {})]
-    with ortlog.captured(log):
-        session = ort.InferenceSession(
-            str(path),
-            options,
-            providers=[p for p, _ in chain],
-            provider_options=[o for _, o in chain],
-        )
+    try:
+        with ortlog.captured(log):
+            session = ort.InferenceSession(
+                str(path),
+                options,
+                providers=[p for p, _ in chain],
+                provider_options=[o for _, o in chain],
+            )
+    except (ValueError, RuntimeError) as exc:  # onnxruntime's errors for a provider
+        raise ExportError(f"{arm.provider} could not open the model: {exc}") from exc
     kept = session.get_providers()[0]
     if kept != arm.provider:
         raise ExportError(f"{arm.provider} fell back to {kept}")
@@ -184,6 +197,7 @@ def run(
     min_time: float = 0.5,
     working: Sequence[str] | None = None,
     torch_cuda: bool | None = None,
+    int8: bool = True,
 ) -> dict[str, Any]:
     """Images per second of every arm of :func:`plan` at each batch size, the ratios
     within each device, and every arm's feature cosine to fp32 on the CPU provider.
@@ -198,7 +212,7 @@ def run(
         working = [p.provider for p in working_providers(available) if p.works]
     if torch_cuda is None:
         torch_cuda = torch.cuda.is_available()
-    arms = plan(working, torch_cuda=torch_cuda)
+    arms = plan(working, torch_cuda=torch_cuda, int8=int8)
     results: dict[str, Any] = {
         "providers": available,
         "working": list(working),
@@ -218,11 +232,15 @@ def run(
             if t.onnx is None:
                 export_onnx(t.module, fp32, input_shape=t.input_shape)
             files["fp32"].append(fp32)
-            int8 = tmp / f"{t.name}.int8.onnx"
-            quantize.to_int8(
-                fp32, int8, calibration=calib[t.name], seven_bit_weights=t.seven_bit_weights
-            )
-            files["int8"].append(int8)
+            if int8:
+                quantized = tmp / f"{t.name}.int8.onnx"
+                quantize.to_int8(
+                    fp32,
+                    quantized,
+                    calibration=calib[t.name],
+                    seven_bit_weights=t.seven_bit_weights,
+                )
+                files["int8"].append(quantized)
         sessions: dict[Arm, list[Any]] = {}
         for arm in arms:
             if arm.provider is None:
@@ -291,7 +309,8 @@ def run(
                 "min": float(np.min(cos)),
             }
             break
-        results["int8_cosine"] = results["cosine_vs_cpu_fp32"]["cpu"]["ort_int8"]["mean"]
+        if int8:
+            results["int8_cosine"] = results["cosine_vs_cpu_fp32"]["cpu"]["ort_int8"]["mean"]
     return results
 
 

@@ -7,11 +7,14 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 
-from export import probe, quantize
-from export.bench import Arm, headline, plan
+from export import architectures, probe, quantize
+from export.bench import Arm, _ort_call, headline, plan
 from export.cli import main
+from export.onnx_io import export_onnx
 from export.providers import CPU, CUDA, TENSORRT
 
 CPU_ARMS = [
@@ -49,8 +52,6 @@ def test_tensorrt_is_timed_only_where_it_works() -> None:
 def test_bench_json_parses_when_a_listed_provider_fails(monkeypatch, capfd) -> None:
     """onnxruntime-gpu listing TensorRT and CUDA on a machine where neither loads: each
     session asking for them prints onnxruntime's fallback block to stdout."""
-    import onnxruntime as ort
-
     real = ort.InferenceSession
 
     def session(model: Any, sess_options: Any = None, **kwargs: Any) -> Any:
@@ -83,3 +84,17 @@ def test_bench_json_parses_when_a_listed_provider_fails(monkeypatch, capfd) -> N
     flat = headline(report, "x.")
     assert flat["x.ort_fp32_ips_b32"] == row["ort_fp32"] and flat["x.int8_vs_fp32"] > 0
     assert report["cosine_vs_cpu_fp32"]["cpu"]["ort_int8"]["min"] > 0.9
+
+
+def test_io_binding_returns_the_same_host_features_as_a_plain_run(tmp_path) -> None:
+    """The GPU arms' timed call, run here on the CPU provider (I/O binding is the same
+    API there): host arrays in, the bound host arrays out, equal to a plain run."""
+    path = tmp_path / "cnn.onnx"
+    export_onnx(architectures.build("cnn32").eval(), path, input_shape=(3, 32, 32))
+    session = ort.InferenceSession(str(path), providers=[CPU])
+    feed = np.random.default_rng(0).normal(size=(4, 3, 32, 32)).astype(np.float32)
+    bound = _ort_call([session], [feed], bind=True)
+    plain = _ort_call([session], [feed], bind=False)
+    first, again = bound()[0], bound()[0]
+    assert first.shape == (4, 256) and np.allclose(first, plain()[0], atol=1e-6)
+    assert np.allclose(again, first)
