@@ -138,19 +138,20 @@ def _ort_call(
     for session, feed in zip(sessions, feeds, strict=True):
         (output,) = session.get_outputs()
         binding = session.io_binding()
+        host = None
         if isinstance(output.shape[1], int):
             host = np.empty((len(feed), output.shape[1]), dtype=np.float32)
             binding.bind_ortvalue_output(output.name, ort.OrtValue.ortvalue_from_numpy(host))
         else:  # a symbolic feature size: ONNX Runtime allocates the host array
             binding.bind_output(output.name, "cpu")
-        bindings.append((session, binding, feed))
+        bindings.append((session, binding, feed, host))
 
     def call() -> list[np.ndarray]:
         out = []
-        for session, binding, feed in bindings:
+        for session, binding, feed, host in bindings:
             binding.bind_cpu_input(INPUT_NAME, feed)  # copied to the GPU inside the run
             session.run_with_iobinding(binding)
-            out.append(binding.get_outputs()[0].numpy())  # the host array, no copy
+            out.append(host if host is not None else binding.copy_outputs_to_cpu()[0])
         return out
 
     return call
