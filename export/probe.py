@@ -152,16 +152,16 @@ def working_providers(
         return probe_providers(available, session_factory=session_factory)
     key = machine_key(available)
     memo = json.dumps(key, sort_keys=True)
-    if not refresh and memo in _PROBED:
-        return _PROBED[memo]
-    if cache is not None and not refresh:
-        kept = _read_cache(cache, key)
+    if refresh or memo not in _PROBED:
+        kept = None if cache is None or refresh else _read_cache(cache, key)
         if kept is not None:
             _PROBED[memo] = kept
             return kept
-    results = probe_providers(available)
-    _PROBED[memo] = results
-    if cache is not None:
+        _PROBED[memo] = probe_providers(available)
+    results = _PROBED[memo]
+    # Kept even when this process probed before without a cache (an export, say): the
+    # agent's next start then finds it.
+    if cache is not None and (refresh or _read_cache(cache, key) != results):
         data = {"format": CACHE_FORMAT, "key": key, "probes": [r.to_json() for r in results]}
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

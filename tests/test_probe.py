@@ -159,3 +159,6 @@ def test_the_probe_is_kept_per_build_and_machine_and_refreshed_on_demand(
     cache.write_text("{not json")
     monkeypatch.setattr(probe, "_PROBED", {})
     assert probe.working_providers([CPU], cache=cache)[0].works
+    # A probe this process made without a cache is kept once a cache is named.
+    other = tmp_path / "other" / probe.CACHE_FILE
+    assert probe.working_providers([CPU], cache=other)[0].works and other.exists()
