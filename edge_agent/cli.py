@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check which ONNX Runtime execution providers really run here; JSON",
         description="Runs one inference with each execution provider this onnxruntime build\n"
-        "offers and reports which ones work (a listed provider may still fall back to CPU).",
+        "offers and reports which ones work (a listed provider may still fall back to CPU).\n"
+        "With --bundle, a backbone that runs in fp16 is checked against its fp32 features;\n"
+        "exit status 1 when an fp16 backbone is refused (or with --require-gpu, no GPU).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p_doctor.add_argument(
@@ -98,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="with --bundle: keep TensorRT engines here (the agent keeps them in its state "
         "directory's providers/ folder; point at it to build them before the agent starts)",
+    )
+    p_doctor.add_argument(
+        "--refresh",
+        type=Path,
+        metavar="DIR",
+        help="keep this probe in DIR, replacing the one the agent probed and kept there "
+        "(the agent's <state_dir>/providers; it probes once per onnxruntime build and "
+        "machine, and again after this)",
     )
     add_example_config(sub, prog="edge-agent", example=EXAMPLE, config=AgentConfig)
     return parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,31 +12,46 @@ import numpy as np
 import onnx
 
 from export import bundle as bundle_mod
-from export import quantize
+from export import ortlog, quantize
 from export.bundle import INPUT_NAME, Bundle, Member
 from export.errors import BundleError, ExportError
 from export.onnx_io import OPSET, compare, export_onnx, onnx_info, torch_features
+from export.precision import MIN_FP16_COSINE, cosines
+from export.probe import ProbeResult, working_providers
+from export.providers import CPU, CUDA, TENSORRT
 from export.runtime import preprocess
 from export.sources import Loaded
 from runtime.version import package_version
 
+log = logging.getLogger(__name__)
+
 #: fp32 must match torch to this absolute error; converted precisions to these cosines.
 FP32_MAX_ABS = 1e-4
-MIN_COSINE = {"fp16": 0.999, "int8": 0.95}
+MIN_COSINE = {"fp16": MIN_FP16_COSINE, "int8": 0.95}
 
 
-def _ort_features(path: Path, inputs: np.ndarray) -> np.ndarray:
+def _ort_features(path: Path, inputs: np.ndarray, *, provider: str = CPU) -> np.ndarray:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(
-        str(path), sess_options=options, providers=["CPUExecutionProvider"]
-    )
-    outs = [
-        session.run(None, {INPUT_NAME: inputs[i : i + 64]})[0] for i in range(0, len(inputs), 64)
-    ]
+    with ortlog.captured(log):
+        session = ort.InferenceSession(
+            str(path), sess_options=options, providers=list(dict.fromkeys([provider, CPU]))
+        )
+        outs = [
+            session.run(None, {INPUT_NAME: inputs[i : i + 64]})[0]
+            for i in range(0, len(inputs), 64)
+        ]
     return np.concatenate(outs).astype(np.float32)
+
+
+def fp16_parity_providers(probes: list[ProbeResult]) -> list[str]:
+    """Where an fp16 export is checked against fp32: the CPU provider always, and every
+    GPU provider the probe found working here (the CPU provider computes an fp16 graph in
+    fp32 between casts, so only a GPU shows what a GPU device will get)."""
+    working = {p.provider for p in probes if p.works}
+    return [CPU, *(p for p in (CUDA, TENSORRT) if p in working)]
 
 
 def build(
@@ -48,6 +64,7 @@ def build(
     precision: quantize.Precision = "fp32",
     seed: int = 0,
     extra: dict[str, Any] | None = None,
+    fp16_providers: list[str] | None = None,
 ) -> tuple[Bundle, dict[str, Any]]:
     """Export every backbone into ``out`` at ``precision`` and write the manifest.
 
@@ -55,6 +72,11 @@ def build(
     ``held_out`` (M, 3, H', W'), images the calibration never saw, are those the parity
     check and the quality report are measured on (``labels`` are theirs). Without
     ``held_out`` every other image of ``images`` is held out and the rest calibrate.
+
+    An fp16 backbone keeps in fp32 the layers whose activations leave fp16's range on
+    ``images`` (export/fp16.py), and is refused unless its features on the held-out
+    images keep a cosine of :data:`MIN_FP16_COSINE` with fp32 on every provider of
+    ``fp16_providers`` (default: the CPU and every GPU provider that works here).
     """
     if precision not in ("fp32", "fp16", "int8"):
         raise ExportError(f"precision must be fp32, fp16 or int8, got {precision!r}")
@@ -65,6 +87,10 @@ def build(
         raise ExportError(f"{len(labels)} labels for {len(held_out)} held-out images")
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    if precision == "fp16" and fp16_providers is None:
+        import onnxruntime as ort
+
+        fp16_providers = fp16_parity_providers(working_providers(ort.get_available_providers()))
     members: list[Member] = []
     report: dict[str, Any] = {
         "precision": precision,
@@ -119,7 +145,12 @@ def build(
                 shutil.copyfile(fp32_path, final)
             else:
                 if precision == "fp16":
-                    quantize.to_fp16(fp32_path, final)
+                    try:
+                        entry["fp16_fp32_layers"] = quantize.to_fp16(
+                            fp32_path, final, samples=preprocess(images[:8], stub)
+                        )
+                    except ExportError as exc:
+                        raise ExportError(f"backbone {src.name!r}: {exc}") from exc
                 else:
                     assert calibration is not None
                     quantize.to_int8(
@@ -150,6 +181,10 @@ def build(
                         reference, candidate, labels=labels
                     ),
                 }
+                if precision == "fp16":
+                    entry["fp16_vs_fp32"]["min_cosine_by_provider"] = _fp16_parity(
+                        src.name, final, real, reference, fp16_providers or [CPU]
+                    )
             shape, dim, opset = onnx_info(final)
             parity_file = f"{src.name}.parity.npz"
             parity_sha = bundle_mod.save_parity(out / parity_file, parity_inputs, expected)
@@ -175,6 +210,25 @@ def build(
     report["bundle_id"] = bundle.id
     report["feature_dim"] = bundle.feature_dim
     return bundle, report
+
+
+def _fp16_parity(
+    name: str, path: Path, inputs: np.ndarray, reference: np.ndarray, providers: list[str]
+) -> dict[str, float]:
+    """The fp16 file's lowest feature cosine to fp32 on each provider; refused below
+    :data:`MIN_FP16_COSINE` on any."""
+    found = {}
+    for provider in providers:
+        cos = cosines(reference, _ort_features(path, inputs, provider=provider))
+        low = float(np.nan if np.isnan(cos).any() else cos.min())
+        found[provider] = low
+        if not low >= MIN_FP16_COSINE:  # NaN (non-finite or zero features) fails too
+            raise ExportError(
+                f"backbone {name!r}: its fp16 features on {provider} have a cosine of "
+                f"{low:.4f} to fp32 on {len(inputs)} held-out images (at least "
+                f"{MIN_FP16_COSINE} is required); build it in fp32"
+            )
+    return found
 
 
 def _mean_cosine(a: np.ndarray, b: np.ndarray) -> float:

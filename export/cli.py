@@ -104,10 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="images/s of torch, ONNX Runtime fp32 and int8 for a bundle or an architecture",
+        help="images/s of torch and ONNX Runtime (fp32, int8; on a GPU fp16 and TensorRT) "
+        "for a bundle or an architecture, per device",
     )
     bench.add_argument("target", help="a bundle directory or a built-in architecture name")
     bench.add_argument("--input", type=int, help="input side for an architecture (default 224)")
+    bench.add_argument(
+        "--batches",
+        default="1,32",
+        metavar="N,N",
+        help="comma-separated batch sizes to time (default 1,32)",
+    )
+    bench.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds each timing loops for at least (default 0.5)",
+    )
     bench.add_argument("--json", action="store_true", help="print the full JSON report")
 
     sub.add_parser("archs", help="list the built-in architectures and pretrained backbones")

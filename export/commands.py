@@ -130,18 +130,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.target!r} is neither a bundle directory nor an architecture ({', '.join(architectures.ARCHITECTURES)})"
         )
-    results = bench.run(targets)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--batches takes comma-separated integers, got {args.batches!r}"
+        ) from None
+    if min(batches) < 1 or args.min_time <= 0:
+        raise UsageError("--batches must be positive and --min-time above 0")
+    results = bench.run(targets, batches=batches, min_time=args.min_time)
     if args.json:
         print(json.dumps(results, indent=2))
-    else:
-        print(
-            f"{'batch':>5} {'torch':>9} {'ort fp32':>9} {'ort int8':>9} {'fp32/torch':>10} {'int8/fp32':>9}  (images/s)"
-        )
-        for batch, row in results["batches"].items():
-            print(
-                f"{batch:>5} {row['torch']:9.1f} {row['ort_fp32']:9.1f} {row['ort_int8']:9.1f} {row['ort_fp32_vs_torch']:10.2f} {row['int8_vs_fp32']:9.2f}"
-            )
-        print(f"int8 feature cosine vs fp32: {results['int8_cosine']:.4f}")
+        return 0
+    for device, label in results["devices"].items():
+        print(f"{device} ({label}), images/s:")
+        for batch, rows in results["batches"].items():
+            row = rows.get(device, {})
+            figures = "  ".join(f"{k} {v:,.1f}" for k, v in row.items() if not k.count("_vs_"))
+            ratios = "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.count("_vs_"))
+            print(f"  batch {batch:>3}: {figures}  |  {ratios}")
+        for arm, cos in results["cosine_vs_cpu_fp32"].get(device, {}).items():
+            low = "n/a" if cos["min"] is None else f"{cos['min']:.4f}"
+            print(f"  {arm} feature cosine vs fp32 on the CPU provider: min {low}")
+    for arm, why in results["skipped"].items():
+        print(f"skipped {arm}: {why}")
     return 0
 
 

@@ -11,22 +11,35 @@ from typing import Literal
 import numpy as np
 import onnx
 
-from export import rounding
+from export import fp16, rounding
 from export.bundle import INPUT_NAME
 
 Precision = Literal["fp32", "fp16", "int8"]
 
 
-def to_fp16(src: Path, dst: Path) -> None:
+def to_fp16(src: Path, dst: Path, *, samples: np.ndarray | None = None) -> list[str]:
+    """Convert ``src`` to fp16 at ``dst``; returns the nodes kept in fp32.
+
+    With ``samples`` (preprocessed inputs, a few real images), the fp32 model runs on them
+    first, and nodes whose activations leave fp16's range stay in fp32; a backbone for
+    which that would be most of the graph is refused with an ``ExportError``
+    (:mod:`export.fp16` says why a CPU-only check cannot see this)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     model = onnx.load(str(src))
+    keep: list[str] = []
+    if samples is not None:
+        fp16.name_nodes(model)
+        found = fp16.out_of_range(model, samples)
+        keep = fp16.fp32_nodes(model, found)
+        fp16.check_share(model, keep, found)
     # keep_io_types: callers keep feeding float32 and reading float32 features.
-    converted = convert_float_to_float16(model, keep_io_types=True)
+    converted = convert_float_to_float16(model, keep_io_types=True, node_block_list=keep or None)
     # The converter appends its input Cast after the nodes that read it (ONNX Runtime
     # reorders on load, onnx.checker refuses), e.g. when a Pad comes first.
     topological_sort(converted.graph)
     onnx.save(converted, str(dst))
+    return keep
 
 
 def topological_sort(graph: onnx.GraphProto) -> None:

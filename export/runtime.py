@@ -1,10 +1,11 @@
 """The ONNX Runtime wrapper the agent uses: one session per backbone, the fastest
-provider this machine has, and batched extraction of the concatenated features."""
+provider this machine has (as the provider probe found it working), fp16 checked against
+fp32 where it runs, and batched extraction of the concatenated features."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,60 +13,38 @@ from typing import Any
 import numpy as np
 
 from export import bundle as bundle_mod
+from export import ortlog, probe
 from export.bundle import INPUT_NAME, Bundle, Member
 from export.errors import BundleError
+from export.precision import Fp16Check, check_fp16, runs_fp16
+from export.providers import CPU, CUDA, PREFERENCE, TENSORRT, ProviderSpec, choose_providers
 
 log = logging.getLogger(__name__)
 
-TENSORRT = "TensorrtExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
-PREFERENCE = (TENSORRT, CUDA, CPU)
+__all__ = [
+    "CPU",
+    "CUDA",
+    "PREFERENCE",
+    "TENSORRT",
+    "BackboneRuntime",
+    "PrecisionRefused",
+    "ProviderSpec",
+    "RuntimeSettings",
+    "choose_providers",
+    "preprocess",
+    "quiet_threads",
+]
 
-ProviderSpec = tuple[str, dict[str, Any]]
 
+class PrecisionRefused(BundleError):
+    """A backbone's fp16 file gives features unlike fp32 on the provider that serves it."""
 
-def choose_providers(
-    available: Sequence[str],
-    *,
-    requested: Sequence[str] | None = None,
-    cache_dir: Path | None = None,
-) -> list[ProviderSpec]:
-    """Providers to try, fastest first, with their options.
-
-    Default order: TensorRT (fp16, engine and timing caches under ``cache_dir`` so a
-    Jetson builds its engines once), then CUDA, then CPU, keeping those this build of
-    onnxruntime has. ``requested`` overrides the order; unknown or unavailable names are
-    dropped with a warning, and CPU is always last so a session can always be created.
-    """
-    order = list(requested) if requested else list(PREFERENCE)
-    for name in order:
-        if requested and name not in available:
-            log.warning(
-                "execution provider %s is not available here (have: %s)",
-                name,
-                ", ".join(available),
-            )
-    chosen: list[ProviderSpec] = []
-    for name in order:
-        if name not in available or any(name == c[0] for c in chosen):
-            continue
-        options: dict[str, Any] = {}
-        if name == TENSORRT:
-            options = {"trt_fp16_enable": True}
-            if cache_dir is not None:
-                trt = cache_dir / "tensorrt"
-                trt.mkdir(parents=True, exist_ok=True)
-                options |= {
-                    "trt_engine_cache_enable": True,
-                    "trt_engine_cache_path": str(trt),
-                    "trt_timing_cache_enable": True,
-                    "trt_timing_cache_path": str(trt),
-                }
-        chosen.append((name, options))
-    if not any(name == CPU for name, _ in chosen):
-        chosen.append((CPU, {}))
-    return chosen
+    def __init__(self, checks: list[Fp16Check]) -> None:
+        super().__init__(
+            "; ".join(c.reason() for c in checks)
+            + ": this device refuses fp16 for it; build the bundle with --precision fp32"
+        )
+        self.checks = checks
 
 
 @dataclass(frozen=True)
@@ -118,11 +97,29 @@ def preprocess(images: np.ndarray, member: Member) -> np.ndarray:
 class BackboneRuntime:
     """Loads every backbone of a bundle into an ONNX Runtime session.
 
+    Only the providers the probe found working here are requested (export/probe.py; its
+    answer is kept in ``settings.cache_dir`` when there is one), so a provider that is
+    listed but broken is never tried again, and whatever onnxruntime prints goes to the
+    log, never to stdout. A backbone that runs in fp16 (an fp16 file, or TensorRT's fp16
+    engines) is checked against the fp32 features its bundle recorded: TensorRT then
+    builds fp32 engines for a backbone that fails, and an fp16 file that fails is refused
+    (:class:`PrecisionRefused`) unless ``refuse_fp16=False`` (the doctor, which reports).
+
+    ``available`` and ``session_factory`` stand in for onnxruntime's provider list and
+    ``InferenceSession`` (tests: a provider that is listed and then fails).
     ``samples_processed`` counts the images that went through the backbones, so callers
     (and tests) can prove a feature cache was hit.
     """
 
-    def __init__(self, bundle: Bundle | Path, *, settings: RuntimeSettings | None = None) -> None:
+    def __init__(
+        self,
+        bundle: Bundle | Path,
+        *,
+        settings: RuntimeSettings | None = None,
+        refuse_fp16: bool = True,
+        available: Sequence[str] | None = None,
+        session_factory: Callable[..., Any] | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.bundle = bundle if isinstance(bundle, Bundle) else bundle_mod.load(bundle)
@@ -136,33 +133,73 @@ class BackboneRuntime:
         options.inter_op_num_threads = self.settings.inter_op_threads
         options.log_severity_level = 3
         quiet_threads(options)
-        providers = choose_providers(
-            ort.get_available_providers(),
-            requested=self.settings.providers or None,
-            cache_dir=self.settings.cache_dir,
+        self._options = options
+        self._factory = session_factory or ort.InferenceSession
+        listed = list(ort.get_available_providers() if available is None else available)
+        cache = self.settings.cache_dir
+        self.probes = probe.working_providers(
+            listed,
+            cache=None if cache is None else cache / probe.CACHE_FILE,
+            session_factory=session_factory,
         )
-        self.sessions = [
-            ort.InferenceSession(
-                str(self.bundle.file(m)),
-                sess_options=options,
+        working = [p.provider for p in self.probes if p.works]
+        self.providers = choose_providers(
+            working, requested=self.settings.providers or None, cache_dir=cache
+        )
+        self.sessions = [self._open(m, self.providers) for m in self.bundle.members]
+        self.samples_processed = 0
+        self.active_providers: dict[str, list[str]] = {}
+        self.fp16_checks: dict[str, Fp16Check] = {}
+        self.fp16_refused: dict[str, str] = {}
+        self._warm_up(refuse_fp16)
+
+    def _open(self, member: Member, providers: list[ProviderSpec]) -> Any:
+        with ortlog.captured(log):
+            return self._factory(
+                str(self.bundle.file(member)),
+                sess_options=self._options,
                 providers=[p for p, _ in providers],
                 provider_options=[o for _, o in providers],
             )
-            for m in self.bundle.members
-        ]
-        self.samples_processed = 0
-        self.active_providers: dict[str, list[str]] = {}
-        self._warm_up()
 
-    def _warm_up(self) -> None:
-        # Providers can fall back silently at the first run (a TensorRT engine that fails
-        # to build); the truth is get_providers() after a real inference.
-        for member, session in zip(self.bundle.members, self.sessions, strict=True):
+    def _run_first(self, member: Member, session: Any) -> list[str]:
+        # Providers can fall back at the first run (a TensorRT engine that fails to
+        # build); the truth is get_providers() after a real inference.
+        with ortlog.captured(log):
             session.run(None, {INPUT_NAME: np.zeros((1, *member.input_shape), dtype=np.float32)})
-            self.active_providers[member.name] = list(session.get_providers())
-            log.info(
-                "backbone %s runs on %s", member.name, ", ".join(self.active_providers[member.name])
-            )
+        return list(session.get_providers())
+
+    def _warm_up(self, refuse_fp16: bool) -> None:
+        failed: list[Fp16Check] = []
+        for i, member in enumerate(self.bundle.members):
+            kept = self._run_first(member, self.sessions[i])
+            options = dict(self.providers).get(kept[0], {})
+            if member.parity_file is not None and runs_fp16(member, kept[0], options):
+                inputs, expected = bundle_mod.load_parity(self.bundle.path / member.parity_file)
+                # One image at a time: the warm-up's shape, so TensorRT builds no engine
+                # for the check alone (minutes on a Jetson).
+                with ortlog.captured(log):
+                    check = check_fp16(
+                        member.name, self.sessions[i], inputs, expected, provider=kept[0], batch=1
+                    )
+                self.fp16_checks[member.name] = check
+                if not check.ok and member.precision != "fp16":
+                    # TensorRT's fp16 engine of an fp32 file: build fp32 engines instead.
+                    self.fp16_refused[member.name] = check.reason()
+                    log.warning("%s: TensorRT builds fp32 engines for it", check.reason())
+                    fp32 = [
+                        (p, o | {"trt_fp16_enable": False} if p == TENSORRT else o)
+                        for p, o in self.providers
+                    ]
+                    self.sessions[i] = self._open(member, fp32)
+                    kept = self._run_first(member, self.sessions[i])
+                elif not check.ok:
+                    self.fp16_refused[member.name] = check.reason()
+                    failed.append(check)
+            self.active_providers[member.name] = kept
+            log.info("backbone %s runs on %s", member.name, ", ".join(kept))
+        if failed and refuse_fp16:
+            raise PrecisionRefused(failed)
 
     @property
     def feature_dim(self) -> int:

@@ -9,8 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import probe
 from export.probe import PROBE_MODEL, probe_providers
-from export.runtime import CPU, CUDA, TENSORRT
+from export.runtime import CPU, CUDA, TENSORRT, BackboneRuntime
 
 
 def test_embedded_model_is_the_documented_matmul() -> None:
@@ -39,7 +40,14 @@ class FakeSession:
     """What onnxruntime does on a Jetson whose CUDA libraries do not load: the session is
     created, runs on the CPU, and reports only the CPU provider."""
 
-    def __init__(self, *, providers: list[str], provider_options: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        model: bytes,
+        *,
+        sess_options: Any = None,
+        providers: list[str],
+        provider_options: list[dict[str, Any]],
+    ) -> None:
         if providers[0] == TENSORRT:
             raise RuntimeError("TensorRT EP could not be created")
         self.providers = [p for p in providers if p != CUDA]
@@ -79,3 +87,78 @@ def test_doctor_reports_the_provider_serving_each_backbone_of_a_bundle(small_zoo
         [*doctor, "--engine-cache", "x"], capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and "--engine-cache applies with --bundle" in refused.stderr
+
+
+class ListedButBroken:
+    """onnxruntime-gpu on a machine without libnvinfer: TensorRT is listed, a session that
+    asks for it prints onnxruntime's fallback block to stdout and runs on the CPU. Every
+    other session is a real CPU session; ``requests`` records what each one asked for."""
+
+    def __init__(self) -> None:
+        self.requests: list[list[str]] = []
+
+    def __call__(
+        self, model: Any, *, sess_options: Any = None, providers: list[str], provider_options: Any
+    ) -> Any:
+        import onnxruntime as ort
+
+        self.requests.append(list(providers))
+        if TENSORRT in providers:
+            # onnxruntime's own words (onnxruntime_inference_collection.py), on stdout.
+            print("*************** EP Error ***************")
+            print(
+                f"EP Error libnvinfer.so.10: cannot open shared object file when using {providers}"
+            )
+            print("Falling back to ['CPUExecutionProvider'] and retrying.")
+            print("****************************************")
+        return ort.InferenceSession(model, sess_options=sess_options, providers=[CPU])
+
+
+def test_a_listed_but_broken_provider_is_probed_once_then_never_requested(
+    small_zoo, capfd, caplog
+) -> None:
+
+    factory = ListedButBroken()
+    with caplog.at_level("WARNING"):
+        runtime = BackboneRuntime(small_zoo, available=[TENSORRT, CPU], session_factory=factory)
+    probe_requests, backbone_requests = factory.requests[:2], factory.requests[2:]
+    assert probe_requests == [[TENSORRT, CPU], [CPU]]
+    assert backbone_requests == [[CPU]] * len(runtime.bundle.members)  # TensorRT never again
+    assert {r.provider: r.works for r in runtime.probes} == {TENSORRT: False, CPU: True}
+    out, _ = capfd.readouterr()
+    assert out == ""  # onnxruntime's block went to the log instead
+    assert any("onnxruntime: EP Error libnvinfer" in r.getMessage() for r in caplog.records)
+
+
+def test_the_probe_is_kept_per_build_and_machine_and_refreshed_on_demand(
+    tmp_path, monkeypatch
+) -> None:
+    import json
+
+    monkeypatch.setattr(probe, "_PROBED", {})
+    cache = tmp_path / "providers" / probe.CACHE_FILE
+    (first,) = probe.working_providers([CPU], cache=cache)
+    kept = json.loads(cache.read_text())
+    assert first.works and kept["key"]["onnxruntime"] and kept["key"]["available"] == CPU
+    # A later process (empty memo) reads the file instead of probing: mark it to tell.
+    kept["probes"][0]["detail"] = "read from the cache"
+    cache.write_text(json.dumps(kept))
+    monkeypatch.setattr(probe, "_PROBED", {})
+    assert probe.working_providers([CPU], cache=cache)[0].detail == "read from the cache"
+    # A file written by another onnxruntime build is probed anew.
+    kept["key"]["onnxruntime"] = "0.0.0"
+    cache.write_text(json.dumps(kept))
+    monkeypatch.setattr(probe, "_PROBED", {})
+    assert probe.working_providers([CPU], cache=cache)[0].detail == "ran one inference"
+    kept = json.loads(cache.read_text())
+    kept["probes"][0]["detail"] = "stale"
+    cache.write_text(json.dumps(kept))
+    assert probe.working_providers([CPU], cache=cache, refresh=True)[0].detail == (
+        "ran one inference"
+    )
+    cache.write_text("{not json")
+    monkeypatch.setattr(probe, "_PROBED", {})
+    assert probe.working_providers([CPU], cache=cache)[0].works
+    # A probe this process made without a cache is kept once a cache is named.
+    other = tmp_path / "other" / probe.CACHE_FILE
+    assert probe.working_providers([CPU], cache=other)[0].works and other.exists()

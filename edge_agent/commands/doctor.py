@@ -1,5 +1,6 @@
-"""``edge-agent doctor``: which ONNX Runtime execution providers really run here, and
-which serves each backbone of a bundle."""
+"""``edge-agent doctor``: which ONNX Runtime execution providers really run here, which
+serves each backbone of a bundle, and whether each backbone that runs in fp16 there still
+gives fp32's features."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from export.errors import BundleError
-from export.probe import probe_providers
+from export.probe import CACHE_FILE, working_providers
 from export.runtime import CPU, BackboneRuntime, RuntimeSettings
 from runtime.cliutil import UsageError
 
@@ -19,7 +20,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # Lazy: ONNX Runtime takes a while to load, and `edge-agent --help` never needs it.
     import onnxruntime as ort
 
-    probes = probe_providers(ort.get_available_providers())
+    # Always probed anew; with --refresh the answer replaces the one the agent keeps.
+    cache = None if args.refresh is None else args.refresh / CACHE_FILE
+    probes = working_providers(ort.get_available_providers(), cache=cache, refresh=True)
     accelerated = [p.provider for p in probes if p.works and p.provider != CPU]
     report = {
         "python": platform.python_version(),
@@ -31,10 +34,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     }
     if args.engine_cache is not None and args.bundle is None:
         raise UsageError("--engine-cache applies with --bundle")
+    refused: list[str] = []
     if args.bundle is not None:
-        report["bundle"] = _serving(args.bundle, args.engine_cache)
+        report["bundle"], refused = _serving(args.bundle, args.engine_cache)
     json.dump(report, sys.stdout, indent=2)
     print()
+    for reason in refused:
+        print(f"edge-agent: doctor: {reason}", file=sys.stderr)
+    if refused:
+        return 1
     if args.require_gpu and not accelerated:
         print(
             "edge-agent: no GPU execution provider works here; the agent will run on the CPU",
@@ -44,23 +52,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serving(path: Path, engine_cache: Path | None) -> dict[str, object]:
+def _serving(path: Path, engine_cache: Path | None) -> tuple[dict[str, object], list[str]]:
     """Which provider serves each backbone of the bundle at ``path``, after one real
-    inference (a provider can fall back at the first run, e.g. when an engine fails)."""
+    inference (a provider can fall back at the first run, e.g. when an engine fails),
+    with the fp16 check of each backbone that runs in fp16 there; and why the agent
+    would refuse any (an fp16 file whose features there are not fp32's)."""
     try:
-        runtime = BackboneRuntime(path, settings=RuntimeSettings(cache_dir=engine_cache))
+        runtime = BackboneRuntime(
+            path, settings=RuntimeSettings(cache_dir=engine_cache), refuse_fp16=False
+        )
     except BundleError as exc:
         raise UsageError(str(exc)) from exc
-    return {
-        "path": str(path),
-        "bundle_id": runtime.bundle.id,
-        "backbones": {
-            m.name: {
-                "precision": m.precision,
-                "input_shape": list(m.input_shape),
-                "served_by": runtime.active_providers[m.name][0],
-                "providers": runtime.active_providers[m.name],
-            }
-            for m in runtime.bundle.members
-        },
-    }
+    backbones: dict[str, object] = {}
+    refused = []
+    for m in runtime.bundle.members:
+        entry: dict[str, object] = {
+            "precision": m.precision,
+            "input_shape": list(m.input_shape),
+            "served_by": runtime.active_providers[m.name][0],
+            "providers": runtime.active_providers[m.name],
+        }
+        if m.name in runtime.fp16_checks:
+            entry["fp16"] = runtime.fp16_checks[m.name].to_json()
+        if m.name in runtime.fp16_refused:
+            entry["refused"] = runtime.fp16_refused[m.name]
+            if m.precision == "fp16":  # an fp32 file falls back to fp32 engines instead
+                refused.append(runtime.fp16_refused[m.name])
+        backbones[m.name] = entry
+    return {"path": str(path), "bundle_id": runtime.bundle.id, "backbones": backbones}, refused
