@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from export.bench import cpu_model
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -64,17 +66,6 @@ RESULTS = {
     "closed-form": HERE / "closed_form.json",
 }
 FORMAT = 2
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it, else what Python knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> dict[str, Any]:

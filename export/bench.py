@@ -217,7 +217,7 @@ def run(
     results: dict[str, Any] = {
         "providers": available,
         "working": list(working),
-        "devices": {"cpu": _cpu_name()},
+        "devices": {"cpu": cpu_model()},
         "batches": {},
         "cosine_vs_cpu_fp32": {},
         "skipped": {},
@@ -315,7 +315,8 @@ def run(
     return results
 
 
-def _cpu_name() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it, else what Python knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("model name"):

@@ -5,6 +5,7 @@ compares a method's name as a literal."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -119,15 +120,20 @@ def test_the_collection_finder_finds_what_it_is_meant_to():
     assert named_collections(src, names) == [1, 2, 4]
 
 
-def test_no_module_level_collection_lists_methods_outside_the_records():
+def found_outside_the_records(finder: Callable[[str, set[str]], list[int]]) -> list[str]:
+    """``path:line`` of every place ``finder`` finds a method name, outside the records."""
     names = set(WIRE_METHODS)
-    found = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path in RECORDS:
-                continue
-            for line in named_collections(path.read_text(), names):
-                found.append(f"{path.relative_to(ROOT)}:{line}")
+    return [
+        f"{path.relative_to(ROOT)}:{line}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path not in RECORDS
+        for line in finder(path.read_text(), names)
+    ]
+
+
+def test_no_module_level_collection_lists_methods_outside_the_records():
+    found = found_outside_the_records(named_collections)
     assert found == [], "make it a field of the method's record instead"
 
 
@@ -148,12 +154,5 @@ def test_the_secure_methods_are_those_the_secure_table_accepts():
 
 
 def test_no_method_name_is_compared_as_a_literal_outside_the_records():
-    names = set(WIRE_METHODS)
-    found = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path in RECORDS:
-                continue
-            for line in literal_comparisons(path.read_text(), names):
-                found.append(f"{path.relative_to(ROOT)}:{line}")
+    found = found_outside_the_records(literal_comparisons)
     assert found == [], "compare against a field of the method's record instead"
