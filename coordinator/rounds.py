@@ -448,7 +448,12 @@ class RoundManager:
             devices=after.devices,
         )  # fmt: skip
         assert isinstance(self.strategy, ClosedForm)  # config.secure_problem checked it
-        return self.strategy.solve_statistics(stats), after
+        # The sum's noise is public (the plan's): the solve keeps the directions it swamps
+        # from being amplified (runtime/closed_form/heads.py::lda_head).
+        noise = 0.0
+        if release.plan is not None:
+            noise = release.plan.sum_std(max(after.devices, release.plan.release.threshold))
+        return self.strategy.solve_statistics(stats, noise_std=noise), after
 
     def _secure_prototypes(self, outcome: SecureOutcome) -> Aggregate:
         """FedProto's global prototypes of the round's sum; the announced ones again when
