@@ -331,15 +331,20 @@ def test_a_noise_floor_raises_only_the_eigenvalues_below_it() -> None:
     m = q @ np.diag([4.0, 0.5, -1.0]) @ q.T
     np.testing.assert_allclose(np.linalg.eigvalsh(psd(m, floor=1.0)), [1.0, 1.0, 4.0])
     np.testing.assert_allclose(np.linalg.eigvalsh(psd(m)), [0.0, 0.5, 4.0], atol=1e-12)
-    # The floor is the noise matrix's root mean square eigenvalue: sigma * sqrt(k).
-    assert noise_floor(0.05, 16) == pytest.approx(0.2)
-    assert noise_floor(0.0, 16) == 0.0
+    # The floor is three standard deviations of the noise on one direction's scatter.
+    assert noise_floor(0.05) == pytest.approx(3 * math.sqrt(2) * 0.05)
+    assert noise_floor(0.0) == 0.0
     with pytest.raises(ValueError, match="noise_std"):
-        noise_floor(-1.0, 4)
-    noise = np.random.default_rng(1).normal(scale=0.05, size=(400, 400))
-    wigner = np.triu(noise) + np.triu(noise, 1).T  # symmetric, each entry of sd 0.05
-    rms = float(np.sqrt(np.mean(np.linalg.eigvalsh(wigner) ** 2)))
-    assert rms == pytest.approx(noise_floor(0.05, 400), rel=0.05)
+        noise_floor(-1.0)
+    rng = np.random.default_rng(1)
+    v = rng.normal(size=8)
+    v /= np.linalg.norm(v)
+    draws = []
+    for _ in range(4000):
+        noise = rng.normal(scale=0.05, size=(8, 8))
+        wigner = np.triu(noise) + np.triu(noise, 1).T  # symmetric, each entry of sd 0.05
+        draws.append(v @ wigner @ v)
+    assert np.std(draws) <= math.sqrt(2) * 0.05 * 1.05
 
 
 def test_exact_statistics_solve_the_same_lda_without_a_noise_level() -> None:
