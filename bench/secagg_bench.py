@@ -25,8 +25,10 @@ for all:
   sum is decoded (``decode``) and solved;
 - ``noise off``: the same without noise: equal to ``exact`` within ``sum_error_bound``;
 - ``eps1000``: the secure sum at epsilon 1000 (noise of standard deviation about 0.05 a
-  coordinate), the regression guard: within half a point of ``exact`` when nothing but
-  the noise separates the two, which issue 56 found 9 points short.
+  coordinate), the regression guard beside ``exact``: a solve that amplifies the noise
+  (issue 56: 45 points lost at k 64) shows here first. It does not reach ``exact`` at
+  large k: even that noise is above the within-class scatter's narrowest directions
+  (docs/privacy.md, "The solve").
 
 What runs the full protocol: the real ``SecAggDevice`` / ``SecAggServer`` round (keys,
 Shamir shares, masks, unmasking, every message through its wire form) on ``PROTOCOL_DEVICES``
