@@ -179,6 +179,29 @@ def test_a_vector_fleet_summing_securely_without_noise_hands_the_coordinator_the
         assert client.bytes_up == (306 * 4, 0)
 
 
+def test_a_vector_fleets_noisy_sum_is_solved_at_its_plans_noise_level(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    partition = part.digits5(clients=3, split="feature", seed=0, train=40, test=30)
+    privacy = {"mechanism": "dp-features", "epsilon": 1000.0, "delta": 1e-5}
+    spec = _spec(tmp_path, bundle=small_zoo, rounds=1, privacy=privacy)
+    table = run(spec, partition).secure
+    assert table is not None and table.epsilon == 1000.0
+    plan = secure_release(table, k=K, classes=10, gram=True).plan
+    assert plan is not None
+    store = Store(database_in(spec.layout.coordinator))
+    length = len(flatten(cf.device_statistics(np.zeros((1, K)), np.zeros(1, int), 10), gram=True))
+    kept = FleetSum.load(store.meta_value(SUM_KEY), length=length)
+    store.close()
+    stats = unflatten(kept.total, k=K, classes=10, gram=True, devices=3)
+    solved = LDA().solve_statistics(stats, noise_std=plan.sum_std(3))
+    announced = _announced(spec, 1)
+    np.testing.assert_array_equal(
+        announced.global_prototypes,
+        np.asarray(solved.global_prototypes).astype(announced.global_prototypes.dtype),
+    )
+
+
 def test_a_head_solved_from_the_secure_sum_without_noise_predicts_as_the_plain_one() -> None:
     """On features whose within-class covariance the quantiser's step (2^-15 a device)
     leaves well resolved. (The small test zoo's features are not: their covariance has
