@@ -4,6 +4,7 @@ semi-definite matrices, and a solve that says which system was singular."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -53,17 +54,42 @@ def checked_rows(x: npt.ArrayLike, name: str = "x") -> F64:
     return rows
 
 
-def psd(m: F64) -> F64:
-    """``m`` symmetrised, its negative eigenvalues set to 0; as it is (symmetrised) when a
-    Cholesky factorisation shows it positive definite already, the cheap common case."""
+def psd(m: F64, *, floor: float = 0.0) -> F64:
+    """``m`` symmetrised, its eigenvalues below ``floor`` (default 0: the negative ones)
+    raised to it; as it is (symmetrised) when ``floor`` is 0 and a Cholesky factorisation
+    shows it positive definite already, the cheap common case."""
+    if not (math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"floor must be a non-negative finite number, got {floor!r}")
     sym = (m + m.T) / 2.0
-    try:
-        np.linalg.cholesky(sym)
-        return sym
-    except np.linalg.LinAlgError:
-        values, vectors = np.linalg.eigh(sym)
-        out = (vectors * np.maximum(values, 0.0)) @ vectors.T
-        return (out + out.T) / 2.0
+    if floor == 0.0:
+        try:
+            np.linalg.cholesky(sym)
+            return sym
+        except np.linalg.LinAlgError:
+            pass
+    values, vectors = np.linalg.eigh(sym)
+    out = (vectors * np.maximum(values, floor)) @ vectors.T
+    return (out + out.T) / 2.0
+
+
+#: How many of its noise's standard deviations a direction's summed scatter must clear to
+#: be told apart from that noise (:func:`noise_floor`).
+FLOOR_SDS = 3.0
+
+
+def noise_floor(noise_std: float) -> float:
+    """The eigenvalue below which a summed matrix (a Gram or a scatter) carrying
+    independent noise of standard deviation ``noise_std`` on each entry of its upper
+    triangle tells a direction nothing apart from that noise: :data:`FLOOR_SDS` standard
+    deviations of ``v^T E v`` for a unit ``v``, at most ``sqrt(2) noise_std`` (the
+    diagonal's draws once, each off-diagonal one twice), so ``3 sqrt(2) noise_std``. 0
+    without noise. On digits-5 through the zoo it is within a point of the best of floors
+    from 2 to 12 standard deviations at k 64 to 512, 100 and 1,000 devices and epsilons 1
+    to 1000, where a floor scaled with the noise's spectral norm (``2 sqrt(k)`` of them)
+    cost up to 2 points at k 512."""
+    if not (math.isfinite(noise_std) and noise_std >= 0):
+        raise ValueError(f"noise_std must be a non-negative finite number, got {noise_std!r}")
+    return FLOOR_SDS * math.sqrt(2.0) * noise_std
 
 
 def solve(a: F64, b: F64, what: str) -> F64:

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from closed_form.arrays import noise_floor, psd
 from closed_form.heads import (
     LinearHead,
     fedcof_covariances,
@@ -322,3 +323,38 @@ def test_oas_shrinks_fully_toward_an_already_isotropic_covariance() -> None:
     a = rng.normal(size=(6, 6))
     rho = oas_shrinkage(a @ a.T, 1000)
     assert 0.0 < rho < 1.0
+
+
+def test_a_noise_floor_raises_only_the_eigenvalues_below_it() -> None:
+    # diag(4, 0.5, -1) in a rotated basis: floored at 1, its eigenvalues are (4, 1, 1).
+    q, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(3, 3)))
+    m = q @ np.diag([4.0, 0.5, -1.0]) @ q.T
+    np.testing.assert_allclose(np.linalg.eigvalsh(psd(m, floor=1.0)), [1.0, 1.0, 4.0])
+    np.testing.assert_allclose(np.linalg.eigvalsh(psd(m)), [0.0, 0.5, 4.0], atol=1e-12)
+    # The floor is three standard deviations of the noise on one direction's scatter.
+    assert noise_floor(0.05) == pytest.approx(3 * math.sqrt(2) * 0.05)
+    assert noise_floor(0.0) == 0.0
+    with pytest.raises(ValueError, match="noise_std"):
+        noise_floor(-1.0)
+    rng = np.random.default_rng(1)
+    v = rng.normal(size=8)
+    v /= np.linalg.norm(v)
+    draws = []
+    for _ in range(4000):
+        noise = rng.normal(scale=0.05, size=(8, 8))
+        wigner = np.triu(noise) + np.triu(noise, 1).T  # symmetric, each entry of sd 0.05
+        draws.append(v @ wigner @ v)
+    assert np.std(draws) <= math.sqrt(2) * 0.05 * 1.05
+
+
+def test_exact_statistics_solve_the_same_lda_without_a_noise_level() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(200, 6)) * 0.1
+    y = rng.integers(0, 3, size=200)
+    x[np.arange(200), y] += 0.3
+    stats = device_statistics(clip_rows(x), y, 3)
+    plain, floored = lda_head(stats), lda_head(stats, noise_std=0.0)
+    np.testing.assert_array_equal(plain.weight, floored.weight)
+    # A noise level moves the head only where the scatter lies below it.
+    tiny = lda_head(stats, noise_std=1e-9)
+    np.testing.assert_allclose(tiny.weight, plain.weight, rtol=1e-6)

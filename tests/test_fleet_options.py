@@ -17,6 +17,7 @@ import pytest
 
 from fleet.cli.commands import cmd_run
 from fleet.cli.main import build_parser
+from fleet.cli.main import main as fleet_main
 from fleet.cli.options import Digits5Options, sweep_options
 from fleet.cli.privacy import privacy_options
 from runtime.runlock import RunLock, holder
@@ -66,6 +67,26 @@ def test_a_privacy_sweep_records_every_setting_it_swept(tmp_path: Path) -> None:
     config = options.config()
     assert config["split"] == "label" and config["swept_splits"] == ["feature", "label"]
     assert list(config)[-1] == "swept_splits" and config["alpha"] == 0.3
+
+
+def test_a_privacy_sweep_refuses_the_vector_transport_before_any_arm_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its FedPCL arms train with a privacy mechanism, which the vector transport does not
+    # run: refused with one line before the zoo, the data or any arm (no report folder).
+    out = tmp_path / "out"
+    argv = ["privacy", "--closed-form", "--transport", "vector", "--bundle", str(tmp_path),
+            "--out", str(out), "--paper", "none", "--mechanisms", "dp-features"]  # fmt: skip
+    assert fleet_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--transport vector" in err and "memory" in err
+    assert not out.exists()
+    # Its help says which transport each kind of arm runs over, and the real default.
+    with pytest.raises(SystemExit):
+        fleet_main(["privacy", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default memory)" in text and "(default mqtt)" not in text
+    assert "closed-form arms always run on the vector transport" in text
 
 
 def test_secure_aggregation_is_resolved_for_every_fleet_and_left_off_the_ceiling(

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 import closed_form as cf
-from coordinator.config import database_in
+from coordinator.config import CoordinatorConfig, database_in
 from coordinator.config import load as load_coordinator_config
-from coordinator.rounds.secure import SUM_KEY, FleetSum
+from coordinator.rounds import RoundManager
+from coordinator.rounds.secure import SUM_KEY, FleetSum, SecureOutcome
 from coordinator.storage.store import Store
 from coordinator.strategies.closed_form import LDA
-from edge_agent.closed_form import ClosedFormDevice
+from edge_agent.closed_form import ClosedFormDevice, global_head
 from edge_agent.config import ClosedFormSettings
 from edge_agent.config import load as load_agent_config
 from edge_agent.methods import device_method
@@ -33,12 +34,18 @@ from fleet.data import partition as part
 from fleet.engine.secure_sum import SimulatedSecureSum, discrete_gaussian
 from fleet.transports.layout import RunLayout
 from fleet.transports.runner import run
-from fleet.transports.secure import MIN_STAGE_S, public_settings, threshold_for
+from fleet.transports.secure import (
+    MIN_STAGE_S,
+    coordinator_tables,
+    public_settings,
+    threshold_for,
+)
 from fleet.transports.spec import FLEET, RunSpec
 from fleet.transports.vector import features_of
 from fleet.transports.vector_closed_form import noise_sources
 from protocol import RoundAnnouncement
 from runtime.cliutil import UsageError
+from runtime.settings import build
 from secagg.fleet import SecureAggregation, flatten, secure_release, unflatten
 from secagg.plan import statistics_clip
 from secagg.quantise import QuantiseSpec, sum_error_bound
@@ -170,6 +177,29 @@ def test_a_vector_fleet_summing_securely_without_noise_hands_the_coordinator_the
         assert all(a is not None for a in client.accuracy)
         # Round 0's traffic up is the masked vector (k 16: 136 + 160 + 10 values of 4 bytes).
         assert client.bytes_up == (306 * 4, 0)
+
+
+def test_a_vector_fleets_noisy_sum_is_solved_at_its_plans_noise_level(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    partition = part.digits5(clients=3, split="feature", seed=0, train=40, test=30)
+    privacy = {"mechanism": "dp-features", "epsilon": 1000.0, "delta": 1e-5}
+    spec = _spec(tmp_path, bundle=small_zoo, rounds=1, privacy=privacy)
+    table = run(spec, partition).secure
+    assert table is not None and table.epsilon == 1000.0
+    plan = secure_release(table, k=K, classes=10, gram=True).plan
+    assert plan is not None
+    store = Store(database_in(spec.layout.coordinator))
+    length = len(flatten(cf.device_statistics(np.zeros((1, K)), np.zeros(1, int), 10), gram=True))
+    kept = FleetSum.load(store.meta_value(SUM_KEY), length=length)
+    store.close()
+    stats = unflatten(kept.total, k=K, classes=10, gram=True, devices=3)
+    solved = LDA().solve_statistics(stats, noise_std=plan.sum_std(3))
+    announced = _announced(spec, 1)
+    np.testing.assert_array_equal(
+        announced.global_prototypes,
+        np.asarray(solved.global_prototypes).astype(announced.global_prototypes.dtype),
+    )
 
 
 def test_a_head_solved_from_the_secure_sum_without_noise_predicts_as_the_plain_one() -> None:
@@ -309,3 +339,54 @@ def test_the_privacy_sweep_sets_local_against_distributed_noise_for_a_closed_for
     md = (out / "report.md").read_text()
     assert "| lda secure eps=1 |" in md and "only the fleet's secure sum reaches" in md
     assert (out / "accuracy_vs_epsilon.png").read_bytes().startswith(PNG)
+
+
+def _features(
+    rng: np.random.Generator, rows: int, means: np.ndarray, scales: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of norm < 1 around a common centre (as backbone features sit): classes apart
+    along the widest directions, and a few directions of tiny spread."""
+    y = rng.integers(0, 10, size=rows)
+    return 0.2 + means[y] + rng.normal(size=(rows, K)) * scales, y
+
+
+def test_a_secure_lda_at_a_negligible_epsilon_announces_the_exact_sums_head(
+    tmp_path: Path,
+) -> None:
+    """Epsilon 1000 puts noise of standard deviation 0.047 on each summed coordinate:
+    below the class structure here, above the within-class spread of the narrowest
+    directions (eigenvalues down to 4e-4 of 1,000 rows). The coordinator's head from that
+    sum must score as the exact sum's does; it lost 17-19 points when the noisy scatter's
+    negative eigenvalues were set to 0 (closed_form/heads.py::lda_head)."""
+    rng = np.random.default_rng(0)
+    scales = np.geomspace(0.05, 0.0005, K)
+    means = rng.normal(size=(10, K)) * 0.05 * (np.arange(K) < K // 4)
+    devices = [cf.device_statistics(*_features(rng, 50, means, scales), 10) for _ in range(20)]
+    test_x, test_y = _features(rng, 2000, means, scales)
+    table = SecureAggregation(threshold=18, colluding=1, epsilon=1000.0, dataset_size=50)
+    release = secure_release(table, k=K, classes=10, gram=True, devices=20)
+    assert release.plan is not None and release.plan.sum_std(20) < 0.05
+    total = SimulatedSecureSum(spec=release.settings.spec, share_sigma2=release.plan.share_sigma2)
+    for stats in devices:
+        total.add(flatten(stats, gram=True), coins=None, noise=rng)
+    # The coordinator's own close of a secure round, as the vector transport and the
+    # protocol over MQTT hand it the decoded sum.
+    config = build(CoordinatorConfig, {
+        "fleet": FLEET, "state_dir": str(tmp_path / "coordinator"),
+        "model": {"method": "lda", "bundle": "b", "classes": [str(c) for c in range(10)],
+                  "dim": K},
+        "rounds": {"min_clients": 20, "max_rounds": 1},
+        "security": {"insecure": True}, **coordinator_tables(table, method="lda"),
+    })  # fmt: skip
+    store = Store(config.database)
+    manager = RoundManager(config=config, store=store)
+    assert manager.take_secure(SecureOutcome(round=0, total=total.decoded(), survivors=20))
+    announced = manager.poll()
+    store.close()
+    assert announced is not None
+    head = global_head(announced, num_classes=10, dim=K)
+    assert head is not None
+    exact = cf.lda_head(cf.denoise(cf.merge(devices)))
+    accuracy = [float((h.predict(test_x) == test_y).mean()) for h in (exact, head)]
+    assert accuracy[0] > 0.6  # a real head
+    assert accuracy[1] >= accuracy[0] - 0.01, accuracy

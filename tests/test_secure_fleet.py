@@ -102,7 +102,9 @@ def _agents(tmp_path: Path, bundle: Path, port: int, table: SecureAggregation) -
                            method="lda", port=port)  # fmt: skip
         cfg = dataclasses.replace(
             cfg, closed_form=ClosedFormSettings(dim=K),
-            privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table,
+            # The lifetime cap: one round's sum spends the table's epsilon (8 by default).
+            privacy=AgentPrivacy(aggregation="secure", epsilon=max(8.0, table.epsilon)),
+            secure_aggregation=table,
         )  # fmt: skip
         agents.append(Agent(_signed(cfg, tmp_path)))
     return agents
@@ -222,6 +224,46 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     for a in agents:
         (record,) = [h for h in a.state.snapshot.history if h["round"] == 0]
         assert record["secagg_bytes_up"] > 1000 and record["secagg_bytes_down"] > 500
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_over_mosquitto_a_noisy_sums_head_is_solved_at_the_plans_noise_level(
+    small_zoo: Path, tmp_path: Path, mosquitto: MosquittoBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protocol's coordinator solves the noisy sum as the simulated one does: with
+    the plan's public noise level, so the scatter's directions the noise swamps are not
+    amplified (closed_form/heads.py::lda_head)."""
+    table = _table(stage_timeout_s=5.0, threshold=3, epsilon=1000.0)
+    port = mosquitto.address.port
+    agents = _agents(tmp_path, small_zoo, port, table)
+    config = _coordinator(tmp_path, port, load_bundle(small_zoo).id, table)
+    manager = RoundManager(config=config, store=Store(config.database))
+    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
+    outcomes: list[SecureOutcome] = []
+    monkeypatch.setattr(manager, "take_secure", _spy(outcomes, manager.take_secure))
+    finished = threading.Event()
+    with _running([AgentService(agent=a) for a in agents], coordinator):
+        while not finished.wait(0.2):
+            if manager.done or all(a.state.snapshot.extra.get("final_round") for a in agents):
+                finished.set()
+    assert manager.done and manager.secure is not None and manager.secure.plan is not None
+    summed = outcomes[0]
+    assert summed.total is not None and summed.survivors == len(DOMAINS)
+    stats = unflatten(summed.total, k=K, classes=len(CLASSES), gram=True, devices=len(DOMAINS))
+    noise = manager.secure.plan.sum_std(len(DOMAINS))
+    solved = LDA().solve_statistics(stats, noise_std=noise)
+    announced = manager.announcement
+    assert announced.global_classes == solved.global_classes
+    np.testing.assert_array_equal(
+        announced.global_prototypes,
+        np.asarray(solved.global_prototypes).astype(announced.global_prototypes.dtype),
+    )
+    # ... and not as the exact sum would be: the floor is in the head.
+    plain = LDA().solve_statistics(stats)
+    assert not np.allclose(
+        np.asarray(plain.global_prototypes), np.asarray(solved.global_prototypes)
+    )
 
 
 def _secure_agent(tmp_path: Path, bundle: Path, *, budget: float, **table: object) -> Agent:

@@ -160,7 +160,12 @@ class SecureSum(Tally):
             devices=after.devices,
         )  # fmt: skip
         assert isinstance(self.strategy, ClosedForm)
-        return self.strategy.solve_statistics(stats)
+        # The sum's noise is public (the plan's): the solve keeps the directions it swamps
+        # from being amplified (closed_form/heads.py::lda_head).
+        noise = 0.0
+        if release.plan is not None:
+            noise = release.plan.sum_std(max(after.devices, release.plan.release.threshold))
+        return self.strategy.solve_statistics(stats, noise_std=noise)
 
     def _prototypes(self, outcome: SecureOutcome, last: RoundAnnouncement) -> Aggregate:
         """FedProto's global prototypes of the round's sum; the announced ones again when

@@ -87,7 +87,9 @@ class ClosedForm(Strategy):
     no-op on exact statistics: noisy ones are symmetrised, made positive semi-definite,
     counts below one dropped) and solve."""
 
-    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+    def solve(self, stats: cf.Statistics, *, noise_std: float = 0.0) -> cf.LinearHead:
+        """The head of ``stats``; ``noise_std``: the standard deviation of the noise on
+        each summed coordinate (a secure sum's, public), 0 for exact statistics."""
         raise NotImplementedError
 
     def aggregate(
@@ -96,12 +98,13 @@ class ClosedForm(Strategy):
         stats = fleet_statistics(updates, num_classes=num_classes, dim=dim)
         return Aggregate() if stats is None else self.solve_statistics(stats)
 
-    def solve_statistics(self, stats: cf.Statistics) -> Aggregate:
-        """The announced head of the fleet's summed statistics."""
+    def solve_statistics(self, stats: cf.Statistics, *, noise_std: float = 0.0) -> Aggregate:
+        """The announced head of the fleet's summed statistics, carrying noise of standard
+        deviation ``noise_std`` on each coordinate (0: exact)."""
         if stats.gram is not None:
             stats = cf.denoise(stats)
         try:
-            head = self.solve(stats)
+            head = self.solve(stats, noise_std=noise_std)
         except (ValueError, np.linalg.LinAlgError) as exc:
             # Statistics no honest fleet sends (a device's bounds are the admission's,
             # not its honesty): the round closes without a head, devices keep theirs.
@@ -136,8 +139,8 @@ class LDA(ClosedForm):
             raise ValueError(f"shrinkage must be in [0, 1], got {shrinkage}")
         self.shrinkage = shrinkage
 
-    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
-        return cf.lda_head(stats, shrinkage=self.shrinkage)
+    def solve(self, stats: cf.Statistics, *, noise_std: float = 0.0) -> cf.LinearHead:
+        return cf.lda_head(stats, shrinkage=self.shrinkage, noise_std=noise_std)
 
 
 class RidgeForm(ClosedForm):
@@ -154,8 +157,8 @@ class RidgeForm(ClosedForm):
 class Ridge(RidgeForm):
     """Fed3R: ``W = (G + lam I)^-1 [s_1 ... s_C]``, the pooled ridge solution exactly."""
 
-    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
-        return cf.ridge_head(stats, lam=self.lam)
+    def solve(self, stats: cf.Statistics, *, noise_std: float = 0.0) -> cf.LinearHead:
+        return cf.ridge_head(stats, lam=self.lam, noise_std=noise_std)
 
 
 @register("fedcof")
@@ -163,5 +166,7 @@ class FedCOF(RidgeForm):
     """From class means and counts alone: the class covariances implied by the spread of
     the devices' class means (unbiased only with many devices), then the ridge form."""
 
-    def solve(self, stats: cf.Statistics) -> cf.LinearHead:
+    def solve(self, stats: cf.Statistics, *, noise_std: float = 0.0) -> cf.LinearHead:
+        # Never summed securely (it needs each device's means): its statistics are exact
+        # or each device's own release.
         return cf.fedcof_head(stats, lam=self.lam)

@@ -69,13 +69,16 @@ def add_common_options(
     one_split: bool = True,
     sharded: bool = False,
     secure: bool = False,
+    transport_help: str | None = None,
 ) -> None:
     """The data, federation and output options. ``one_split=False`` hides ``--split`` from
     the help of a command that sweeps several (it still parses, to be refused by name).
     ``sharded`` offers ``--coordinator-workers``, to commands whose every method may run
     over the worker tier (not ``privacy``, whose floor, solo, has no server step).
     ``secure`` offers ``--secure-aggregation`` with its ``--epsilon`` and ``--delta`` (not
-    to ``privacy``, which sweeps epsilons and compares the aggregations itself)."""
+    to ``privacy``, which sweeps epsilons and compares the aggregations itself).
+    ``transport_help``: ``--transport``'s help, for a command whose transports differ
+    from a run's (``privacy``)."""
     data = parser.add_argument_group("data")
     data.add_argument("--data", type=Path, help="an .npz of clients or a folder (see below)")
     # The digits-5 options default to None so that one given with --data, where it would
@@ -133,7 +136,8 @@ def add_common_options(
                     help="zoo to build when --bundle is missing (default full, ~5 min once)")  # fmt: skip
     tr = parser.add_argument_group("transport")
     tr.add_argument("--transport", choices=TRANSPORTS, default="mqtt",
-                    help="mqtt: broker + processes; memory: one process, no broker; vector: every "
+                    help=transport_help or
+                         "mqtt: broker + processes; memory: one process, no broker; vector: every "
                          "client trained as one batched computation (fedpcl, fedproto, solo, "
                          "fedavg without a privacy mechanism; lda, ridge, fedcof also with "
                          "dp-features; no --resume), for fleets of thousands "

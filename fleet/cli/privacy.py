@@ -52,6 +52,17 @@ CLOSED_FORM = tuple(m.name for m in WIRE_METHODS.values() if m.closed_form and m
 
 PAPER_DEFAULT = "gaussian:0.05:0.1,gaussian:0.05:0.2,laplace:0.05:0.1,laplace:0.05:0.2"
 
+#: The transports the Solo and FedPCL arms run over. Every sweep has FedPCL arms with a
+#: privacy mechanism (--mechanisms is never empty), which the vector transport does not
+#: train; the closed-form arms run on the vector transport whatever --transport says.
+ARM_TRANSPORTS = ("memory", "mqtt")
+TRANSPORT_HELP = (
+    "what the Solo and FedPCL arms run over: memory (one process, no broker) or mqtt "
+    "(broker + processes); the vector transport trains FedPCL without a privacy mechanism "
+    "only, so it is refused. The --closed-form arms always run on the vector transport "
+    "(default memory)"
+)
+
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
@@ -83,7 +94,8 @@ def add_parser(sub: Any) -> None:
                              "vector transport: each device's dp-features release against the "
                              "secure sum's distributed noise at each epsilon, the exact sum as "
                              "reference (default: not swept)")  # fmt: skip
-    parsers.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False)
+    parsers.add_common_options(parser, rounds=20, clients=5, out="runs/privacy", one_split=False,
+                               transport_help=TRANSPORT_HELP)  # fmt: skip
     parser.set_defaults(transport="memory")
 
 
@@ -165,6 +177,12 @@ def _dataset_size(opts: PrivacyOptions, partition: Partition) -> int:
 
 def privacy_options(args: argparse.Namespace) -> PrivacyOptions:
     """The options of ``args``, checked before the zoo is built."""
+    if args.transport not in ARM_TRANSPORTS:
+        raise UsageError(
+            f"--transport {args.transport}: the sweep's FedPCL arms train with a privacy "
+            "mechanism, which that transport does not run; give --transport memory (the "
+            "default) or mqtt (the --closed-form arms run on the vector transport either way)"
+        )
     if args.split is not None:  # each of --splits in turn would override it
         raise UsageError(
             "privacy runs every setting in --splits (default feature,label), not --split: "
