@@ -239,9 +239,10 @@ def test_over_mosquitto_a_noisy_sums_head_is_solved_at_the_plans_noise_level(
     agents = _agents(tmp_path, small_zoo, port, table)
     config = _coordinator(tmp_path, port, load_bundle(small_zoo).id, table)
     manager = RoundManager(config=config, store=Store(config.database))
-    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
     outcomes: list[SecureOutcome] = []
+    # Before the service takes the method as its secure rounds' receiver.
     monkeypatch.setattr(manager, "take_secure", _spy(outcomes, manager.take_secure))
+    coordinator = CoordinatorService(manager=manager, exit_when_done=False)
     finished = threading.Event()
     with _running([AgentService(agent=a) for a in agents], coordinator):
         while not finished.wait(0.2):
