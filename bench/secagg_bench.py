@@ -6,9 +6,9 @@ Every variant sends the same statistics, built by the agent's own ``ClosedFormDe
 (unit-norm features, the fleet's public projection, rows clipped to norm <= 1), and the
 fleet's head is solved as the coordinator solves it (``cf.denoise``, then ``cf.lda_head``
 with OAS shrinkage, a secure sum's with the scatter floored at its plan's public noise
-level, ``noise_std``, as ``coordinator/rounds.py`` passes it; the coordinator's rescaling
-of a huge head changes no prediction). A sum of the devices' own releases is solved as
-the coordinator solves plain updates, without that floor.
+level, ``noise_std``, as the coordinator's secure tally (``coordinator/rounds/secure.py``)
+passes it; the coordinator's rescaling of a huge head changes no prediction). A sum of the
+devices' own releases is solved as the coordinator solves plain updates, without that floor.
 Under the fair protocol each variant runs at every projection k of :data:`KS` (the
 closed-form benchmark's private grid, ``closed_form_bench.DP_KS``, and the small k where
 noise on each device's second moments hurts least) and reports its best, the same rule

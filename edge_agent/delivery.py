@@ -24,6 +24,7 @@ from edge_agent.extras import update_extras
 from edge_agent.keys import AgentKeys
 from edge_agent.methods import DeviceMethod
 from edge_agent.privacy.modes import PrivacyMode
+from edge_agent.secure_join import SecureInput
 from edge_agent.state import StateDir
 from edge_agent.train import LocalModel
 from protocol import PrototypeUpdate, RoundAnnouncement
@@ -52,7 +53,7 @@ class Sent:
     reason: str
     update: PrototypeUpdate | None = None
     payload: bytes = b""
-    secure: Any = None
+    secure: SecureInput | None = None
     record: dict[str, Any] = field(default_factory=dict)
     #: Answered with nothing on the update topic: no receipt will come.
     published: bool = False

@@ -191,36 +191,32 @@ def render(cls: type, notes: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def keys(cls: type, prefix: str = "") -> Iterator[str]:
-    """Every dotted key of dataclass ``cls``; a free-form table is one key."""
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
+    """(dotted key, field, type hint) of every key of dataclass ``cls``: a nested
+    dataclass is walked into, a free-form table is one key."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
         if dataclasses.is_dataclass(hint):
-            yield from keys(hint, f"{prefix}{field.name}.")  # type: ignore[arg-type]
+            yield from _leaves(hint, f"{prefix}{field.name}.")  # type: ignore[arg-type]
         else:
-            yield prefix + field.name
+            yield prefix + field.name, field, hint
+
+
+def keys(cls: type, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of dataclass ``cls``; a free-form table is one key."""
+    return (key for key, _, _ in _leaves(cls, prefix))
 
 
 def defaults(cls: type, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> default of every key of dataclass ``cls`` that has one."""
-    hints = typing.get_type_hints(cls)
-    found: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            found.update(defaults(hint, f"{prefix}{field.name}."))  # type: ignore[arg-type]
-        elif (value := _default(field)) is not dataclasses.MISSING:
-            found[prefix + field.name] = value
-    return found
+    return {
+        key: value
+        for key, field, _ in _leaves(cls, prefix)
+        if (value := _default(field)) is not dataclasses.MISSING
+    }
 
 
 def free_tables(cls: type, prefix: str = "") -> Iterator[str]:
     """The dotted names of the free-form tables (mappings) of dataclass ``cls``."""
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            yield from free_tables(hint, f"{prefix}{field.name}.")  # type: ignore[arg-type]
-        elif _is_table(hint):
-            yield prefix + field.name
+    return (key for key, _, hint in _leaves(cls, prefix) if _is_table(hint))

@@ -133,19 +133,24 @@ FLEET_ROOMS: dict[str, set[str]] = {
 }
 
 
-def fleet_rooms_imported(path: Path) -> set[str]:
-    """The rooms of fleet/ that ``path`` imports, lazily or not."""
+def rooms_imported(path: Path, package: str) -> set[str]:
+    """The rooms of ``package`` that ``path`` imports, lazily or not."""
     rooms: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         modules: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fleet"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
             modules = [node.module]
-            if node.module == "fleet":
-                modules = [f"fleet.{alias.name}" for alias in node.names]
+            if node.module == package:
+                modules = [f"{package}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names if alias.name.startswith("fleet.")]
+            modules = [a.name for a in node.names if a.name.startswith(f"{package}.")]
         rooms.update(m.split(".")[1] for m in modules if m.count(".") >= 1)
     return rooms
+
+
+def fleet_rooms_imported(path: Path) -> set[str]:
+    """The rooms of fleet/ that ``path`` imports, lazily or not."""
+    return rooms_imported(path, "fleet")
 
 
 def test_every_fleet_module_lives_in_a_room() -> None:
@@ -181,21 +186,6 @@ COORDINATOR_ROOMS: dict[str, set[str]] = {
     "service": {"strategies", "storage", "rounds", "tier"},
 }
 COORDINATOR_SHARED = {"config", "keys", "metrics", "admission", "decision", "downlink", "aggregate"}
-
-
-def rooms_imported(path: Path, package: str) -> set[str]:
-    """The rooms of ``package`` that ``path`` imports, lazily or not."""
-    rooms: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        modules: list[str] = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
-            modules = [node.module]
-            if node.module == package:
-                modules = [f"{package}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            modules = [a.name for a in node.names if a.name.startswith(f"{package}.")]
-        rooms.update(m.split(".")[1] for m in modules if m.count(".") >= 1)
-    return rooms
 
 
 def test_every_coordinator_module_lives_in_a_room_or_is_shared() -> None:

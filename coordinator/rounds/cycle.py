@@ -278,21 +278,20 @@ class RoundCycle(ABC):
                     return [self._announcement]
             return self._close(now)
 
-    def _set_extensions(self, open_: OpenRound) -> None:
+    def _set_extensions(self, open_: OpenRound) -> str | None:
+        """The extension and stalled gauges of ``open_``; why it is stalled, if it is."""
         stalled = self.config.stalled(
             round_=open_.number, updates=len(open_.arrivals), extensions=open_.extensions
         )
         self.metrics.round_extensions.set(open_.extensions)
         self.metrics.round_stalled.set(1 if stalled else 0)
+        return stalled
 
     def _extend(self, now: float) -> None:
         open_ = self._open
         have = len(open_.arrivals)
         open_.extend(now=now, timeout_s=self.config.rounds.timeout_s)
-        stalled = self.config.stalled(
-            round_=open_.number, updates=have, extensions=open_.extensions
-        )
-        self._set_extensions(open_)
+        stalled = self._set_extensions(open_)
         log.warning(
             "round %d: deadline passed with %d of %d required updates; extended by %.0f s%s",
             open_.number,

@@ -23,7 +23,7 @@ import numpy as np
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
-from coordinator.strategies import Aggregate
+from coordinator.strategies import Aggregate, Strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import RoundAnnouncement
 from secagg.fleet import SecureRelease, global_prototypes, unflatten
@@ -101,7 +101,7 @@ class SecureSum(Tally):
 
     closes_itself = True
 
-    def __init__(self, *, release: SecureRelease, store: Store, strategy: object) -> None:
+    def __init__(self, *, release: SecureRelease, store: Store, strategy: Strategy) -> None:
         self.release, self.store = release, store
         self.strategy = strategy
         self._outcome: SecureOutcome | None = None

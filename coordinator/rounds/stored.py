@@ -6,13 +6,12 @@ for the closed-form methods, the running sum of every client's latest statistics
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.statistics import FleetStatistics
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
-from coordinator.strategies import Strategy
+from coordinator.strategies import Aggregate, Strategy
 from protocol import PrototypeUpdate, RoundAnnouncement
 
 
@@ -66,6 +65,6 @@ class RunningStatistics(Tally):
         self.statistics.committed()
 
     @property
-    def solved(self) -> Any:
+    def solved(self) -> Aggregate | None:
         """The float64 head last solved, before the announcement's cast."""
         return self.statistics.solved

@@ -9,7 +9,7 @@ stage instead of writing a second driver:
 - stored updates through the method's strategy (coordinator/rounds/stored.py);
 - the running sum of the closed-form statistics (coordinator/rounds/stored.py);
 - the secure sum, of statistics or of FedProto's prototypes (coordinator/rounds/secure.py);
-- the workers' partial sums (coordinator/tier/partials.py).
+- the workers' partial sums (coordinator/tier/owner_partials.py).
 """
 
 from __future__ import annotations
