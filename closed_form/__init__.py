@@ -14,7 +14,10 @@ import this package, so it is numpy only and pure: no state, no seeds, no I/O. I
 in the order a release travels:
 
 - ``triangles``: the released (upper-triangle) form of a Gram matrix;
-- ``statistics``: clipping, one device's :class:`Statistics`, and :func:`merge`, the sum;
+- ``statistics``: clipping, one device's :class:`Statistics`, and
+  :class:`StatisticsSum`, the running sum every sum of statistics is taken with;
+- ``encoding``: summed statistics as one map of raw arrays, wherever they are stored or
+  sent between the coordinator's processes;
 - ``privacy``: the Gaussian mechanism on a release and the clean-up after the sum;
 - ``heads``: :class:`LinearHead` and the fleet's heads solved from the sum (LDA, ridge,
   FedCOF);
@@ -24,6 +27,7 @@ in the order a release travels:
 Notation: ``k`` the feature dimension, ``C`` the number of classes.
 """
 
+from closed_form.encoding import MAX_DEVICES, statistics_fields, statistics_from
 from closed_form.heads import (
     LinearHead,
     fedcof_covariances,
@@ -43,6 +47,7 @@ from closed_form.privacy import (
 )
 from closed_form.statistics import (
     Statistics,
+    StatisticsSum,
     clip_rows,
     device_statistics,
     means_statistics,
@@ -56,9 +61,11 @@ from closed_form.triangles import (
 )
 
 __all__ = [
+    "MAX_DEVICES",
     "SENSITIVITY",
     "LinearHead",
     "Statistics",
+    "StatisticsSum",
     "clip_rows",
     "denoise",
     "device_statistics",
@@ -76,6 +83,8 @@ __all__ = [
     "release_delta",
     "ridge_head",
     "sensitivity_bound",
+    "statistics_fields",
+    "statistics_from",
     "triangle_size",
     "upper_triangle",
 ]

@@ -172,45 +172,98 @@ def means_statistics(counts: npt.ArrayLike, means: npt.ArrayLike) -> Statistics:
     )
 
 
+class StatisticsSum:
+    """The running sum of class statistics: every sum of devices' statistics in the project
+    is taken with it (the coordinator's fleet and round totals, a worker's part, a secure
+    fleet's sum of rounds, :func:`merge`), so they all add in the same order and agree to
+    the bit. Added to (and taken from, ``sign=-1``) in place: a fleet of ten thousand
+    devices adds ten thousand second moments a round, which copies would multiply.
+
+    Its kind is fixed at the start: whether it carries a second moment (LDA, ridge) and
+    whether a scatter (FedCOF); a part of another shape or kind is refused.
+    """
+
+    def __init__(self, *, num_classes: int, dim: int, gram: bool, scatter: bool) -> None:
+        self.counts = np.zeros(num_classes)
+        self.sums = np.zeros((num_classes, dim))
+        self.gram = np.zeros((dim, dim)) if gram else None
+        self.scatter = np.zeros((num_classes, dim, dim)) if scatter else None
+        self.holders = np.zeros(num_classes, dtype=np.int64)
+        self.devices = 0
+
+    @classmethod
+    def like(cls, part: Statistics) -> StatisticsSum:
+        """An empty sum of ``part``'s shape and kind."""
+        return cls(num_classes=part.num_classes, dim=part.dim, gram=part.gram is not None,
+                   scatter=part.scatter is not None)  # fmt: skip
+
+    @classmethod
+    def of(cls, part: Statistics) -> StatisticsSum:
+        """A sum that starts as a copy of ``part`` (not 0 + ``part``: a -0.0 stays one)."""
+        out = cls.like(part)
+        out.counts, out.sums = np.array(part.counts), np.array(part.sums)
+        out.gram = None if part.gram is None else np.array(part.gram)
+        out.scatter = None if part.scatter is None else np.array(part.scatter)
+        out.holders, out.devices = np.array(part.holders), part.devices
+        return out
+
+    def add(self, part: Statistics, *, sign: int = 1) -> None:
+        """``part`` added in place (taken out with ``sign=-1``)."""
+        c, k = self.sums.shape
+        if (part.num_classes, part.dim) != (c, k):
+            raise ValueError(
+                f"statistics of {part.num_classes} classes x dim {part.dim} added to a sum "
+                f"of {c} x {k}"
+            )
+        if (part.gram is None) != (self.gram is None):
+            raise ValueError("statistics that disagree on carrying a gram")
+        if (part.scatter is None) != (self.scatter is None):
+            raise ValueError("statistics that disagree on carrying a scatter")
+        self.counts += sign * part.counts
+        self.sums += sign * part.sums
+        if self.gram is not None and part.gram is not None:
+            self.gram += sign * part.gram
+        if self.scatter is not None and part.scatter is not None:
+            self.scatter += sign * part.scatter
+        self.holders += sign * part.holders
+        self.devices += sign * part.devices
+
+    def plus(self, other: StatisticsSum) -> StatisticsSum:
+        """A new sum: this one and ``other`` (neither changed)."""
+        out = StatisticsSum(num_classes=0, dim=0, gram=False, scatter=False)
+        for name in ("counts", "sums", "gram", "scatter", "holders"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(out, name, None if mine is None else mine + theirs)
+        out.devices = self.devices + other.devices
+        return out
+
+    def total(self) -> Statistics:
+        """The sum as statistics (of no device while nothing is in it)."""
+        return Statistics(counts=self.counts, sums=self.sums, gram=self.gram,
+                          holders=self.holders, scatter=self.scatter,
+                          devices=self.devices)  # fmt: skip
+
+    def statistics(self) -> Statistics | None:
+        """The sum as statistics, None when no device's is in it."""
+        return self.total() if self.devices > 0 else None
+
+
 def merge(parts: Iterable[Statistics]) -> Statistics:
-    """The elementwise sum of every field (devices added): the fleet's statistics.
+    """The sum of every field (devices added), with :class:`StatisticsSum`: the fleet's
+    statistics.
 
     Sums are associative and commutative, so any grouping or order of the devices gives the
     same result up to float64 rounding. Refuses an empty input and parts that disagree on
     shape or on carrying a gram / scatter.
     """
-    items = list(parts)
-    if not items:
+    items = iter(parts)
+    first = next(items, None)
+    if first is None:
         raise ValueError("merge needs at least one Statistics")
-    first = items[0]
-    for i, part in enumerate(items[1:], start=1):
-        if (part.num_classes, part.dim) != (first.num_classes, first.dim):
-            raise ValueError(
-                f"part {i} has {part.num_classes} classes x dim {part.dim}, "
-                f"part 0 has {first.num_classes} x {first.dim}"
-            )
-        if (part.gram is None) != (first.gram is None):
-            raise ValueError(f"part {i} and part 0 disagree on carrying a gram")
-        if (part.scatter is None) != (first.scatter is None):
-            raise ValueError(f"part {i} and part 0 disagree on carrying a scatter")
-    counts = np.array(first.counts)
-    sums = np.array(first.sums)
-    holders = np.array(first.holders)
-    gram = None if first.gram is None else np.array(first.gram)
-    scatter = None if first.scatter is None else np.array(first.scatter)
-    for part in items[1:]:
-        counts += part.counts
-        sums += part.sums
-        holders += part.holders
-        if gram is not None and part.gram is not None:
-            gram += part.gram
-        if scatter is not None and part.scatter is not None:
-            scatter += part.scatter
-    return Statistics(
-        counts=counts,
-        sums=sums,
-        gram=gram,
-        holders=holders,
-        scatter=scatter,
-        devices=sum(part.devices for part in items),
-    )
+    total = StatisticsSum.of(first)
+    for i, part in enumerate(items, start=1):
+        try:
+            total.add(part)
+        except ValueError as exc:
+            raise ValueError(f"part {i}: {exc}") from exc
+    return total.total()

@@ -162,12 +162,13 @@ def test_a_vector_fleet_summing_securely_without_noise_hands_the_coordinator_the
     # What the coordinator added to the fleet's sum (kept with round 0's close) is the
     # plain sum within the quantiser's bound, and the head it announced is solved from it.
     store = Store(database_in(spec.layout.coordinator))
-    kept = FleetSum.load(store.meta_value(SUM_KEY), length=len(exact))
+    release = secure_release(table, k=K, classes=10, gram=True)
+    kept = FleetSum.load(store.meta_value(SUM_KEY), release=release)
     store.close()
     assert kept.devices == 3
-    quantiser = secure_release(table, k=K, classes=10, gram=True).settings.spec
-    assert 0 < np.abs(kept.total - exact).max() < sum_error_bound(3, spec=quantiser)
-    solved = LDA().solve_statistics(unflatten(kept.total, k=K, classes=10, gram=True, devices=3))
+    error = np.abs(flatten(kept.stats, gram=True) - exact).max()
+    assert 0 < error < sum_error_bound(3, spec=release.settings.spec)
+    solved = LDA().solve_statistics(kept.stats)
     announced = _announced(spec, 1)
     np.testing.assert_array_equal(
         announced.global_prototypes,
@@ -187,14 +188,14 @@ def test_a_vector_fleets_noisy_sum_is_solved_at_its_plans_noise_level(
     spec = _spec(tmp_path, bundle=small_zoo, rounds=1, privacy=privacy)
     table = run(spec, partition).secure
     assert table is not None and table.epsilon == 1000.0
-    plan = secure_release(table, k=K, classes=10, gram=True).plan
+    release = secure_release(table, k=K, classes=10, gram=True)
+    plan = release.plan
     assert plan is not None
     store = Store(database_in(spec.layout.coordinator))
-    length = len(flatten(cf.device_statistics(np.zeros((1, K)), np.zeros(1, int), 10), gram=True))
-    kept = FleetSum.load(store.meta_value(SUM_KEY), length=length)
+    kept = FleetSum.load(store.meta_value(SUM_KEY), release=release)
     store.close()
-    stats = unflatten(kept.total, k=K, classes=10, gram=True, devices=3)
-    solved = LDA().solve_statistics(stats, noise_std=plan.sum_std(3))
+    assert kept.devices == 3
+    solved = LDA().solve_statistics(kept.stats, noise_std=plan.sum_std(3))
     announced = _announced(spec, 1)
     np.testing.assert_array_equal(
         announced.global_prototypes,

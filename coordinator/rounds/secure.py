@@ -3,7 +3,8 @@ each coordinator round is closed by the outcome of its secure-aggregation round
 (coordinator/rounds/secure_rounds.py runs it over MQTT), not by counting updates.
 
 - lda and ridge: the round's unmasked sum is added to the fleet's running sum
-  (:class:`FleetSum`, kept in the meta table with the round's close), and the head is
+  (:class:`FleetSum`, kept in the meta table with the round's close in the one encoding
+  of summed statistics, closed_form/encoding.py), and the head is
   solved from it; an aborted round announces the same head again.
 - FedProto: each class's summed rows over its holder count, the round's global
   prototypes; an aborted round announces the last ones again.
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import closed_form as cf
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate, Strategy
 from coordinator.strategies.closed_form import ClosedForm
-from protocol import RoundAnnouncement
+from protocol import ProtocolError, RoundAnnouncement
+from protocol.codec import pack, unpack
 from secagg.fleet import SecureRelease, global_prototypes, unflatten
 
 log = logging.getLogger(__name__)
@@ -46,54 +49,86 @@ class SecureOutcome:
 
 #: The meta-table key of a secure fleet's running sum (coordinator/storage/store.py).
 SUM_KEY = "secure_sum"
+#: The version of its value: 2 is the one encoding of summed statistics
+#: (closed_form/encoding.py); 1, a flat vector, is still read.
+_SUM_VERSION = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FleetSum:
-    """A secure fleet's statistics: the sum of every secure round's unmasked sum. A device
-    adds its statistics once per data version, and after new data the difference from
-    what it added before (edge_agent/agent.py), so the running sum is every device's
-    latest, as a plain fleet's coordinator/rounds/statistics.py holds it. ``devices``: how many
-    device inputs went into it (a device that adds a difference counts again)."""
+    """A secure fleet's statistics: every secure round's unmasked sum, added with the
+    running sum every sum of statistics is taken with (closed_form/statistics.py). A device
+    adds its statistics once per data version, and after new data the difference from what
+    it added before (edge_agent/agent.py), so the running sum is every device's latest, as
+    a plain fleet's coordinator/rounds/statistics.py holds it. ``stats.devices``: how many
+    device inputs went into it (a device that adds a difference counts again). Which device
+    holds which class is not in a sum: a class counts as held where its summed count is at
+    least one example (secagg/fleet.py::unflatten)."""
 
-    total: np.ndarray
-    devices: int = 0
+    stats: cf.Statistics
+
+    @property
+    def devices(self) -> int:
+        return self.stats.devices
 
     @classmethod
-    def empty(cls, length: int) -> FleetSum:
-        return cls(total=np.zeros(length))
+    def empty(cls, release: SecureRelease) -> FleetSum:
+        return cls(stats=cf.Statistics.empty(
+            num_classes=release.classes, dim=release.k, gram=release.gram
+        ))  # fmt: skip
 
-    def plus(self, outcome: SecureOutcome) -> FleetSum:
+    def plus(self, outcome: SecureOutcome, release: SecureRelease) -> FleetSum:
         """This sum and ``outcome``'s (itself when the round aborted)."""
         if outcome.total is None:
             return self
-        return FleetSum(total=self.total + outcome.total, devices=self.devices + outcome.survivors)
+        total = cf.StatisticsSum.of(self.stats)
+        total.add(_unflattened(outcome.total, release, devices=outcome.survivors))
+        return FleetSum(stats=_held_by_count(total.total()))
 
     def to_meta(self) -> str:
+        fields = cf.statistics_fields(self.stats)
         return json.dumps(
-            {"devices": self.devices, "total": base64.b64encode(self.total.tobytes()).decode()}
+            {"v": _SUM_VERSION, "statistics": base64.b64encode(pack(fields)).decode()}
         )
 
     @classmethod
-    def load(cls, text: str | None, *, length: int) -> FleetSum:
+    def load(cls, text: str | None, *, release: SecureRelease) -> FleetSum:
         """The sum the store kept (an empty one when it kept none). A kept sum of another
-        length (the fleet's k or classes changed) is not the fleet's: it is left out, said."""
+        shape (the fleet's k or classes changed) is not the fleet's: it is left out, said."""
         if text is None:
-            return cls.empty(length)
+            return cls.empty(release)
         try:
             data = json.loads(text)
-            total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64).copy()
-            devices = int(data["devices"])
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("the stored secure sum is unreadable and left out: %s", exc)
-            return cls.empty(length)
-        if total.shape != (length,):
-            log.warning(
-                "the stored secure sum has %d values, not this fleet's %d: left out",
-                total.size, length,
-            )  # fmt: skip
-            return cls.empty(length)
-        return cls(total=total, devices=devices)
+            if "v" not in data:  # version 1: the flat vector the secure sum adds
+                total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64)
+                stats = _unflattened(total, release, devices=int(data["devices"]))
+            else:
+                if data["v"] != _SUM_VERSION:
+                    raise ValueError(f"version {data['v']!r}, not {_SUM_VERSION}")
+                blob = base64.b64decode(data["statistics"])
+                stats = cf.statistics_from(unpack(blob, max_bytes=len(blob)),
+                                           num_classes=release.classes, dim=release.k)  # fmt: skip
+        except (ValueError, KeyError, TypeError, ProtocolError) as exc:
+            log.warning("the stored secure sum is left out: %s", exc)
+            return cls.empty(release)
+        if (stats.gram is None) == release.gram:
+            log.warning("the stored secure sum is of another kind than this fleet's: left out")
+            return cls.empty(release)
+        return cls(stats=stats)
+
+
+def _unflattened(total: np.ndarray, release: SecureRelease, *, devices: int) -> cf.Statistics:
+    return unflatten(total, k=release.k, classes=release.classes, gram=release.gram,
+                     devices=devices)  # fmt: skip
+
+
+def _held_by_count(stats: cf.Statistics) -> cf.Statistics:
+    """``stats`` with a class held where its count is at least one example (module text):
+    the rounds' own held flags add up to how many rounds held it, not how many devices."""
+    held = (stats.counts >= 1.0) & (stats.devices > 0)
+    return cf.Statistics(counts=stats.counts, sums=stats.sums, gram=stats.gram,
+                         holders=held.astype(np.int64), scatter=stats.scatter,
+                         devices=stats.devices)  # fmt: skip
 
 
 class SecureSum(Tally):
@@ -108,7 +143,7 @@ class SecureSum(Tally):
         self.sum: FleetSum | None = None
         if not release.prototypes:
             assert isinstance(strategy, ClosedForm)  # config.secure_problem checked it
-            self.sum = FleetSum.load(store.meta_value(SUM_KEY), length=release.settings.length)
+            self.sum = FleetSum.load(store.meta_value(SUM_KEY), release=release)
 
     def offer(self, outcome: SecureOutcome, *, open_round: int) -> bool:
         """The secure round of ``outcome.round`` has ended: the cycle closes the open round
@@ -136,7 +171,7 @@ class SecureSum(Tally):
             result = self._prototypes(outcome, last)
         else:
             assert self.sum is not None
-            after = self.sum.plus(outcome)
+            after = self.sum.plus(outcome, self.release)
             result = self._head(after)
         if outcome.total is not None:
             log.info(
@@ -155,17 +190,13 @@ class SecureSum(Tally):
         if after.devices == 0:
             return Aggregate()
         release = self.release
-        stats = unflatten(
-            after.total, k=release.k, classes=release.classes, gram=release.gram,
-            devices=after.devices,
-        )  # fmt: skip
         assert isinstance(self.strategy, ClosedForm)
         # The sum's noise is public (the plan's): the solve keeps the directions it swamps
         # from being amplified (closed_form/heads.py::lda_head).
         noise = 0.0
         if release.plan is not None:
             noise = release.plan.sum_std(max(after.devices, release.plan.release.threshold))
-        return self.strategy.solve_statistics(stats, noise_std=noise)
+        return self.strategy.solve_statistics(after.stats, noise_std=noise)
 
     def _prototypes(self, outcome: SecureOutcome, last: RoundAnnouncement) -> Aggregate:
         """FedProto's global prototypes of the round's sum; the announced ones again when

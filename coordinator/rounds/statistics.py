@@ -4,19 +4,18 @@ class statistics, the open round's new ones, and the head they solve.
 A device sends its statistics once per data version; a later set from the same client
 replaces its earlier one. The coordinator keeps sums, not every client's statistics (ten
 thousand second moments of 512 features are 10 GB): the fleet's total, and the total of
-the statistics that arrived in the open round, each added in place as an update is
-accepted. At the close the round's are added to the fleet's, less the earlier statistics
-of the clients they replace (read back from the store's statistics table), the head is
-solved, and the new total takes effect once the store has committed the close; the
-table then holds each client's latest, from which a restart rebuilds the total.
+the statistics that arrived in the open round, each a running sum
+(closed_form/statistics.py::StatisticsSum) added to in place as an update is accepted.
+At the close the round's are added to the fleet's, less the earlier statistics of the
+clients they replace (read back from the store's statistics table), the head is solved,
+and the new total takes effect once the store has committed the close; the table then
+holds each client's latest, from which a restart rebuilds the total.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
-import numpy as np
 
 import closed_form as cf
 from coordinator.storage.store import Store
@@ -25,48 +24,6 @@ from coordinator.strategies.closed_form import ClosedForm, statistics_of
 from protocol import ProtocolError, PrototypeUpdate
 
 log = logging.getLogger(__name__)
-
-
-class StatisticsSum:
-    """A running sum of clients' statistics, added to (and taken from) in place."""
-
-    def __init__(self, *, num_classes: int, dim: int, gram: bool) -> None:
-        self.counts = np.zeros(num_classes)
-        self.sums = np.zeros((num_classes, dim))
-        self.gram = np.zeros((dim, dim)) if gram else None
-        # FedCOF's per-class sum over devices of n_dc mu_dc mu_dc^T.
-        self.scatter = None if gram else np.zeros((num_classes, dim, dim))
-        self.holders = np.zeros(num_classes, dtype=np.int64)
-        self.devices = 0
-
-    def add(self, part: cf.Statistics, *, sign: int = 1) -> None:
-        self.counts += sign * part.counts
-        self.sums += sign * part.sums
-        if self.gram is not None and part.gram is not None:
-            self.gram += sign * part.gram
-        if self.scatter is not None and part.scatter is not None:
-            self.scatter += sign * part.scatter
-        self.holders += sign * part.holders
-        self.devices += sign * part.devices
-
-    def plus(self, other: StatisticsSum) -> StatisticsSum:
-        """A new sum: this one and ``other``."""
-        out = StatisticsSum(num_classes=len(self.counts), dim=self.sums.shape[1],
-                            gram=self.gram is not None)  # fmt: skip
-        for name in ("counts", "sums", "gram", "scatter", "holders"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is not None:
-                setattr(out, name, mine + theirs)
-        out.devices = self.devices + other.devices
-        return out
-
-    def statistics(self) -> cf.Statistics | None:
-        """The sum as statistics, None when no client's is in it."""
-        if self.devices <= 0:
-            return None
-        return cf.Statistics(counts=self.counts, sums=self.sums, gram=self.gram,
-                             holders=self.holders, scatter=self.scatter,
-                             devices=self.devices)  # fmt: skip
 
 
 class FleetStatistics:
@@ -96,10 +53,12 @@ class FleetStatistics:
         self.round_sum = self._empty()
         self.round_clients: list[str] = []
         self.solved: Aggregate | None = None
-        self._next: tuple[StatisticsSum, set[str]] | None = None
+        self._next: tuple[cf.StatisticsSum, set[str]] | None = None
 
-    def _empty(self) -> StatisticsSum:
-        return StatisticsSum(num_classes=self.num_classes, dim=self.dim, gram=self.gram)
+    def _empty(self) -> cf.StatisticsSum:
+        return cf.StatisticsSum(
+            num_classes=self.num_classes, dim=self.dim, gram=self.gram, scatter=not self.gram
+        )
 
     def _part(self, update: PrototypeUpdate) -> cf.Statistics:
         return statistics_of(update, num_classes=self.num_classes, dim=self.dim)

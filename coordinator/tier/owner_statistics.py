@@ -48,7 +48,7 @@ import closed_form as cf
 from coordinator.storage.schema import immediate
 from coordinator.strategies.base import Aggregate
 from coordinator.strategies.closed_form import ClosedForm
-from coordinator.tier.partial_fields import statistics_fields, statistics_from
+from coordinator.tier.partial_fields import statistics_from
 from coordinator.tier.partial_statistics import StatisticsPart, merge_parts, replaced
 from coordinator.tier.partial_wire import PartialMessage
 from protocol import ProtocolError
@@ -241,7 +241,7 @@ class OwnerStatistics:
         close; older rows the committed closes replaced are dropped."""
         if not close.changed:
             return
-        total = pack({"v": _VERSION, **statistics_fields(close.total)})
+        total = pack({"v": _VERSION, **cf.statistics_fields(close.total)})
         with self._lock, immediate(self._db):
             db, r = self._db, close.round
             db.execute("INSERT OR REPLACE INTO owner_statistics VALUES (?, ?)", (r, total))

@@ -15,12 +15,6 @@ from coordinator.tier.partial_statistics import StatisticsPart
 from protocol.errors import MalformedPayload
 from protocol.ids import validate_id
 
-STATISTICS_KEYS = {"counts", "sums", "gram", "scatter", "holders", "devices"}
-
-
-#: A sum over at most this many devices (float64 integers are exact below 2**53).
-MAX_DEVICES = 2**53
-
 
 def int_field(obj: dict[str, Any], key: str, low: int, high: int) -> int:
     value = obj[key]
@@ -73,54 +67,19 @@ def rounds_field(obj: dict[str, Any], key: str) -> dict[str, int]:
     return value
 
 
-def statistics_fields(stats: cf.Statistics) -> dict[str, Any]:
-    """Summed closed-form statistics as msgpack fields: raw little-endian float64 (int64
-    for ``holders``), the second moment as its upper triangle, and FedCOF's scatter whole.
-    Also the owner's form on disk (coordinator/tier/owner_statistics.py)."""
-    gram = None if stats.gram is None else cf.upper_triangle(stats.gram)
-    return {
-        "counts": f8_bytes(stats.counts),
-        "sums": f8_bytes(stats.sums),
-        "gram": None if gram is None else f8_bytes(gram),
-        "scatter": None if stats.scatter is None else f8_bytes(stats.scatter),
-        "holders": np.ascontiguousarray(stats.holders, "<i8").tobytes(),
-        "devices": stats.devices,
-    }
-
-
-def f8_bytes(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a, "<f8").tobytes()
-
-
 def statistics_from(obj: object, *, num_classes: int, dim: int) -> cf.Statistics:
-    """The statistics of :func:`statistics_fields` for ``num_classes`` x ``dim``, checked:
-    every key and length, exactly one of a second moment and a scatter, finite values,
-    holders within the devices. Any problem is a ``MalformedPayload``."""
-    if not isinstance(obj, dict) or set(obj) != STATISTICS_KEYS:
-        raise MalformedPayload(f"statistics must be a map of {sorted(STATISTICS_KEYS)}")
-    c, d = num_classes, dim
-    if (obj["gram"] is None) == (obj["scatter"] is None):
-        raise MalformedPayload("statistics carry a second moment or a scatter", field="gram")
-    triangle = (d * (d + 1) // 2,)
+    """Summed statistics in the project's one encoding (closed_form/encoding.py), checked;
+    any problem is a ``MalformedPayload``."""
     try:
-        gram = None if obj["gram"] is None else array_field(obj, "gram", "<f8", triangle)
-        scatter = None if obj["scatter"] is None else array_field(obj, "scatter", "<f8", (c, d, d))
-        return cf.Statistics(
-            counts=array_field(obj, "counts", "<f8", (c,)),
-            sums=array_field(obj, "sums", "<f8", (c, d)),
-            gram=None if gram is None else cf.from_upper_triangle(gram),
-            scatter=scatter,
-            holders=array_field(obj, "holders", "<i8", (c,)),
-            devices=int_field(obj, "devices", 0, MAX_DEVICES),
-        )
-    except ValueError as exc:  # Statistics' own checks: finite, holders within devices
+        return cf.statistics_from(obj, num_classes=num_classes, dim=dim)
+    except ValueError as exc:
         raise MalformedPayload(f"bad statistics: {exc}") from exc
 
 
 def part_fields(part: StatisticsPart | None) -> dict[str, Any] | None:
     if part is None:
         return None
-    return {**statistics_fields(part.stats), "clients": sorted(part.clients)}
+    return {**cf.statistics_fields(part.stats), "clients": sorted(part.clients)}
 
 
 def part_from(obj: object, key: str, c: int, d: int) -> StatisticsPart | None:

@@ -10,7 +10,7 @@ the workers' sums (:func:`merge_parts`), and the result is the single coordinato
 whatever the split, up to float64 rounding: another grouping rounds at other points, which
 moves a sum by about 1e-16 relative, as for :func:`coordinator.tier.partial.merge`. Every sum
 here is taken with the single coordinator's own accumulator
-(coordinator/rounds/statistics.py::StatisticsSum), on statistics decoded by its own
+(closed_form/statistics.py::StatisticsSum), on statistics decoded by its own
 ``statistics_of``.
 
 Which statistics a client's later ones replace, across workers, is the owner's
@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import closed_form as cf
-from coordinator.rounds.statistics import StatisticsSum
 from coordinator.strategies.closed_form import statistics_of
 from coordinator.tier.partial import OverlapError
 from protocol import PrototypeUpdate
@@ -63,7 +62,7 @@ def part_of(
     """The summed statistics of the updates that carry some (rows); an update with no rows
     (its statistics were sent before) adds nothing. Refuses two from one client: a worker
     stores one update per (round, client)."""
-    total = StatisticsSum(num_classes=num_classes, dim=dim, gram=gram)
+    total = cf.StatisticsSum(num_classes=num_classes, dim=dim, gram=gram, scatter=not gram)
     clients: list[str] = []
     for update in updates:
         if update.classes:
@@ -98,8 +97,7 @@ def replaced(total: cf.Statistics, new: cf.Statistics, old: cf.Statistics) -> cf
     and the earlier ones of the clients they replace (``old``) taken out, in the single
     coordinator's order (coordinator/rounds/statistics.py::FleetStatistics.solve). The empty
     statistics when no device is left."""
-    out = StatisticsSum(num_classes=total.num_classes, dim=total.dim, gram=total.gram is not None)
-    out.add(total)
+    out = cf.StatisticsSum.of(total)
     out.add(new)
     out.add(old, sign=-1)
     stats = out.statistics()
