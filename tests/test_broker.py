@@ -73,3 +73,25 @@ def test_a_broken_config_is_reported_with_the_broker_log():
     broker = MosquittoBroker(extra_config="no_such_option 1\n", startup_timeout=5)
     with pytest.raises(BrokerError, match=r"no_such_option|exited"):
         broker.start()
+
+
+def test_a_port_taken_by_another_listener_is_not_mistaken_for_the_broker(monkeypatch):
+    """Another process listening on the picked port answers a connection at once; the
+    broker must not be taken as started then: a port it chose is given up for another,
+    a port it was given is an error naming it."""
+    import socket
+
+    from fleet.transports import broker as broker_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(BrokerError, match=f"port {busy} is in use"):
+            MosquittoBroker(port=busy, startup_timeout=5).start()
+        picks = iter([busy, broker_module.free_port()])
+        monkeypatch.setattr(broker_module, "free_port", lambda host="127.0.0.1": next(picks))
+        with MosquittoBroker(startup_timeout=5) as moved:
+            assert moved.address.port != busy
+            with connected(moved.address, "probe") as (client, _):
+                assert client.is_connected()

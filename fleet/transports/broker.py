@@ -77,6 +77,39 @@ def wait_for_port(
             time.sleep(0.02)  # poll interval of a bounded wait for the listener
 
 
+def _wait_until_listening(process: subprocess.Popen[bytes], port: int, *, timeout: float) -> None:
+    """Block until ``process`` itself holds the listening socket on ``port``: what answered
+    :func:`wait_for_port` may be another process's listener on a port taken in the
+    meantime, and then ours exits with "Address already in use". Linux only (/proc); a
+    no-op elsewhere."""
+    deadline = time.monotonic() + timeout
+    while True:
+        owned = _listens(process.pid, port)
+        if owned is None or owned:
+            return
+        if process.poll() is not None:
+            raise BrokerError(f"port {port} is in use by another process")
+        if time.monotonic() > deadline:
+            raise BrokerError(f"port {port} answered, but not from the broker, for {timeout:.0f} s")
+        time.sleep(0.02)  # poll interval of a bounded wait for the listener
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether ``pid`` holds a listening TCP socket on ``port``; None where /proc cannot say."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return any(f"socket:[{inode}]" in links for inode in inodes)
+
+
 @dataclass(frozen=True)
 class BrokerAddress:
     host: str
@@ -164,6 +197,9 @@ class MosquittoBroker(ManagedBroker):
         self._binary = found
         self._host = host
         self._port = port or free_port(host)
+        # A port picked here may be taken by another process before Mosquitto binds it
+        # (parallel test workers, a busy host): then another is picked, a few times.
+        self._may_move = port is None and listener_config is None and config is None
         self._extra = extra_config
         self._listener = listener_config
         self._config = config
@@ -200,6 +236,16 @@ class MosquittoBroker(ManagedBroker):
         )
 
     def start(self) -> MosquittoBroker:
+        for attempt in range(3):
+            try:
+                return self._start()
+            except BrokerError as exc:
+                if not (self._may_move and attempt < 2 and "in use" in str(exc)):
+                    raise
+                self._port = free_port(self._host)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _start(self) -> MosquittoBroker:
         self._dir = tempfile.TemporaryDirectory(prefix="protofleet-mosquitto-")
         conf = Path(self._dir.name) / "mosquitto.conf"
         conf.write_text(self.config_text())
@@ -215,6 +261,7 @@ class MosquittoBroker(ManagedBroker):
         _raise_file_limit(self._process.pid)
         try:
             wait_for_port(self._host, self._port, timeout=self._timeout, process=self._process)
+            _wait_until_listening(self._process, self._port, timeout=self._timeout)
         except BrokerError as exc:
             self.stop()
             raise BrokerError(f"{exc}; mosquitto said: {self._tail()}") from exc
