@@ -1,9 +1,11 @@
 """Protocol messages through a real Mosquitto: retained rounds, QoS 1 updates."""
 
+import socket
 from pathlib import Path
 
 import pytest
 
+from fleet.transports import broker as broker_module
 from fleet.transports.broker import (
     PRODUCTION_LIMITS,
     BrokerError,
@@ -79,10 +81,6 @@ def test_a_port_taken_by_another_listener_is_not_mistaken_for_the_broker(monkeyp
     """Another process listening on the picked port answers a connection at once; the
     broker must not be taken as started then: a port it chose is given up for another,
     a port it was given is an error naming it."""
-    import socket
-
-    from fleet.transports import broker as broker_module
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
