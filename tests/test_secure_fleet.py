@@ -8,7 +8,10 @@ and the devices refuse to sum the same data twice.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import dataclasses
+import json
 import logging
 import re
 import sqlite3
@@ -41,6 +44,8 @@ from edge_agent.service import AgentService
 from export.bundle import load as load_bundle
 from fleet.transports.broker import MosquittoBroker
 from fleet.transports.configs import FleetKeys, fleet_keys
+from protocol import ProtocolError
+from protocol.codec import unpack
 from runtime.security import AgentSecurity, CoordinatorSecurity
 from runtime.transport import MqttSettings
 from secagg.fleet import (
@@ -203,10 +208,11 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     blobs: list[bytes] = []
     for (table_name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
         for row in db.execute(f'SELECT * FROM "{table_name}"'):
-            blobs.extend(bytes(v) if isinstance(v, memoryview) else v for v in row
-                         if isinstance(v, (bytes, memoryview)))  # fmt: skip
+            for value in row:
+                blobs.extend(_stored_bytes(value))
     assert db.execute("SELECT COUNT(*) FROM updates").fetchone()[0] == 0
     db.close()
+    assert any(len(blob) > 1000 for blob in blobs)  # the running sum's arrays, read out
     for s in exact:
         for values in (s.sums, s.counts, cf.upper_triangle(s.gram)):  # type: ignore[arg-type]
             held = np.asarray(values).ravel()
@@ -224,6 +230,31 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     for a in agents:
         (record,) = [h for h in a.state.snapshot.history if h["round"] == 0]
         assert record["secagg_bytes_up"] > 1000 and record["secagg_bytes_down"] > 500
+
+
+def _stored_bytes(value: object) -> list[bytes]:
+    """Every byte string a stored value holds: a blob, and inside text (the meta table's
+    JSON) every base64 string, with the byte strings of any msgpack map it encodes."""
+    if isinstance(value, memoryview | bytes):
+        raw = bytes(value)
+        try:
+            inner = unpack(raw, max_bytes=len(raw))
+        except ProtocolError:
+            return [raw]
+        return [raw, *(b for v in inner.values() for b in _stored_bytes(v))]
+    if isinstance(value, str):
+        try:
+            data = json.loads(value)
+        except ValueError:
+            return []
+        strings = data.values() if isinstance(data, dict) else []
+        found = []
+        for text in strings:
+            if isinstance(text, str):
+                with contextlib.suppress(ValueError):
+                    found.extend(_stored_bytes(base64.b64decode(text, validate=True)))
+        return found
+    return []
 
 
 @pytest.mark.slow
