@@ -17,7 +17,7 @@ from coordinator.keys import CoordinatorKeys
 from coordinator.strategies import Aggregate
 from protocol import RoundAnnouncement
 from protocol.auth import Signer, sign
-from protocol.methods import wire_method
+from protocol.methods import BIAS, wire_method
 from protocol.weights import averaged_weight_shapes
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,11 @@ class Announcer:
         """
         model = self.config.model
         cast = self._dtype
-        dim = model.dim if result.global_classes else 0
+        if wire_method(model.method).closed_form:
+            result = within_dtype(result, cast)
+        # (0, dim) before any aggregate, as every 2-D array of an announcement has dim columns.
         protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
-            len(result.global_classes), dim
+            len(result.global_classes), model.dim
         )
         message = RoundAnnouncement(
             fleet=self.config.fleet,
@@ -140,6 +142,29 @@ class Announcer:
                     "devices' mqtt.max_payload_bytes and this setting together"
                 ),
             )
+
+
+def within_dtype(result: Aggregate, dtype: type[np.floating[Any]]) -> Aggregate:
+    """A closed-form head (weight rows and :data:`~protocol.methods.BIAS`) scaled down
+    whole, by ``M / max |v|``, when a value exceeds ``M``, the largest finite value of the
+    announce dtype (65,504 for float16, about 3.4e38 for float32): it must travel finite.
+    A scaled head predicts the same classes (the argmax of ``x W^T + b`` is that of
+    ``s x W^T + s b``, s > 0), but its scores are scaled too, so nothing else is: a float32
+    head arrives as solved (docs/protocol.md, "The closed-form head")."""
+    largest_finite = float(np.finfo(dtype).max)
+    bias = result.extras.get(BIAS)
+    values = [np.asarray(result.global_prototypes).ravel()]
+    if bias is not None:
+        values.append(np.asarray(bias).ravel())
+    largest = float(np.abs(np.concatenate(values)).max(initial=0.0))
+    if largest <= largest_finite:
+        return result
+    scale = largest_finite / largest
+    extras = dict(result.extras)
+    if bias is not None:
+        extras[BIAS] = np.asarray(bias, dtype=np.float64) * scale
+    protos = np.asarray(result.global_prototypes, dtype=np.float64) * scale
+    return dataclasses.replace(result, global_prototypes=protos, extras=extras)
 
 
 def largest_announcement(
