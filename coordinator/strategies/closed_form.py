@@ -29,6 +29,7 @@ from protocol.methods import BIAS, COUNTS, GRAM
 
 log = logging.getLogger(__name__)
 
+
 def statistics_of(update: PrototypeUpdate, *, num_classes: int, dim: int) -> cf.Statistics:
     """One client's statistics as its update carries them (dense over the classes)."""
     counts = np.zeros(num_classes)
