@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 import closed_form as cf
 from closed_form.projection import (
@@ -48,7 +49,7 @@ FLEET, D, K, C = "vectors", 16, 4, 3
 #: (fleet, D, k) of the projection vectors: the small one whole, a realistic one by its
 #: first rows and a digest.
 PROJECTIONS = ((FLEET, D, K), ("lab", 896, 64))
-HEADS = {"lda": {}, "ridge": {"lam": 0.1}, "fedcof": {"lam": 0.1}}
+HEADS: dict[str, dict[str, Any]] = {"lda": {}, "ridge": {"lam": 0.1}, "fedcof": {"lam": 0.1}}
 
 
 def f8(a: Any) -> str:
@@ -138,6 +139,7 @@ def statistics_vectors() -> dict[str, Any]:
     summed = cf.merge(
         cf.device_statistics(prepare(x, projection(FLEET, D, K)), y, C) for x, y in data
     )
+    assert summed.gram is not None
     n = float(summed.counts.sum())
     mu = summed.sums / summed.counts[:, None]
     within = summed.gram - (mu.T * summed.counts) @ mu
@@ -238,7 +240,7 @@ def _manager(state_dir: Path) -> RoundManager:
     return RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=lambda: 0.0)
 
 
-def gaussian_qr(fleet: str, d: int, k: int) -> np.ndarray:
+def gaussian_qr(fleet: str, d: int, k: int) -> npt.NDArray[np.float64]:
     """The projection devices used before it was specified: Gaussian draws of numpy's
     generator and LAPACK's QR, the same seed. What an outside device guessed from the old
     words ("orthonormal columns seeded from the fleet id") looks like this."""
@@ -252,19 +254,16 @@ def test_a_statistics_release_in_another_basis_is_refused(tmp_path):
     m = _manager(tmp_path)
     right = device_update(x0, y0, "d0", "lda")
     assert m.offer(right.to_wire(), topic_client="d0").accepted
-    # Statistics in another basis, each claiming the fleet's: the old Gaussian one, and
-    # another fleet's projection. Summed with d0's, either would turn the head to noise.
-    for client, q, basis in (
-        ("d1", gaussian_qr(FLEET, D, K), basis_check(FLEET, D, K)),
-        ("d2", projection("other-fleet", D, K), basis_check("other-fleet", D, K)),
-    ):
+    # Statistics in another basis, each with the basis check of the projection it used
+    # (what a device following the spec computes): the old Gaussian projection, and another
+    # fleet's. Summed with d0's, either would turn the head to noise.
+    for client, q in (("d1", gaussian_qr(FLEET, D, K)), ("d2", projection("other", D, K))):
+        assert q is not None
         stats = cf.device_statistics(prepare(x1, q), y1, C)
+        basis = np.concatenate([[float(D)], ordered_sum(q)])
         wrong = StatisticsRelease.of(stats, basis=basis).update(
             fleet=FLEET, round_=0, client=client, bundle=BUNDLE, method="lda"
         )
-        if client == "d1":  # honest about its basis: its column sums give it away
-            wrong = dataclasses.replace(wrong, extras={
-                **wrong.extras, BASIS: np.concatenate([[D], ordered_sum(q)])})  # fmt: skip
         assert m.offer(wrong.to_wire(), topic_client=client).reason == "wrong_basis"
     # A release without a basis check (a device from before it existed) is refused too.
     stats = cf.device_statistics(prepare(x2, projection(FLEET, D, K)), y2, C)
