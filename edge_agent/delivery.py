@@ -13,7 +13,7 @@ place, from what was sent.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -130,5 +130,7 @@ class SignedUpdates(Delivery):
     @staticmethod
     def signed(agent: Agent, announcement: RoundAnnouncement, update: PrototypeUpdate) -> Sent:
         run = announcement.auth.run if announcement.auth is not None else None
+        # Answered in the announcement's version, which its coordinator reads.
+        update = replace(update, wire_version=announcement.wire_version)
         update = agent.keys.sign(update, run=run)
         return Sent("answered", update=update, payload=update.to_wire())

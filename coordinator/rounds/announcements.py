@@ -76,12 +76,13 @@ class Announcer:
             classes=model.classes,
             dim=model.dim,
             deadline=deadline,
-            params={**model.params, "final": final},
+            params={**model.params, **self.config.protocol.params(), "final": final},
             global_classes=result.global_classes,
             global_prototypes=protos,
             local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
             client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
             extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
+            wire_version=self.config.protocol.announce_version,
         )
         if message.local_sets and model.downlink_budget > 0:
             message = self._within_budget(message, model.downlink_budget)
