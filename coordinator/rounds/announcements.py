@@ -105,17 +105,24 @@ class Announcer:
         k = downlink.sets_that_fit(
             budget=budget, rest=rest, array_bytes=array_bytes, clients=list(sets)
         )
-        if k < downlink.MIN_SETS and not self._said_too_small:
+        sent = min(max(k, downlink.MIN_SETS), len(sets))
+        if sent > k and not self._said_too_small:
             # Prototypes wider than the budget was set for (dp-features sends backbone
             # features: 36 kB a set at 896-d float32): the floor still keeps Eq. 7's
-            # expectation, and the size stays independent of the fleet's.
+            # expectation, and the size stays independent of the fleet's. Said only when
+            # the floor sends more than the budget holds (k counts every set at the
+            # longest client id, so any k of them fit).
             self._said_too_small = True
             log.warning(
-                "model.downlink_budget = %d bytes holds %d local sets beside the rest of "
-                "the announcement (%d bytes with one): sending %d a round",
+                "model.downlink_budget = %d bytes holds only %d of the %d local sets beside "
+                "the rest of the announcement (%d bytes with one); sending %d a round, above "
+                "the budget: an announcement always carries at least %d, or every set of a "
+                "smaller fleet",
                 budget,
                 k,
+                len(sets),
                 one,
+                sent,
                 downlink.MIN_SETS,
             )
         k = max(k, downlink.MIN_SETS)
