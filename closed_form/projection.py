@@ -40,6 +40,10 @@ import numpy.typing as npt
 
 from closed_form.arrays import F64
 
+#: The name of this way of making the projection: a device keeps it beside what it knows
+#: the coordinator stores, so that statistics in an earlier basis are sent again.
+PROJECTION = "splitmix64-mgs"
+
 #: SplitMix64's constants (Steele, Lea and Flood, 2014; the generator of Java's
 #: ``SplittableRandom``).
 GAMMA = 0x9E3779B97F4A7C15
