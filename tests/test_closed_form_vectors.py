@@ -36,7 +36,7 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.announcements import within_dtype
 from coordinator.storage.store import Store
-from coordinator.strategies import make_strategy
+from coordinator.strategies import Aggregate, make_strategy
 from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
 from protocol.methods import BASIS, BIAS, COUNTS, GRAM
@@ -285,3 +285,18 @@ def test_a_statistics_release_in_another_basis_is_refused(tmp_path):
 
 if __name__ == "__main__":
     VECTORS.write_text(json.dumps(build(), indent=1) + "\n")
+
+
+def test_a_head_is_scaled_only_past_the_announce_dtypes_range():
+    # A head with a value past float16's largest: sent as solved in float32, scaled whole
+    # (the same predictions) in float16; the scaling was once applied to float32 too.
+    weight = np.array([[1.0e5, -2.0], [3.0, 4.0]])
+    bias = np.array([0.5, -7.0e4])
+    head = Aggregate(global_classes=(0, 1), global_prototypes=weight, extras={BIAS: bias})
+    as_f4 = within_dtype(head, np.float32)
+    assert as_f4 is head
+    as_f2 = within_dtype(head, np.float16)
+    scale = 65504.0 / 1.0e5
+    np.testing.assert_allclose(as_f2.global_prototypes, weight * scale)
+    np.testing.assert_allclose(as_f2.extras[BIAS], bias * scale)
+    assert np.isfinite(np.asarray(as_f2.global_prototypes, np.float16)).all()
