@@ -53,6 +53,9 @@ class Admission:
     #: The method's prototype rows are means of unit-norm embeddings (every trained-head
     #: method: protocol/methods.py), so without noise no honest row is longer than 1.
     unit_means: bool = False
+    #: Closed-form methods: the bundle's feature size ``D`` a release's basis check must
+    #: name (``model.feature_dim``; 0: any, each checked against its own projection).
+    features: int = 0
 
     @classmethod
     def for_fleet(
@@ -96,6 +99,7 @@ class Admission:
             extras=extras,
             statistics=kind == "statistics",
             unit_means=not wire_method(method).closed_form,
+            features=feature_dim if kind == "statistics" else 0,
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -139,9 +143,14 @@ class Admission:
         """Statistics made in another basis than the fleet's public projection (or with no
         basis check): summed with the others', they would turn the head to noise."""
         basis = update.extras.get(BASIS)
-        problem = "no basis check" if basis is None else basis_problem(self.fleet, basis, self.dim)
-        if problem is not None:
-            log.info("%s: statistics in another basis (%s)", update.client, problem)
+        if basis is None:
+            problem: str | None = "no basis check"
+        elif self.features and basis.size and basis[0] != self.features:
+            problem = f"a feature size of {basis[0]:g}, model.feature_dim is {self.features}"
+        else:
+            problem = basis_problem(self.fleet, basis, self.dim)
+        if problem is not None:  # counted as wrong_basis; the why at DEBUG, as other refusals
+            log.debug("%s: statistics in another basis (%s)", update.client, problem)
         return problem is not None
 
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:

@@ -114,7 +114,7 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
         elif method == "feddbp":
             extras = {"fisher": np.full(u.prototypes.shape, 65504.0, np.float32)}
         elif wire_method(method).closed_form:  # counts as drawn; lda, ridge: a second moment
-            extras = {"counts": np.full(len(u.classes), 1e9), "basis": basis_check("", DIM, DIM)}
+            extras = {"counts": np.full(len(u.classes), 1e9), "basis": basis_check("lab", 6, DIM)}
             if wire_method(method).gram:
                 extras["gram"] = np.full(DIM * (DIM + 1) // 2, sign * 65504.0)
         u = dataclasses.replace(u, counts=(1e9,) * len(u.classes), prototypes=protos, extras=extras)

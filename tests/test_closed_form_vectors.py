@@ -271,6 +271,12 @@ def test_a_statistics_release_in_another_basis_is_refused(tmp_path):
                                               bundle=BUNDLE, method="lda")  # fmt: skip
     bare = dataclasses.replace(bare, extras={n: a for n, a in bare.extras.items() if n != BASIS})
     assert m.offer(bare.to_wire(), topic_client="d3").reason == "wrong_basis"
+    # A coordinator told the bundle's feature size refuses a basis of another size.
+    pinned = dataclasses.replace(
+        m.config, model=dataclasses.replace(m.config.model, feature_dim=D + 1)
+    )
+    assert pinned.admission_checks().wrong_basis(right)
+    assert not m.config.admission_checks().wrong_basis(right)
     assert m.flush_rejections() == {"wrong_basis": 3}
     assert m.offer(device_update(x2, y2, "d2", "lda").to_wire(), topic_client="d2").accepted
     nxt = m.poll()
