@@ -13,6 +13,8 @@ The coordinator (sum, then solve) and the device (its own head, a personalised o
 import this package, so it is numpy only and pure: no state, no seeds, no I/O. Its modules,
 in the order a release travels:
 
+- ``projection``: the fleet's public projection of the features, specified to the bit,
+  and the basis check a release carries (imported from there, not re-exported here);
 - ``triangles``: the released (upper-triangle) form of a Gram matrix;
 - ``statistics``: clipping, one device's :class:`Statistics`, and
   :class:`StatisticsSum`, the running sum every sum of statistics is taken with;

@@ -12,6 +12,7 @@ make an aggregate non-finite.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -19,12 +20,15 @@ from types import MappingProxyType
 import numpy as np
 
 from closed_form import triangle_size
+from closed_form.projection import basis_problem
 from coordinator.aggregate import NORM_TOLERANCE
 from protocol import PrototypeUpdate
-from protocol.methods import COUNTS, GRAM, wire_method
+from protocol.methods import BASIS, COUNTS, GRAM, wire_method
 from protocol.weights import averaged_weight_shapes
 
 FISHER = "fisher"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class Admission:
     #: The method's prototype rows are means of unit-norm embeddings (every trained-head
     #: method: protocol/methods.py), so without noise no honest row is longer than 1.
     unit_means: bool = False
+    #: Closed-form methods: the bundle's feature size ``D`` a release's basis check must
+    #: name (``model.feature_dim``; 0: any, each checked against its own projection).
+    features: int = 0
 
     @classmethod
     def for_fleet(
@@ -92,6 +99,7 @@ class Admission:
             extras=extras,
             statistics=kind == "statistics",
             unit_means=not wire_method(method).closed_form,
+            features=feature_dim if kind == "statistics" else 0,
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -112,9 +120,12 @@ class Admission:
             return "wrong_dim"
         if any(c > self.max_count for c in update.counts):
             return "count_above_max"
+        if self.statistics and update.classes and self.wrong_basis(update):
+            return "wrong_basis"
         if self._extras_mismatch(update):
             return "wrong_extras"
-        arrays = (update.prototypes, *update.extras.values())
+        # The basis check is public and holds the feature size, not a statistic.
+        arrays = (update.prototypes, *(a for n, a in update.extras.items() if n != BASIS))
         # A sum of rows of norm <= 1 over at most max_count samples of each class.
         bound = self.max_value + (self.max_count * self.num_classes if self.statistics else 0)
         if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
@@ -128,12 +139,26 @@ class Admission:
             return "impossible_norm"
         return None
 
+    def wrong_basis(self, update: PrototypeUpdate) -> bool:
+        """Statistics made in another basis than the fleet's public projection (or with no
+        basis check): summed with the others', they would turn the head to noise."""
+        basis = update.extras.get(BASIS)
+        if basis is None:
+            problem: str | None = "no basis check"
+        elif self.features and basis.size and basis[0] != self.features:
+            problem = f"a feature size of {basis[0]:g}, model.feature_dim is {self.features}"
+        else:
+            problem = basis_problem(self.fleet, basis, self.dim)
+        if problem is not None:  # counted as wrong_basis; the why at DEBUG, as other refusals
+            log.debug("%s: statistics in another basis (%s)", update.client, problem)
+        return problem is not None
+
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:
         got = {name: a.shape for name, a in update.extras.items()}
         if self.statistics:
             # No rows (statistics sent before): nothing beside them; else the counts
             # as drawn, one per row, and the method's second moment.
-            want = {COUNTS: (len(update.classes),), **(self.extras or {})}
+            want = {COUNTS: (len(update.classes),), BASIS: (self.dim + 1,), **(self.extras or {})}
             return got != (want if update.classes else {})
         if self.extras is None:
             return got != {FISHER: update.prototypes.shape}

@@ -6,6 +6,7 @@ of every key.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from coordinator.admission import Admission
 from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
+from protocol.announcement import PARAM_OLDEST_UNTIL, PARAM_OLDEST_VERSION
+from protocol.limits import PREVIOUS_VERSION, PROTOCOL_VERSION, SUPPORTED_VERSIONS
 from protocol.methods import wire_method
 from runtime.security import CoordinatorSecurity
 from runtime.settings import load_config
@@ -212,6 +215,40 @@ class WorkersSettings:
 
 
 @dataclass(frozen=True)
+class ProtocolSettings:
+    """The wire versions through an upgrade (docs/deploy.md, "Upgrading the protocol").
+    The coordinator reads updates and statuses of its version and the previous one, and
+    answers each update's receipt in the update's version. ``announce_version``: the
+    version its announcements are written in; the previous one while devices that read
+    only it remain (a device of this version reads both and answers in the announcement's).
+    ``previous_until``: Unix seconds from which updates and statuses of the previous
+    version are refused (0: no date set); said in every announcement's ``params``
+    (``protocol_oldest``, ``protocol_oldest_until``) once set."""
+
+    announce_version: int = PROTOCOL_VERSION
+    previous_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.announce_version not in SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"announce_version must be one of {', '.join(map(str, SUPPORTED_VERSIONS))}, "
+                f"got {self.announce_version}"
+            )
+        if not (math.isfinite(self.previous_until) and self.previous_until >= 0):
+            raise ValueError(f"previous_until must be Unix seconds >= 0, got {self.previous_until}")
+
+    def previous_refused(self, now: float) -> bool:
+        """Whether messages of the previous version are refused at ``now``."""
+        return 0 < self.previous_until <= now
+
+    def params(self) -> dict[str, float | int]:
+        """What every announcement says of the end of the previous version's support."""
+        if not self.previous_until:
+            return {}
+        return {PARAM_OLDEST_VERSION: PREVIOUS_VERSION, PARAM_OLDEST_UNTIL: self.previous_until}
+
+
+@dataclass(frozen=True)
 class PrivacySettings:
     """``aggregation``: ``plain``, each device's release reaches the coordinator, or
     ``secure``, only the fleet's sum does (secagg/, the ``[secure_aggregation]``
@@ -240,6 +277,7 @@ class CoordinatorConfig:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     workers: WorkersSettings = field(default_factory=WorkersSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
+    protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
     secure_aggregation: SecureAggregation = field(default_factory=SecureAggregation)
 
     def __post_init__(self) -> None:

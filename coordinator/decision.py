@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.limits import PROTOCOL_VERSION
+
 ACCEPTED = "accepted"
 
 
@@ -17,6 +19,8 @@ class Decision:
     #: The SHA-256 of the update stored for (round, client), when one is: what the
     #: device's receipt names (for a duplicate, the digest of the first copy).
     digest: str | None = None
+    #: The protocol version the update came in: its receipt is written in it.
+    wire_version: int = PROTOCOL_VERSION
 
     @property
     def accepted(self) -> bool:

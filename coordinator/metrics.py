@@ -48,6 +48,19 @@ class Metrics:
             "the key they pinned (status reason bad_coordinator_signature)",
             registry=self.registry,
         )
+        self.clients_unsupported_version = Gauge(
+            "protofleet_clients_unsupported_version",
+            "Online clients that cannot read the protocol version of this coordinator's "
+            "announcements (status reason unsupported_version); edge-coordinator status "
+            "names them",
+            registry=self.registry,
+        )
+        self.clients_previous_version = Gauge(
+            "protofleet_clients_previous_version",
+            "Clients whose last status came in the previous protocol version: the devices "
+            "an upgrade still waits for",
+            registry=self.registry,
+        )
         self.round_duration = Histogram(
             "protofleet_round_duration_seconds",
             "Seconds from opening to closing a round",

@@ -35,6 +35,8 @@ from edge_agent.state import StateDir
 from edge_agent.train import LocalModel, embed, make_optimiser
 from export.runtime import BackboneRuntime
 from protocol import PrototypeUpdate, RoundAnnouncement
+from protocol.limits import SUPPORTED_VERSIONS
+from protocol.status import UNSUPPORTED_VERSION
 from runtime.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -185,6 +187,10 @@ class Agent:
         announcement of an earlier life of the fleet."""
         snap = self.state.snapshot
         run, started = announcement.run, announcement.run_started
+        if announcement.wire_version < 3:
+            # A version-2 coordinator (or one announcing version 2 while its fleet
+            # upgrades) says no run: answered as a version-2 device did, whatever run.
+            return None
         if snap.run == run:
             return None
         if snap.run is None:
@@ -207,6 +213,16 @@ class Agent:
             "older run?)"
         )
         return replace(self._ignore("old_run", why), mismatch=f"ignoring rounds: {why}")
+
+    def unreadable(self, version: int | None) -> str:
+        """Count an announcement of a protocol version this device does not read; the
+        status reason that says so (docs/protocol.md, ``Status``)."""
+        why = (
+            f"the fleet announces protocol version {version}; this device reads "
+            f"{' and '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+        self.ignored.add(UNSUPPORTED_VERSION, why)
+        return f"{UNSUPPORTED_VERSION}: {why}"
 
     def _ignore(self, reason: str, why: str) -> Decision:
         """An announcement no coordinator of this fleet sends: counted, not answered."""

@@ -20,8 +20,6 @@ fleet under heavy noise) is not used.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import io
 import logging
 import math
@@ -31,11 +29,12 @@ from pathlib import Path
 import numpy as np
 
 import closed_form as cf
+from closed_form.projection import basis_check, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.fit_split import FitSplit
 from edge_agent.methods import DeviceMethod
 from protocol import PrivacyMeta, PrototypeUpdate, RoundAnnouncement
-from protocol.methods import BIAS, COUNTS, GRAM
+from protocol.methods import BASIS, BIAS, COUNTS, GRAM
 from runtime.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -54,33 +53,6 @@ def choose(scores: dict[str, float], *, validation: int) -> str:
     margin = 1.0 / max(validation, 1)
     best = max(CHOICES[:2], key=lambda name: (scores[name], -CHOICES.index(name)))
     return best if scores[best] >= scores["own"] + margin - 1e-12 else "own"
-
-
-@functools.lru_cache(maxsize=4)
-def projection(fleet: str, feature_dim: int, k: int) -> np.ndarray | None:
-    """The public (feature_dim, k) projection with orthonormal columns, seeded from the
-    fleet id alone; None when k is the feature size (no projection). Orthonormal columns
-    never lengthen a vector, so a clipped row stays within norm 1."""
-    if k == feature_dim:
-        return None
-    if not 0 < k < feature_dim:
-        raise ValueError(f"closed_form.dim = {k} must be below the bundle's {feature_dim} features")
-    seed = int.from_bytes(hashlib.sha256(f"protofleet-projection:{fleet}".encode()).digest()[:8])
-    gauss = np.random.default_rng(seed).standard_normal((feature_dim, k))
-    q, r = np.linalg.qr(gauss)
-    q = q * np.sign(np.diag(r))  # a unique Q: the signs QR leaves open, fixed
-    q.setflags(write=False)  # cached: one (D, k) matrix serves every device of a process
-    return q
-
-
-def prepare(features: np.ndarray, q: np.ndarray | None) -> np.ndarray:
-    """Backbone features (N, D) -> rows of norm <= 1 in the statistics' space (N, k)."""
-    x = np.asarray(features, dtype=np.float64)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    x = x / np.maximum(norms, np.finfo(np.float64).tiny)
-    if q is not None:
-        x = x @ q
-    return cf.clip_rows(x)
 
 
 def own_head(x: np.ndarray, labels: np.ndarray, num_classes: int) -> cf.LinearHead:
@@ -151,22 +123,30 @@ class StatisticsRelease:
     counts: np.ndarray  # (m,)
     rows: np.ndarray  # (m, k)
     gram: np.ndarray | None  # (k, k)
+    #: (k + 1,) the basis the rows are in (closed_form/projection.py::basis_check); None:
+    #: features taken as they are, no projection (``[k, 1, ..., 1]``).
+    basis: np.ndarray | None = None
 
     @classmethod
-    def of(cls, stats: cf.Statistics, *, every_class: bool = False) -> StatisticsRelease:
+    def of(
+        cls, stats: cf.Statistics, *, every_class: bool = False, basis: np.ndarray | None = None
+    ) -> StatisticsRelease:
         """``stats`` as sent: the classes held (``every_class``: all of them, as a noisy
         release sends them, so the set sent reveals nothing)."""
         classes = np.arange(stats.num_classes) if every_class else np.flatnonzero(stats.counts > 0)
-        return cls(classes, stats.counts[classes], stats.sums[classes], stats.gram)
+        return cls(classes, stats.counts[classes], stats.sums[classes], stats.gram, basis)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The release as named arrays (a device keeps a noisy one, to send it again)."""
         out = {"classes": self.classes, "counts": self.counts, "rows": self.rows}
+        if self.basis is not None:
+            out["basis"] = self.basis
         return out if self.gram is None else out | {"gram": self.gram}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> StatisticsRelease:
-        return cls(arrays["classes"], arrays["counts"], arrays["rows"], arrays.get("gram"))
+        return cls(arrays["classes"], arrays["counts"], arrays["rows"], arrays.get("gram"),
+                   arrays.get("basis"))  # fmt: skip
 
     @classmethod
     def nothing(cls, dim: int) -> StatisticsRelease:
@@ -184,6 +164,9 @@ class StatisticsRelease:
             extras[COUNTS] = np.asarray(self.counts, dtype=np.float64)
             if self.gram is not None:
                 extras[GRAM] = cf.upper_triangle(self.gram)
+            k = self.rows.shape[1]
+            basis = basis_check("", k, k) if self.basis is None else self.basis
+            extras[BASIS] = np.asarray(basis, dtype=np.float64)
         return PrototypeUpdate(
             fleet=fleet, round=round_, client=client, bundle=bundle, method=method,
             classes=tuple(int(c) for c in self.classes),
@@ -248,6 +231,7 @@ class ClosedFormDevice:
         self.num_classes = num_classes
         self.dim = settings.size(features.shape[1])
         self.q = projection(fleet, features.shape[1], self.dim)
+        self.basis = basis_check(fleet, features.shape[1], self.dim)  # (k + 1,)
         self.x = prepare(features, self.q)  # (N, k)
         self.labels = np.asarray(labels)
         self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)
@@ -272,7 +256,7 @@ class ClosedFormDevice:
 
     def release(self) -> StatisticsRelease:
         """The exact statistics as sent."""
-        return StatisticsRelease.of(self.statistics())
+        return StatisticsRelease.of(self.statistics(), basis=self.basis)
 
     def noisy_release(self, noise_multiplier: float, rng: np.random.Generator) -> StatisticsRelease:
         """The statistics through one Gaussian mechanism of multiplier ``noise_multiplier``
@@ -283,11 +267,11 @@ class ClosedFormDevice:
         exact = self.statistics()
         if self.method.wire.gram:
             noisy = cf.noised(exact, sigma=noise_multiplier * cf.SENSITIVITY, rng=rng)
-            return StatisticsRelease.of(noisy, every_class=True)
+            return StatisticsRelease.of(noisy, every_class=True, basis=self.basis)
         sigma = noise_multiplier * math.sqrt(2.0)
         sums = exact.sums + rng.normal(0.0, sigma, size=exact.sums.shape)
         counts = exact.counts + rng.normal(0.0, sigma, size=exact.counts.shape)
-        return StatisticsRelease(np.arange(self.num_classes), counts, sums, None)
+        return StatisticsRelease(np.arange(self.num_classes), counts, sums, None, self.basis)
 
     def adopt(self, announcement: RoundAnnouncement) -> bool:
         """Choose and keep the head to predict with, given the announcement's fleet head;

@@ -13,11 +13,12 @@ place, from what was sent.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
+from closed_form.projection import PROJECTION
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import AgentConfig
 from edge_agent.extras import update_extras
@@ -109,7 +110,11 @@ class SignedUpdates(Delivery):
         receipt says so, :meth:`Agent.confirmed`), an update with no rows after that, so
         a run costs the statistics once and a few hundred bytes a round."""
         cfg, mode, round_ = agent.cfg, agent.mode, announcement.round
-        sent = agent.state.snapshot.extra.get("statistics_stored") == version
+        # Stored where: a coordinator of another run (its database lost or moved aside)
+        # holds none of them, nor one that holds them in the basis of an earlier
+        # projection. ``version`` alone keys the release (a noisy one is made once).
+        stored_as = f"{version}@{announcement.run}/{PROJECTION}"
+        sent = agent.state.snapshot.extra.get("statistics_stored") == stored_as
         made = (
             (StatisticsRelease.nothing(closed.dim), mode.spent())
             if sent
@@ -123,12 +128,14 @@ class SignedUpdates(Delivery):
             method=cfg.method, privacy=mode.meta(spent),
         ))  # fmt: skip
         if not sent:
-            agent.state.record(statistics_sent={"round": round_, "version": version})
+            agent.state.record(statistics_sent={"round": round_, "version": stored_as})
         out.record["statistics_sent"] = not sent
         return out
 
     @staticmethod
     def signed(agent: Agent, announcement: RoundAnnouncement, update: PrototypeUpdate) -> Sent:
         run = announcement.auth.run if announcement.auth is not None else None
+        # Answered in the announcement's version, which its coordinator reads.
+        update = replace(update, wire_version=announcement.wire_version)
         update = agent.keys.sign(update, run=run)
         return Sent("answered", update=update, payload=update.to_wire())

@@ -22,10 +22,12 @@ from protocol import (
     ProtocolError,
     RoundAnnouncement,
     Status,
+    UnsupportedVersion,
     round_topic,
     status_topic,
     update_topic,
 )
+from protocol.limits import PROTOCOL_VERSION
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
@@ -82,6 +84,9 @@ class AgentService:
         self.malformed = 0
         # The reason of the retained online status, when it says why rounds are ignored.
         self._mismatch_said = ""
+        # The protocol version of the newest announcement read: statuses are written in
+        # it, so that a coordinator of the previous version reads them through an upgrade.
+        self._speaks = PROTOCOL_VERSION
         self._status_topic = status_topic(self.cfg.fleet, self.cfg.agent_id)
         self._receipt_topic = receipt_topic(self.cfg.fleet, self.cfg.agent_id)
         offline = self._status(AgentState.OFFLINE, "connection lost")
@@ -105,8 +110,9 @@ class AgentService:
             state=state,
             version=package_version(),
             last_round=self.agent.last_round,
-            run=self.agent.run or "",
+            run=(self.agent.run or "") if self._speaks >= 3 else "",
             reason=reason,
+            wire_version=self._speaks,
         ).to_wire()
 
     # -- the link's events (paho's network thread) -------------------------------------
@@ -188,7 +194,7 @@ class AgentService:
             or receipt.fleet != self.cfg.fleet
             or receipt.client != self.cfg.agent_id
             or receipt.round != pending.round
-            or receipt.run != pending.run
+            or (receipt.wire_version >= 3 and receipt.run != pending.run)
         ):
             return  # a late copy, or one for a round this device has settled
         self._pending = None
@@ -237,6 +243,13 @@ class AgentService:
         log.info("round %d: no receipt yet; sending the update again", pending.round)
         self.link.publish(update_topic(self.cfg.fleet, self.cfg.agent_id), pending.payload)
 
+    def _say_mismatch(self, mismatch: str) -> None:
+        """A device that cannot take part says why where the coordinator's status and
+        operators look, once, and takes it back when it can answer again."""
+        if mismatch != self._mismatch_said:
+            self._mismatch_said = mismatch
+            self._say_online(mismatch)
+
     def _say_online(self, reason: str) -> None:
         """The retained status: where the coordinator and operators look."""
         self.link.publish(self._status_topic, self._status(AgentState.ONLINE, reason), retain=True)
@@ -246,10 +259,16 @@ class AgentService:
             announcement = RoundAnnouncement.from_wire(
                 payload, max_bytes=self.cfg.mqtt.max_payload_bytes
             )
+        except UnsupportedVersion as exc:
+            # Said where the coordinator and operators look, not only in this log: the
+            # coordinator names such devices in its status (docs/deploy.md, "Upgrading").
+            self._say_mismatch(self.agent.unreadable(exc.version))
+            return
         except ProtocolError as exc:
             self.malformed += 1
             log.warning("ignoring a malformed round announcement: %s", exc)
             return
+        self._speaks = announcement.wire_version
         self._secure.settle(announcement)
         decision = self.agent.handle(announcement, received_bytes=len(payload))
         if decision.secure is not None:
@@ -265,15 +284,14 @@ class AgentService:
                 self._say_online(self._mismatch_said)
             self._open_round = announcement.round
             pending = self._pending
+            other_run = announcement.wire_version >= 3 and pending is not None
             if pending is not None and (
-                pending.round != announcement.round or pending.run != announcement.run
+                pending.round != announcement.round
+                or (other_run and pending.run != announcement.run)
             ):
                 self._abandon(pending)
-        if decision.mismatch != self._mismatch_said and decision.reason != "wrong_fleet":
-            # A device that cannot take part says why where the coordinator's status and
-            # operators look, once, and takes it back when it can answer again.
-            self._mismatch_said = decision.mismatch
-            self._say_online(decision.mismatch)
+        if decision.reason != "wrong_fleet":
+            self._say_mismatch(decision.mismatch)
         if decision.payload is None:
             if not decision.mismatch and decision.reason not in IGNORED:
                 # A mismatch was logged as a warning already, an ignored one is counted.

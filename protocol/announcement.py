@@ -14,17 +14,31 @@ from protocol.arrays import FloatArray, check_array, decode_array, encode_array
 from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.limits import MAX_CLASSES, MAX_CLIENTS, MAX_EXTRAS, MAX_PARAMS
+from protocol.limits import (
+    MAX_CLASSES,
+    MAX_CLIENTS,
+    MAX_EXTRAS,
+    MAX_PARAMS,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+)
 from protocol.message_base import (
     WireMessage,
     array_map,
     check_auth,
     check_round_fields,
+    check_wire_version,
     decode_array_map,
     encode_array_map,
     freeze,
+    legacy_run,
     take_auth,
 )
+
+#: ``params`` keys a coordinator sets beside ``final``: the oldest protocol version it
+#: still reads, and when it stops (Unix seconds; absent while no date is set).
+PARAM_OLDEST_VERSION = "protocol_oldest"
+PARAM_OLDEST_UNTIL = "protocol_oldest_until"
 
 
 def _empty_prototypes() -> FloatArray:
@@ -49,6 +63,7 @@ class RoundAnnouncement(WireMessage):
     """
 
     KIND: ClassVar[str] = "round"
+    VERSIONS: ClassVar[tuple[int, ...]] = SUPPORTED_VERSIONS
 
     fleet: str
     round: int
@@ -66,11 +81,17 @@ class RoundAnnouncement(WireMessage):
     client_globals: Mapping[str, FloatArray] = field(default_factory=dict)
     extras: Mapping[str, FloatArray] = field(default_factory=dict)
     auth: Auth | None = None
+    #: The protocol version it travels in. Version 2 has no ``run``, ``run_started`` or
+    #: ``dim``: read back, ``run`` is the run its signature names (``""`` unsigned),
+    #: ``run_started`` 0 and ``dim`` the width of its prototype rows (0 without rows).
+    wire_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        check_wire_version(self)
         check_auth(self)
         check_round_fields(self)
-        validate_id(self.run, field="run")
+        if self.run or self.wire_version >= 3:
+            validate_id(self.run, field="run")
         freeze(self, "run_started", f.number(self.run_started, field="run_started", low=0.0))
         freeze(self, "dim", f.integer(self.dim, field="dim"))
         names = f.sequence(self.classes, field="classes", max_length=MAX_CLASSES)
@@ -118,7 +139,7 @@ class RoundAnnouncement(WireMessage):
         return self.client_globals.get(client, self.global_prototypes)
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "fleet": self.fleet,
             "round": self.round,
             "run": self.run,
@@ -135,24 +156,29 @@ class RoundAnnouncement(WireMessage):
             "client_globals": encode_array_map(self.client_globals),
             "extras": encode_array_map(self.extras),
         }
+        if self.wire_version < 3:
+            for name in ("run", "run_started", "dim"):
+                del body[name]
+        return body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> RoundAnnouncement:
+        auth = take_auth(env)
+        current = env.version >= 3
+        protos = decode_array(env.take("global_prototypes"), field="global_prototypes", ndim=2)
         return cls(
             fleet=env.take("fleet"),
             round=env.take("round"),
-            run=env.take("run"),
-            run_started=env.take("run_started"),
+            run=env.take("run") if current else legacy_run(auth),
+            run_started=env.take("run_started") if current else 0.0,
             bundle=env.take("bundle"),
             method=env.take("method"),
             classes=env.take("classes"),
-            dim=env.take("dim"),
+            dim=env.take("dim") if current else int(protos.shape[1]),
             deadline=env.take("deadline"),
             params=env.take("params"),
             global_classes=env.take("global_classes"),
-            global_prototypes=decode_array(
-                env.take("global_prototypes"), field="global_prototypes", ndim=2
-            ),
+            global_prototypes=protos,
             local_sets=decode_array_map(
                 env.take("local_sets"), field="local_sets", max_length=MAX_CLIENTS
             ),
@@ -160,5 +186,6 @@ class RoundAnnouncement(WireMessage):
                 env.take("client_globals"), field="client_globals", max_length=MAX_CLIENTS
             ),
             extras=decode_array_map(env.take("extras"), field="extras", max_length=MAX_EXTRAS),
-            auth=take_auth(env),
+            auth=auth,
+            wire_version=env.version,
         )

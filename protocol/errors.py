@@ -31,9 +31,14 @@ class MalformedPayload(ProtocolError):
 
 
 class UnsupportedVersion(ProtocolError):
-    """The message carries a protocol version this code does not speak."""
+    """The message carries a protocol version this code does not speak (``version``: the
+    one it carries, None when it is not an integer)."""
 
     reason = "version"
+
+    def __init__(self, message: str, *, field: str | None = None, version: int | None = None):
+        super().__init__(message, field=field)
+        self.version = version
 
 
 class FieldError(ProtocolError):

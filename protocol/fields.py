@@ -88,20 +88,25 @@ def unique(values: tuple[Any, ...], *, field: str) -> tuple[Any, ...]:
 class Envelope:
     """The decoded top-level map of one message, read field by field.
 
-    Construction checks the protocol version and message type; :meth:`finish` raises if
-    the map held fields the message does not define.
+    Construction checks the protocol version (one of ``versions``, kept as
+    :attr:`version`) and message type; :meth:`finish` raises if the map held fields the
+    message does not define.
     """
 
-    def __init__(self, obj: dict[str, Any], *, kind: str) -> None:
+    def __init__(
+        self, obj: dict[str, Any], *, kind: str, versions: tuple[int, ...] = (PROTOCOL_VERSION,)
+    ) -> None:
         version = obj.get("v")
         if version is None:
             raise FieldError("missing field", field="v")
-        if type(version) is not int or version != PROTOCOL_VERSION:
+        if type(version) is not int or version not in versions:
             raise UnsupportedVersion(
                 f"protocol version {version!r} is not supported "
-                f"(this side speaks {PROTOCOL_VERSION})",
+                f"(this side speaks {' and '.join(map(str, versions))})",
                 field="v",
+                version=version if type(version) is int else None,
             )
+        self.version: int = version
         if obj.get("type") != kind:
             raise MalformedPayload(
                 f"expected a {kind!r} message, got {obj.get('type')!r}", field="type"

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+#: The version this code writes (an announcement may be configured to the previous one
+#: while a fleet upgrades: coordinator ``[protocol] announce_version``).
 PROTOCOL_VERSION = 3
+#: The version before it, which the update, announcement, status and receipt decoders
+#: still read, so that a fleet upgrades one side at a time (docs/protocol.md, Versions).
+PREVIOUS_VERSION = 2
+SUPPORTED_VERSIONS = (PREVIOUS_VERSION, PROTOCOL_VERSION)
 TOPIC_ROOT = "protofleet"
 TOPIC_VERSION = "v1"
 

@@ -27,6 +27,7 @@ from protocol.limits import (
     MAX_BUNDLE_ID_LENGTH,
     MAX_METHOD_LENGTH,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
 )
 
 M = TypeVar("M", bound="WireMessage")
@@ -61,16 +62,21 @@ def encode_array_map(value: Mapping[str, FloatArray]) -> dict[str, Any]:
 
 
 class WireMessage:
-    """Shared wire plumbing. Subclasses define ``KIND``, ``_body`` and ``_from_envelope``."""
+    """Shared wire plumbing. Subclasses define ``KIND``, ``_body`` and ``_from_envelope``.
+
+    ``VERSIONS``: the protocol versions the message is read in. A message that has a
+    ``wire_version`` field is written in that version (the one it was read in, or
+    :data:`PROTOCOL_VERSION`); the others always in :data:`PROTOCOL_VERSION`."""
 
     KIND: ClassVar[str]
+    VERSIONS: ClassVar[tuple[int, ...]] = (PROTOCOL_VERSION,)
 
     def to_wire(self) -> bytes:
         body = self._body()
         auth = getattr(self, "auth", None)
         if auth is not None:  # absent, not nil, when unsigned: see protocol/auth.py
             body["auth"] = auth.to_obj()
-        body["v"] = PROTOCOL_VERSION
+        body["v"] = getattr(self, "wire_version", PROTOCOL_VERSION)
         body["type"] = self.KIND
         return pack(body)
 
@@ -78,7 +84,11 @@ class WireMessage:
     def from_wire(
         cls: type[M], payload: object, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     ) -> M:
-        envelope = f.Envelope(unpack(payload, max_bytes=max_bytes), kind=cls.KIND)
+        envelope = f.Envelope(
+            unpack(payload, max_bytes=max_bytes),
+            kind=cls.KIND,
+            versions=cls.VERSIONS,
+        )
         message = cls._from_envelope(envelope)
         envelope.finish()
         return message
@@ -113,6 +123,17 @@ def values_equal(a: object, b: object) -> bool:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def check_wire_version(obj: Any) -> None:
+    if type(obj.wire_version) is not int or obj.wire_version not in SUPPORTED_VERSIONS:
+        raise FieldError(f"{obj.wire_version!r} is not a supported version", field="v")
+
+
+def legacy_run(auth: Auth | None) -> str:
+    """The run of a version-2 message, which has no run field: the run its signature names
+    (``""`` when unsigned), so that a signature is still checked for the run it covers."""
+    return "" if auth is None else auth.run
 
 
 def check_auth(obj: Any) -> None:

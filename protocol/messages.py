@@ -14,12 +14,19 @@ field is an error rather than a silent default.
 from __future__ import annotations
 
 from protocol.announcement import RoundAnnouncement
-from protocol.status import BAD_COORDINATOR_SIGNATURE, FINISHED, AgentState, Status
+from protocol.status import (
+    BAD_COORDINATOR_SIGNATURE,
+    FINISHED,
+    UNSUPPORTED_VERSION,
+    AgentState,
+    Status,
+)
 from protocol.update import PrivacyMeta, PrototypeUpdate
 
 __all__ = [
     "BAD_COORDINATOR_SIGNATURE",
     "FINISHED",
+    "UNSUPPORTED_VERSION",
     "AgentState",
     "Message",
     "PrivacyMeta",

@@ -25,6 +25,9 @@ UpdateExtras = Literal["none", "weights", "fisher", "statistics"]
 GRAM = "gram"
 COUNTS = "counts"
 BIAS = "bias"
+#: A closed-form update's basis check, ``[D, column sums of the projection]`` (1-D, k + 1
+#: values: closed_form/projection.py): statistics made in another basis are refused.
+BASIS = "basis"
 
 
 @dataclass(frozen=True)

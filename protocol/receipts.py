@@ -18,7 +18,8 @@ from protocol import fields as f
 from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.message_base import WireMessage, take_auth
+from protocol.limits import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from protocol.message_base import WireMessage, check_wire_version, legacy_run, take_auth
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> str:
@@ -28,6 +29,7 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> str:
 @dataclass(frozen=True, eq=False)
 class Receipt(WireMessage):
     KIND: ClassVar[str] = "receipt"
+    VERSIONS: ClassVar[tuple[int, ...]] = SUPPORTED_VERSIONS
 
     fleet: str
     round: int
@@ -35,32 +37,42 @@ class Receipt(WireMessage):
     client: str
     digest: str
     auth: Auth | None = None
+    #: Written in the version of the update it answers; version 2 has no ``run`` (read
+    #: back as the run its signature names, ``""`` unsigned).
+    wire_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        check_wire_version(self)
         validate_id(self.fleet, field="fleet")
         f.integer(self.round, field="round")
-        validate_id(self.run, field="run")
+        if self.run or self.wire_version >= 3:
+            validate_id(self.run, field="run")
         validate_id(self.client, field="client")
         f.text(self.digest, field="digest", max_length=64, empty=False)
         if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
             raise FieldError("expected 64 lowercase hex digits", field="digest")
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "fleet": self.fleet,
             "round": self.round,
             "run": self.run,
             "client": self.client,
             "digest": self.digest,
         }
+        if self.wire_version < 3:
+            del body["run"]
+        return body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Receipt:
+        auth = take_auth(env)
         return cls(
             fleet=env.take("fleet"),
             round=env.take("round"),
-            run=env.take("run"),
+            run=env.take("run") if env.version >= 3 else legacy_run(auth),
             client=env.take("client"),
             digest=env.take("digest"),
-            auth=take_auth(env),
+            auth=auth,
+            wire_version=env.version,
         )

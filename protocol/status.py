@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 from protocol import fields as f
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.limits import MAX_ID_LENGTH
-from protocol.message_base import WireMessage, freeze
+from protocol.limits import MAX_ID_LENGTH, PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from protocol.message_base import WireMessage, check_wire_version, freeze
 
 
 class AgentState(str, Enum):
@@ -25,6 +25,10 @@ FINISHED = "finished"
 #: signed by the coordinator key it pinned: a coordinator restarted with another key
 #: learns it from its devices' statuses (coordinator/rounds/presence.py).
 BAD_COORDINATOR_SIGNATURE = "bad_coordinator_signature"
+#: The start of a device's ``reason`` while the fleet's announcements are of a protocol
+#: version it does not read: ``unsupported_version: the fleet announces protocol version 4;
+#: this device reads 2 and 3``. The coordinator lists such devices in its status.
+UNSUPPORTED_VERSION = "unsupported_version"
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +36,7 @@ class Status(WireMessage):
     """A client's retained presence; the offline form is also its MQTT Last Will."""
 
     KIND: ClassVar[str] = "status"
+    VERSIONS: ClassVar[tuple[int, ...]] = SUPPORTED_VERSIONS
 
     fleet: str
     client: str
@@ -43,8 +48,12 @@ class Status(WireMessage):
     #: counts in it. A coordinator finding devices past its open round in its own run
     #: knows its database was rolled back; on another run, that it was lost or replaced.
     run: str = ""
+    #: The protocol version it travels in: a device answers in the version of the
+    #: announcement it follows (version 2 has no ``run``).
+    wire_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        check_wire_version(self)
         validate_id(self.fleet, field="fleet")
         validate_id(self.client, field="client")
         try:
@@ -57,9 +66,11 @@ class Status(WireMessage):
         f.text(self.reason, field="reason")
         if self.run:
             validate_id(self.run, field="run")
+            if self.wire_version < 3:
+                raise FieldError("a version 2 status names no run", field="run")
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "fleet": self.fleet,
             "client": self.client,
             "state": self.state.value,
@@ -68,6 +79,9 @@ class Status(WireMessage):
             "run": self.run,
             "reason": self.reason,
         }
+        if self.wire_version < 3:
+            del body["run"]
+        return body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Status:
@@ -80,6 +94,7 @@ class Status(WireMessage):
             state=state,  # type: ignore[arg-type]
             version=env.take("version"),
             last_round=env.take("last_round"),
-            run=env.take("run"),
+            run=env.take("run") if env.version >= 3 else "",
             reason=env.take("reason"),
+            wire_version=env.version,
         )

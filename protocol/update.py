@@ -11,12 +11,20 @@ from protocol.arrays import FloatArray, check_array, decode_array, encode_array
 from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.limits import MAX_CLASSES, MAX_EXTRAS, MAX_GUARANTEE_LENGTH, MAX_METHOD_LENGTH
+from protocol.limits import (
+    MAX_CLASSES,
+    MAX_EXTRAS,
+    MAX_GUARANTEE_LENGTH,
+    MAX_METHOD_LENGTH,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+)
 from protocol.message_base import (
     WireMessage,
     array_map,
     check_auth,
     check_round_fields,
+    check_wire_version,
     decode_array_map,
     encode_array_map,
     freeze,
@@ -82,6 +90,7 @@ class PrototypeUpdate(WireMessage):
     """
 
     KIND: ClassVar[str] = "update"
+    VERSIONS: ClassVar[tuple[int, ...]] = SUPPORTED_VERSIONS
 
     fleet: str
     round: int
@@ -94,8 +103,12 @@ class PrototypeUpdate(WireMessage):
     extras: Mapping[str, FloatArray] = field(default_factory=dict)
     privacy: PrivacyMeta = field(default_factory=PrivacyMeta)
     auth: Auth | None = None
+    #: The protocol version it travels in: that of the announcement it answers (versions
+    #: 2 and 3 write an update alike but for ``v``).
+    wire_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        check_wire_version(self)
         check_auth(self)
         check_round_fields(self)
         validate_id(self.client, field="client")
@@ -147,4 +160,5 @@ class PrototypeUpdate(WireMessage):
             extras=decode_array_map(env.take("extras"), field="extras", max_length=MAX_EXTRAS),
             privacy=PrivacyMeta.from_obj(env.take("privacy")),
             auth=take_auth(env),
+            wire_version=env.version,
         )

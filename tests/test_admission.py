@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from closed_form.projection import basis_check
 from coordinator.admission import Admission
 from coordinator.config import AdmissionSettings, ModelSettings
 from coordinator.metrics import Metrics
@@ -97,6 +98,9 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
         config(tmp_path, method=method, feature_dim=6, min_clients=40, wait_after_quorum_s=0.0),
         admission=limits,
     )
+    # Announced in float16, whose range a closed-form head is scaled into (a float32 head
+    # is sent as solved).
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, announce_dtype="f2"))
     checks_ = cfg.admission_checks()
     m = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=Clock())
     shapes = averaged_weight_shapes(feature_dim=6, out_dim=DIM, num_classes=len(CLASSES))
@@ -110,7 +114,7 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
         elif method == "feddbp":
             extras = {"fisher": np.full(u.prototypes.shape, 65504.0, np.float32)}
         elif wire_method(method).closed_form:  # counts as drawn; lda, ridge: a second moment
-            extras = {"counts": np.full(len(u.classes), 1e9)}
+            extras = {"counts": np.full(len(u.classes), 1e9), "basis": basis_check("lab", 6, DIM)}
             if wire_method(method).gram:
                 extras["gram"] = np.full(DIM * (DIM + 1) // 2, sign * 65504.0)
         u = dataclasses.replace(u, counts=(1e9,) * len(u.classes), prototypes=protos, extras=extras)

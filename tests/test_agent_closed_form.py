@@ -31,7 +31,7 @@ from fleet.data import partition as part
 from fleet.transports.runner import run
 from fleet.transports.spec import RunSpec
 from protocol import PrototypeUpdate, RoundAnnouncement
-from protocol.methods import BIAS, GRAM
+from protocol.methods import BASIS, BIAS, GRAM
 from tests.agent_helpers import RUN, RUN_STARTED, agent_config
 
 
@@ -172,6 +172,12 @@ def test_an_agent_sends_its_statistics_until_stored_then_nothing(small_zoo, tmp_
     restarted = Agent(cfg)
     last = restarted.handle(dataclasses.replace(nxt, round=3))
     assert PrototypeUpdate.from_wire(last.payload).classes == ()
+    # A coordinator of a new run (its database lost or moved aside) holds none of them:
+    # they travel again, the same statistics, with their basis check.
+    fresh = restarted.handle(dataclasses.replace(start, run="f" * 16, run_started=RUN_STARTED + 1))
+    resent = PrototypeUpdate.from_wire(fresh.payload)
+    assert resent.classes == update.classes and BASIS in resent.extras
+    np.testing.assert_array_equal(resent.prototypes, update.prototypes)
 
 
 @pytest.mark.slow

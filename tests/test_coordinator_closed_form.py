@@ -22,7 +22,7 @@ from coordinator.strategies import RobustOptions, make_strategy
 from coordinator.strategies.closed_form import fleet_statistics
 from edge_agent.closed_form import StatisticsRelease
 from protocol import PrototypeUpdate
-from protocol.methods import BIAS, GRAM
+from protocol.methods import BASIS, BIAS, GRAM
 from runtime.security import CoordinatorSecurity
 
 K, C = 6, 4
@@ -108,7 +108,7 @@ def test_the_coordinators_ridge_is_the_pooled_ridge():
 def test_fedcof_is_solved_from_means_and_counts_alone():
     data = devices(4, count=30)
     updates = [update_of(x, y, f"d{i}", method="fedcof") for i, (x, y) in enumerate(data)]
-    assert all(set(u.extras) == {"counts"} for u in updates)  # prototype-sized: no moment
+    assert all(set(u.extras) == {"counts", BASIS} for u in updates)  # prototype-sized: no moment
     solved = make_strategy("fedcof").aggregate(updates, num_classes=C, dim=K)
     stats = cf.merge(cf.means_statistics(*_dense(u)) for u in updates)
     np.testing.assert_allclose(
@@ -186,7 +186,8 @@ def test_a_statistics_update_with_the_wrong_shape_or_extras_is_refused(tmp_path)
     good = update_of(x, y, "d0", method="lda")
     no_gram = PrototypeUpdate(fleet="lab", round=0, client="d1", bundle=BUNDLE, method="lda",
                               classes=good.classes, counts=good.counts,
-                              prototypes=good.prototypes)  # fmt: skip
+                              prototypes=good.prototypes,
+                              extras={BASIS: good.extras[BASIS]})  # fmt: skip
     assert m.offer(no_gram.to_wire(), topic_client="d1").reason == "wrong_extras"
     stray = PrototypeUpdate(fleet="lab", round=0, client="d2", bundle=BUNDLE, method="lda",
                             classes=(), counts=(), prototypes=np.zeros((0, K)),

@@ -203,8 +203,25 @@ def test_a_budget_with_room_for_fewer_than_the_floor_sends_the_floor_and_says_so
     assert set(first.local_sets) != set(second.local_sets)  # another sample each round
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1
-    assert said[0].startswith("model.downlink_budget = 8000 bytes holds 0 local sets")
-    assert said[0].endswith("sending 5 a round")
+    assert said[0].startswith("model.downlink_budget = 8000 bytes holds only 0 of the 20 local")
+    assert "; sending 5 a round, above the budget" in said[0]
+
+
+def test_a_small_fleet_whose_sets_all_fit_is_sent_them_without_a_warning(
+    tmp_path, signer_key, caplog
+) -> None:
+    # Four clients, fewer than the floor: every set fits the default budget, so nothing
+    # is said (the budget was once said to hold "4 local sets", the fleet's size).
+    with caplog.at_level("WARNING", logger="coordinator.rounds.announcements"):
+        sent = announcer(tmp_path, signer_key).announce(3, aggregate(4), deadline=9.0)
+    assert len(sent.local_sets) == 4 and not caplog.records
+    # A budget with room for none of them: all four go, and the warning counts right.
+    tight = announcer(tmp_path / "tight", signer_key, announce_dtype="f2", downlink_budget=8_000)
+    with caplog.at_level("WARNING", logger="coordinator.rounds.announcements"):
+        assert len(tight.announce(3, aggregate(4), deadline=9.0).local_sets) == 4
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("model.downlink_budget = 8000 bytes holds only 0 of the 4 local sets")
+    assert "; sending 4 a round, above the budget" in said
 
 
 # -- refusing what the devices would drop ----------------------------------------------

@@ -119,8 +119,10 @@ if __name__ == "__main__":
     VECTORS.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "about": "ProtoFleet signed test vectors: docs/protocol.md, Signatures. The private "
-        "keys are public test keys. Hex strings are bytes; 'body' is the message encoded "
-        "without auth, 'statement' the msgpack map a signature covers.",
+        "keys are public test keys: 'private_key' is, for ed25519, the 32-byte RFC 8032 "
+        "private key (the seed) and, for p256, the private scalar as 32 big-endian bytes. "
+        "Hex strings are bytes; 'body' is the message encoded without auth, 'statement' "
+        "the msgpack map a signature covers.",
         "vectors": [vector(alg, kind) for alg, kind in CASES],
     }
     VECTORS.write_text(json.dumps(document, indent=1) + "\n")

@@ -17,7 +17,7 @@ from coordinator.keys import CoordinatorKeys
 from coordinator.strategies import Aggregate
 from protocol import RoundAnnouncement
 from protocol.auth import Signer, sign
-from protocol.methods import wire_method
+from protocol.methods import BIAS, wire_method
 from protocol.weights import averaged_weight_shapes
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,11 @@ class Announcer:
         """
         model = self.config.model
         cast = self._dtype
-        dim = model.dim if result.global_classes else 0
+        if wire_method(model.method).closed_form:
+            result = within_dtype(result, cast)
+        # (0, dim) before any aggregate, as every 2-D array of an announcement has dim columns.
         protos = np.asarray(result.global_prototypes, dtype=cast).reshape(
-            len(result.global_classes), dim
+            len(result.global_classes), model.dim
         )
         message = RoundAnnouncement(
             fleet=self.config.fleet,
@@ -74,12 +76,13 @@ class Announcer:
             classes=model.classes,
             dim=model.dim,
             deadline=deadline,
-            params={**model.params, "final": final},
+            params={**model.params, **self.config.protocol.params(), "final": final},
             global_classes=result.global_classes,
             global_prototypes=protos,
             local_sets={c: np.asarray(a, dtype=cast) for c, a in result.local_sets.items()},
             client_globals={c: np.asarray(a, dtype=cast) for c, a in result.client_globals.items()},
             extras={n: np.asarray(a, dtype=np.float32) for n, a in result.extras.items()},
+            wire_version=self.config.protocol.announce_version,
         )
         if message.local_sets and model.downlink_budget > 0:
             message = self._within_budget(message, model.downlink_budget)
@@ -102,17 +105,24 @@ class Announcer:
         k = downlink.sets_that_fit(
             budget=budget, rest=rest, array_bytes=array_bytes, clients=list(sets)
         )
-        if k < downlink.MIN_SETS and not self._said_too_small:
+        sent = min(max(k, downlink.MIN_SETS), len(sets))
+        if sent > k and not self._said_too_small:
             # Prototypes wider than the budget was set for (dp-features sends backbone
             # features: 36 kB a set at 896-d float32): the floor still keeps Eq. 7's
-            # expectation, and the size stays independent of the fleet's.
+            # expectation, and the size stays independent of the fleet's. Said only when
+            # the floor sends more than the budget holds (k counts every set at the
+            # longest client id, so any k of them fit).
             self._said_too_small = True
             log.warning(
-                "model.downlink_budget = %d bytes holds %d local sets beside the rest of "
-                "the announcement (%d bytes with one): sending %d a round",
+                "model.downlink_budget = %d bytes holds only %d of the %d local sets beside "
+                "the rest of the announcement (%d bytes with one); sending %d a round, above "
+                "the budget: an announcement always carries at least %d, or every set of a "
+                "smaller fleet",
                 budget,
                 k,
+                len(sets),
                 one,
+                sent,
                 downlink.MIN_SETS,
             )
         k = max(k, downlink.MIN_SETS)
@@ -140,6 +150,29 @@ class Announcer:
                     "devices' mqtt.max_payload_bytes and this setting together"
                 ),
             )
+
+
+def within_dtype(result: Aggregate, dtype: type[np.floating[Any]]) -> Aggregate:
+    """A closed-form head (weight rows and :data:`~protocol.methods.BIAS`) scaled down
+    whole, by ``M / max |v|``, when a value exceeds ``M``, the largest finite value of the
+    announce dtype (65,504 for float16, about 3.4e38 for float32): it must travel finite.
+    A scaled head predicts the same classes (the argmax of ``x W^T + b`` is that of
+    ``s x W^T + s b``, s > 0), but its scores are scaled too, so nothing else is: a float32
+    head arrives as solved (docs/protocol.md, "The closed-form head")."""
+    largest_finite = float(np.finfo(dtype).max)
+    bias = result.extras.get(BIAS)
+    values = [np.asarray(result.global_prototypes).ravel()]
+    if bias is not None:
+        values.append(np.asarray(bias).ravel())
+    largest = float(np.abs(np.concatenate(values)).max(initial=0.0))
+    if largest <= largest_finite:
+        return result
+    scale = largest_finite / largest
+    extras = dict(result.extras)
+    if bias is not None:
+        extras[BIAS] = np.asarray(bias, dtype=np.float64) * scale
+    protos = np.asarray(result.global_prototypes, dtype=np.float64) * scale
+    return dataclasses.replace(result, global_prototypes=protos, extras=extras)
 
 
 def largest_announcement(

@@ -10,6 +10,7 @@ of closed-form statistics, or the secure sum."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from coordinator.storage.store import RoundRow, Store
 from coordinator.strategies import Strategy, make_strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, PrototypeUpdate, RoundAnnouncement
+from protocol.limits import PROTOCOL_VERSION
 from protocol.methods import wire_method
 from protocol.receipts import payload_digest
 from secagg.fleet import SecureRelease, prototype_release, secure_release
@@ -110,6 +112,16 @@ class RoundManager(RoundCycle):
             )
         except ProtocolError as exc:
             return Decision(exc.reason)
+        if update.wire_version < PROTOCOL_VERSION and self.config.protocol.previous_refused(
+            self._clock()
+        ):
+            return Decision("version", update.round, update.client)
+        decision = self._judge_update(update, payload, topic_client)
+        return dataclasses.replace(decision, wire_version=update.wire_version)
+
+    def _judge_update(
+        self, update: PrototypeUpdate, payload: bytes | bytearray, topic_client: str | None
+    ) -> Decision:
         reject = self.screening.problem(update, topic_client=topic_client)
         if reject:
             return Decision(reject, update.round, update.client)

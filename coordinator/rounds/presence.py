@@ -10,7 +10,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rounds.rejections import Rejections
 from coordinator.storage.store import Store
-from protocol import BAD_COORDINATOR_SIGNATURE, ProtocolError, Status
+from protocol import BAD_COORDINATOR_SIGNATURE, ProtocolError, Status, UnsupportedVersion
+from protocol.limits import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from protocol.status import UNSUPPORTED_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,18 @@ class Presence:
         """Store one status payload; None (and counted) when it is refused."""
         try:
             status = Status.from_wire(payload, max_bytes=self.config.mqtt.max_payload_bytes)
+        except UnsupportedVersion as exc:
+            self._rejections.count("status_version")
+            self._say_version(topic_client, exc.version)
+            return None
         except ProtocolError as exc:
             self._rejections.count(f"status_{exc.reason}")
+            return None
+        if status.wire_version < PROTOCOL_VERSION and self.config.protocol.previous_refused(
+            self._clock()
+        ):
+            self._rejections.count("status_version")
+            self._say_version(status.client, status.wire_version)
             return None
         if status.fleet != self.config.fleet or (
             topic_client is not None and status.client != topic_client
@@ -72,6 +84,7 @@ class Presence:
             last_round=status.last_round,
             reason=status.reason,
             at=self._clock(),
+            protocol=status.wire_version,
         )
         self.update_online()
         if self._on_status is not None:
@@ -79,7 +92,14 @@ class Presence:
         said = (status.state.value, status.reason or "-")
         if self._logged.get(status.client) != said:
             self._logged[status.client] = said
-            if status.reason.startswith(BAD_COORDINATOR_SIGNATURE):
+            if status.reason.startswith(UNSUPPORTED_VERSION):
+                log.warning(
+                    "client %s cannot read this coordinator's announcements: upgrade it, or "
+                    "announce a version it reads ([protocol] announce_version) (%s)",
+                    status.client,
+                    status.reason,
+                )
+            elif status.reason.startswith(BAD_COORDINATOR_SIGNATURE):
                 log.warning(
                     "client %s refuses this coordinator's announcements as not signed by the "
                     "key it pinned: is security.key the fleet's coordinator key? (%s)",
@@ -90,6 +110,25 @@ class Presence:
                 log.info("client %s is %s (%s)", status.client, *said)
         return status
 
+    def _say_version(self, client: str | None, version: int | None) -> None:
+        """Name a device whose status is of a version not read here, once per version."""
+        said = ("version", str(version))
+        if client is None or self._logged.get(client) == said:
+            return
+        self._logged[client] = said
+        log.warning(
+            "client %s sends protocol version %s, which this coordinator does not read "
+            "(it reads %s): its statuses and updates are refused until it is upgraded",
+            client,
+            version,
+            " and ".join(map(str, self._versions())),
+        )
+
+    def _versions(self) -> tuple[int, ...]:
+        if self.config.protocol.previous_refused(self._clock()):
+            return (PROTOCOL_VERSION,)
+        return SUPPORTED_VERSIONS
+
     def update_online(self) -> None:
         """The online gauges: devices whose last status is online and fresher than
         ``rounds.online_ttl_s`` (devices restate it every round), and of those, the ones
@@ -97,6 +136,10 @@ class Presence:
         since = self._clock() - self.config.rounds.online_ttl_s
         self._metrics.clients_online.set(self._store.online_count(since=since))
         self._metrics.clients_rejecting_announcements.set(len(self.rejecting(since=since)))
+        self._metrics.clients_unsupported_version.set(
+            len(self._store.unsupported_version(since=since))
+        )
+        self._metrics.clients_previous_version.set(len(self._store.previous_version()))
 
     def rejecting(self, *, since: float) -> list[str]:
         """Online devices that refuse this coordinator's announcements' signature."""

@@ -218,9 +218,11 @@ class CoordinatorService(MainLoop):
             Receipt(
                 fleet=self.config.fleet,
                 round=decision.round,
-                run=self.manager.run_id,
                 client=decision.client,
                 digest=decision.digest,
+                # The update's version: version 2 has no run (its signature names it).
+                run=self.manager.run_id if decision.wire_version >= 3 else "",
+                wire_version=decision.wire_version,
             )
         )
         self.link.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire())

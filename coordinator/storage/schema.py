@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS clients (
     version TEXT NOT NULL,
     last_round INTEGER,
     reason TEXT NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    protocol INTEGER NOT NULL DEFAULT 3
 );
 CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine (
@@ -170,5 +171,8 @@ def migrate(db: sqlite3.Connection) -> None:
     columns = {row[1] for row in db.execute("PRAGMA table_info(rounds)")}
     if "extensions" not in columns:  # a database from before deadline extensions counted
         db.execute("ALTER TABLE rounds ADD COLUMN extensions INTEGER NOT NULL DEFAULT 0")
+    columns = {row[1] for row in db.execute("PRAGMA table_info(clients)")}
+    if "protocol" not in columns:  # the protocol version of a client's last status
+        db.execute("ALTER TABLE clients ADD COLUMN protocol INTEGER NOT NULL DEFAULT 3")
     if db.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0:
         db.execute(BACKFILL)

@@ -38,7 +38,14 @@ from coordinator.storage.store_rows import (
 )
 
 __all__ = ["Commit", "RoundRow", "StateError", "StorageFault", "Store"]
-from coordinator.storage.summary import read_summary, refusing_signature
+from coordinator.storage.summary import (
+    clients_saying,
+    on_previous_version,
+    read_summary,
+    refusing_signature,
+)
+from protocol.limits import PROTOCOL_VERSION
+from protocol.status import UNSUPPORTED_VERSION
 
 
 class Store:
@@ -312,13 +319,17 @@ class Store:
         last_round: int | None,
         reason: str,
         at: float,
+        protocol: int = PROTOCOL_VERSION,
     ) -> None:
+        """``protocol``: the protocol version the status came in."""
         with self._lock, self._transaction():
             self._db.execute(
-                "INSERT INTO clients VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (client) DO UPDATE SET "
+                "INSERT INTO clients (client, state, version, last_round, reason, updated_at, "
+                "protocol) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (client) DO UPDATE SET "
                 "state = excluded.state, version = excluded.version, last_round = excluded.last_round, "
-                "reason = excluded.reason, updated_at = excluded.updated_at",
-                (client, state, version, last_round, reason, at),
+                "reason = excluded.reason, updated_at = excluded.updated_at, "
+                "protocol = excluded.protocol",
+                (client, state, version, last_round, reason, at, protocol),
             )
 
     def online_count(self, *, since: float = -math.inf) -> int:
@@ -335,6 +346,17 @@ class Store:
         """Online clients that refuse this coordinator's signature (coordinator/storage/summary.py)."""
         with self._lock:
             return refusing_signature(self._db, since=since)
+
+    def unsupported_version(self, *, since: float = -math.inf) -> list[str]:
+        """Online clients that cannot read this coordinator's announcements' protocol
+        version (coordinator/storage/summary.py)."""
+        with self._lock:
+            return clients_saying(self._db, UNSUPPORTED_VERSION, since=since)
+
+    def previous_version(self) -> list[str]:
+        """Clients whose last status came in an older protocol version than this one's."""
+        with self._lock:
+            return on_previous_version(self._db)
 
     def contributors(self) -> set[str]:
         """Every client that ever had an update accepted."""

@@ -9,6 +9,8 @@ import sqlite3
 from typing import Any
 
 from protocol import BAD_COORDINATOR_SIGNATURE
+from protocol.limits import PROTOCOL_VERSION
+from protocol.status import UNSUPPORTED_VERSION
 
 #: A client in ``edge-coordinator status``: what its last status message said (``state``
 #: to ``updated_at``; None if none came) and what the coordinator accepted from it.
@@ -22,6 +24,7 @@ CLIENT_FIELDS = (
     "last_update_round",
     "updates_accepted",
     "last_update_at",
+    "protocol",
 )
 
 
@@ -37,7 +40,7 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
     # Every client heard from: by its status messages, its updates, or both.
     clients = db.execute(
         "SELECT n.client, s.state, s.version, s.last_round, s.reason, s.updated_at, "
-        "c.last_round, c.updates, c.last_at FROM "
+        "c.last_round, c.updates, c.last_at, s.protocol FROM "
         "(SELECT client FROM clients UNION SELECT client FROM contributions) AS n "
         "LEFT JOIN clients AS s ON s.client = n.client "
         "LEFT JOIN contributions AS c ON c.client = n.client ORDER BY n.client"
@@ -70,6 +73,11 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
         # Devices that refuse this coordinator's signature: a key that does not pair with
         # the one they pinned (docs/deploy.md, section 4).
         "rejecting_announcements": refusing_signature(db, since=online_since),
+        # Devices that cannot read this coordinator's announcements' protocol version
+        # (they say so in their status), and those whose last status came in the previous
+        # version: the devices an upgrade still waits for (docs/deploy.md, "Upgrading").
+        "unsupported_version": clients_saying(db, UNSUPPORTED_VERSION, since=online_since),
+        "previous_version": on_previous_version(db),
         "rejections": rejections,
         "quarantined": quarantined,
     }
@@ -83,9 +91,22 @@ def _one(db: sqlite3.Connection, sql: str, args: tuple[Any, ...] = ()) -> Any:
 def refusing_signature(db: sqlite3.Connection, *, since: float = -math.inf) -> list[str]:
     """Clients online after ``since`` whose last status says they refuse this
     coordinator's announcements' signature (status reason bad_coordinator_signature)."""
+    return clients_saying(db, BAD_COORDINATOR_SIGNATURE, since=since)
+
+
+def clients_saying(db: sqlite3.Connection, prefix: str, *, since: float = -math.inf) -> list[str]:
+    """Clients online after ``since`` whose last status reason starts with ``prefix``."""
     rows = db.execute(
         "SELECT client FROM clients WHERE state = 'online' AND updated_at > ? "
         "AND substr(reason, 1, ?) = ? ORDER BY client",
-        (since, len(BAD_COORDINATOR_SIGNATURE), BAD_COORDINATOR_SIGNATURE),
+        (since, len(prefix), prefix),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def on_previous_version(db: sqlite3.Connection) -> list[str]:
+    """Clients whose last status came in an older protocol version than this code's."""
+    rows = db.execute(
+        "SELECT client FROM clients WHERE protocol < ? ORDER BY client", (PROTOCOL_VERSION,)
     ).fetchall()
     return [row[0] for row in rows]

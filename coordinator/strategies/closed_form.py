@@ -29,11 +29,6 @@ from protocol.methods import BIAS, COUNTS, GRAM
 
 log = logging.getLogger(__name__)
 
-#: The largest value an announced head may hold: float16's, so it travels in any
-#: announce dtype. A larger head is scaled down whole, which changes no prediction (the
-#: argmax of ``x W^T + b`` is the same for ``s W`` and ``s b``, s > 0).
-LARGEST = 65504.0
-
 
 def statistics_of(update: PrototypeUpdate, *, num_classes: int, dim: int) -> cf.Statistics:
     """One client's statistics as its update carries them (dense over the classes)."""
@@ -110,20 +105,9 @@ class ClosedForm(Strategy):
             # not its honesty): the round closes without a head, devices keep theirs.
             log.warning("%s: no head solved from this round's statistics: %s", self.name, exc)
             return Aggregate()
-        return announced(within_range(head))
-
-
-def within_range(head: cf.LinearHead) -> cf.LinearHead:
-    """``head``, scaled down whole if any announced value exceeds :data:`LARGEST`; its
-    predictions are unchanged. (A head is finite: ``LinearHead`` refuses one that is not,
-    inside the solve's ``try``.)"""
-    present = head.present
-    values = np.concatenate([head.weight[present].ravel(), head.bias[present]])
-    largest = float(np.abs(values).max(initial=0.0))
-    if largest <= LARGEST:
-        return head
-    scale = LARGEST / largest
-    return cf.LinearHead(weight=head.weight * scale, bias=head.bias * scale, present=present)
+        # Scaled to the announce dtype's range by the announcer (coordinator/rounds/
+        # announcements.py::within_dtype), which alone knows that dtype.
+        return announced(head)
 
 
 @register("lda")

@@ -22,6 +22,7 @@ update and a collect request (coordinator/tier/worker.py carries them over MQTT)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from coordinator.tier.partial_wire import Copy, PartialMessage
 from coordinator.tier.worker_store import OpenRound, WorkerStore
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, ProtocolError, PrototypeUpdate, RoundAnnouncement
 from protocol.auth import Verifier, sign, signature_problem
+from protocol.limits import PROTOCOL_VERSION
 from protocol.methods import wire_method
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import parse_topic
@@ -155,17 +157,24 @@ class Intake:
 
     def offer(self, payload: bytes | bytearray, *, topic: str) -> Decision:
         """Judge and store one update that came on ``topic``; refusals are counted."""
-        decision = self._judge(payload, topic)
+        decision, version = self._judge(payload, topic)
+        # Its receipt is written in the update's version (docs/protocol.md, Versions).
+        decision = dataclasses.replace(decision, wire_version=version)
         if not decision.accepted:
             self._refuse(decision.reason)
         return decision
 
-    def _judge(self, payload: bytes | bytearray, topic: str) -> Decision:
+    def _judge(self, payload: bytes | bytearray, topic: str) -> tuple[Decision, int]:
         try:
             topic_client = parse_topic(topic).client
             update = PrototypeUpdate.from_wire(payload, max_bytes=self.max_payload_bytes)
         except ProtocolError as exc:
-            return Decision(exc.reason)
+            return Decision(exc.reason), PROTOCOL_VERSION
+        return self._judge_update(update, payload, topic_client), update.wire_version
+
+    def _judge_update(
+        self, update: PrototypeUpdate, payload: bytes | bytearray, topic_client: str | None
+    ) -> Decision:
         with self._lock:
             open_, screening = self._open, self._screening
         if screening is None:
@@ -194,9 +203,10 @@ class Intake:
         assert decision.digest is not None
         open_ = self.open_round
         assert open_ is not None  # an update is stored only once a round is heard
+        current = decision.wire_version >= 3  # version 2 names no run but in its signature
         receipt = Receipt(
-            fleet=self.fleet, round=decision.round, run=open_.run, client=decision.client,
-            digest=decision.digest,
+            fleet=self.fleet, round=decision.round, run=open_.run if current else "",
+            client=decision.client, digest=decision.digest, wire_version=decision.wire_version,
         )  # fmt: skip
         if self.keys.signer is None:
             return receipt
