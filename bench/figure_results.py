@@ -49,12 +49,16 @@ class Results:
         return self.values.get(key)
 
     def provenance(self, section: str) -> str:
-        """'2026-11-25, commit 1a2b3c4d5e6f, 2 cores (AMD EPYC)' or 'not measured'."""
+        """'2026-11-25, commit 1a2b3c4d5e6f, 2 cores (AMD EPYC)' or 'not measured'; with
+        ', STALE: why' when a later change moved what the section measures and it was not
+        measured again (the section's ``stale``, set by hand in the results file and
+        dropped by the next run of its benchmark)."""
         s = self.sections.get(section)
         if s is None:
             return "not measured"
         m = s["machine"]
-        return f"{s['date'][:10]}, commit {s['commit']}, {m['cores']} cores ({m['cpu']})"
+        run = f"{s['date'][:10]}, commit {s['commit']}, {m['cores']} cores ({m['cpu']})"
+        return f"{run}, STALE: {s['stale']}" if s.get("stale") else run
 
 
 def pct(value: float | None) -> str:

@@ -308,3 +308,16 @@ def test_the_privacy_doc_names_the_methods_secure_aggregation_takes() -> None:
     refusing = re.search(r"Every other method \(([^)]*)\) refuses", text)
     assert refusing is not None
     assert not {m.strip() for m in refusing[1].split(",")} & set(SECURE_METHODS)
+
+
+def test_a_section_marked_stale_says_so_wherever_it_is_cited() -> None:
+    machine = {"cores": 2, "cpu": "AMD EPYC"}
+    fresh = {"date": "2026-11-26T06:57:54+00:00", "commit": "119c5fb6def9", "machine": machine}
+    r = Results(
+        values={},
+        section_of={},
+        sections={"a": fresh, "b": {**fresh, "stale": "measured before the new projection"}},
+    )
+    assert r.provenance("a") == "2026-11-26, commit 119c5fb6def9, 2 cores (AMD EPYC)"
+    assert r.provenance("b").endswith(", STALE: measured before the new projection")
+    assert r.provenance("c") == "not measured"
