@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from coordinator.admission import Admission
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
@@ -241,6 +242,7 @@ class CoordinatorConfig:
     workers: WorkersSettings = field(default_factory=WorkersSettings)
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
     secure_aggregation: SecureAggregation = field(default_factory=SecureAggregation)
+    closed_form: ClosedFormSettings = field(default_factory=ClosedFormSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
@@ -299,6 +301,12 @@ class CoordinatorConfig:
 
     def admission_checks(self) -> Admission:
         model = self.model
+        wire = wire_method(model.method)
+        # Rows of norm exactly 1 when the statistics are of the features themselves (no
+        # projection): model.feature_dim, where the fleet gives it, equal to dim.
+        release = self.closed_form.bounds(
+            gram=wire.gram, unit_rows=wire.closed_form and model.feature_dim == model.dim
+        )
         return Admission.for_fleet(
             fleet=self.fleet,
             bundle=model.bundle,
@@ -310,6 +318,7 @@ class CoordinatorConfig:
             feature_dim=model.feature_dim,
             norm=model.norm,
             allow_list=self.rounds.allow_list,
+            release=release,
         )
 
     @property

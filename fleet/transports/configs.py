@@ -14,6 +14,7 @@ from coordinator.downlink import AnnouncementRefused
 from coordinator.rounds.announcements import largest_announcement
 from coordinator.tier.owner import refusal
 from edge_agent.config import ClosedFormSettings
+from edge_agent.privacy.settings import PrivacySettings
 from fleet.data.partition import ClientData
 from fleet.transports import secure as secure_mod
 from fleet.transports.spec import FLEET, RunSpec, train_table
@@ -154,7 +155,20 @@ def coordinator_tables(
         **({"security": security} if security is not None else {}),
         **(secure_mod.coordinator_tables(secure, method=spec.method) if secure else {}),
         **workers_tables(spec),
+        **closed_form_table(spec, secure=secure is not None),
     }
+
+
+def closed_form_table(spec: RunSpec, *, secure: bool) -> dict[str, Any]:
+    """A closed-form fleet whose devices release noisy statistics: the coordinator's
+    ``[closed_form]`` says so, with their noise (its checks follow the fleet's settings,
+    never an update's word). Nothing for exact, secure or other fleets."""
+    mechanism = spec.privacy.get("mechanism", "none")
+    if secure or not wire_method(spec.method).closed_form or mechanism == "none":
+        return {}
+    default = PrivacySettings.release_noise_multiplier
+    multiplier = spec.privacy.get("release_noise_multiplier", default)
+    return {"closed_form": {"release": "noisy", "noise_multiplier": float(multiplier)}}
 
 
 def workers_tables(spec: RunSpec) -> dict[str, Any]:
