@@ -154,9 +154,17 @@ def coordinator_tables(
         },
         **({"security": security} if security is not None else {}),
         **(secure_mod.coordinator_tables(secure, method=spec.method) if secure else {}),
-        **workers_tables(spec),
-        **closed_form_table(spec, secure=secure is not None),
+        **merged_tables(workers_tables(spec), closed_form_table(spec, secure=secure is not None)),
     }
+
+
+def merged_tables(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Tables of several sources, a table named twice merged key by key."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, table in part.items():
+            out[name] = {**out.get(name, {}), **table} if isinstance(table, dict) else table
+    return out
 
 
 def closed_form_table(spec: RunSpec, *, secure: bool) -> dict[str, Any]:
@@ -182,7 +190,10 @@ def workers_tables(spec: RunSpec) -> dict[str, Any]:
     # announcement has the global prototypes only (docs/fleet.md says what that means).
     sets = {"local_sets": "omit"} if record.local_sets else {}
     tables: dict[str, Any] = {"workers": {"count": spec.coordinator_workers, **sets}}
-    if not record.closed_form:  # a closed-form coordinator takes no [robust] table at all
+    if record.closed_form:
+        # The per-client cap needs every client's statistics, which no worker sends.
+        tables["closed_form"] = {"count_cap": 0.0}
+    else:  # a closed-form coordinator takes no [robust] table at all
         # The default defences take medians over every update of a round, which no
         # worker holds: the owner runs only with them off.
         tables["robust"] = {
