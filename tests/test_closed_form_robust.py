@@ -33,7 +33,8 @@ def test_a_capped_device_keeps_its_means_and_spread_at_a_lower_weight():
     np.testing.assert_allclose(out.sums, [[0.5, 0.5], [1.0, 0.0]])
     # W = [[.5, -.5], [-.5, .5]] at the device's overall weight (0.5 * 2 + 1) / 3 = 2/3,
     # plus w_c s_c s_c^T / n_c: 0.5 * [[.5, .5], [.5, .5]] + [[1, 0], [0, 0]].
-    np.testing.assert_allclose(out.gram, [[19 / 12, -1 / 12], [-1 / 12, 7 / 12]])
+    assert out.gram is not None
+    np.testing.assert_allclose(out.gram, np.array([[19, -1], [-1, 7]]) / 12)
     assert cf.capped(part, np.array([2.0, 1.0])) is part  # nothing above its cap
 
 
