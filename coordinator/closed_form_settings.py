@@ -32,7 +32,7 @@ class ClosedFormSettings:
     release: Literal["exact", "noisy"] = "exact"
     noise_multiplier: float = 5.0
     max_samples: float = 100_000.0
-    count_cap: float = 2.0
+    count_cap: float = 1.0
 
     def __post_init__(self) -> None:
         if self.release not in ("exact", "noisy"):

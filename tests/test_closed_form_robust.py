@@ -38,10 +38,10 @@ def test_a_capped_device_keeps_its_means_and_spread_at_a_lower_weight():
     assert cf.capped(part, np.array([2.0, 1.0])) is part  # nothing above its cap
 
 
-def test_one_device_claiming_a_hundredfold_counts_weighs_at_most_twice_the_median(tmp_path):
+def test_one_device_claiming_a_hundredfold_counts_weighs_at_most_the_median(tmp_path):
     cfg = _config(tmp_path)
     capped_cfg = type(cfg)(**{**cfg.__dict__, "closed_form": type(cfg.closed_form)()})
-    assert capped_cfg.closed_form.count_cap == 2.0  # the default
+    assert capped_cfg.closed_form.count_cap == 1.0  # the default
     m = RoundManager(config=capped_cfg, store=Store(capped_cfg.database), metrics=Metrics(),
                      clock=lambda: 0.0)  # fmt: skip
     data = devices(3, count=4)
@@ -53,7 +53,7 @@ def test_one_device_claiming_a_hundredfold_counts_weighs_at_most_twice_the_media
         assert m.offer(u.to_wire(), topic_client=u.client).accepted
         parts.append(cf.device_statistics(x, y, C))
     assert m.poll() is not None
-    caps = cf.count_caps(np.stack([p.counts for p in parts]), 2.0)
+    caps = cf.count_caps(np.stack([p.counts for p in parts]), 1.0)
     assert (parts[3].counts > caps).any()
     # Every device counted at most at the cap (these honest ones differ up to eightfold).
     want = LDA().solve_statistics(cf.merge([cf.capped(p, caps) for p in parts]))

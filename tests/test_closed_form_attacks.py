@@ -1,0 +1,169 @@
+"""One compromised enrolled device against a closed-form (LDA) fleet, over a real
+Mosquitto and the real ``edge-coordinator``: each attack of issue 50 is a statistics update
+signed with the device's own key. The fleet's head must stay the honest devices' (or the
+update be refused, said in ``edge-coordinator status``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import closed_form as cf
+from edge_agent.closed_form import StatisticsRelease, global_head
+from protocol import PrivacyMeta, PrototypeUpdate
+from protocol.auth import sign
+from protocol.methods import COUNTS, GRAM
+from tests.coordinator_helpers import BUNDLE, coordinator_toml, finish, stand_ins, start
+from tests.process_helpers import status
+from tests.test_worker_intake import make_keys
+
+pytestmark = pytest.mark.broker
+
+K, C, HONEST = 6, 3, 5
+ATTACKER = f"dev-{HONEST}"
+DP = PrivacyMeta(mechanism="dp-features", epsilon=1.0, delta=1e-5, guarantee="dp")
+
+
+def rows(rng: np.random.Generator, labels: np.ndarray) -> np.ndarray:
+    """Unit rows around three well-apart class centres (no projection: ``tr(G) = N``)."""
+    x = np.eye(K)[labels] + rng.normal(scale=0.35, size=(len(labels), K))
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def device(seed: int, n: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % C
+    return rows(rng, y), y
+
+
+def release(stats: cf.Statistics, client: str, privacy: PrivacyMeta | None = None):
+    return StatisticsRelease.of(stats).update(
+        fleet="lab", round_=0, client=client, bundle=BUNDLE, method="lda", privacy=privacy
+    )
+
+
+def flipped(times: float) -> cf.Statistics:
+    """A real device's statistics with every label moved one class on, counts ``times``."""
+    x, y = device(99)
+    stats = cf.device_statistics(x, (y + 1) % C, C)
+    return cf.Statistics(counts=stats.counts * times, sums=stats.sums * times,
+                         gram=None if stats.gram is None else stats.gram * times,
+                         holders=stats.holders, scatter=None, devices=1)  # fmt: skip
+
+
+def with_extras(u: PrototypeUpdate, **extras: np.ndarray) -> PrototypeUpdate:
+    return dataclasses.replace(u, extras={**u.extras, **extras})
+
+
+def label_flip_inflated() -> PrototypeUpdate:
+    # Whole counts, sums within them, tr(G) = N: plausible, 100 times an honest device.
+    return release(flipped(100), ATTACKER)
+
+
+def label_flip_claiming_dp() -> PrototypeUpdate:
+    u = release(flipped(100), ATTACKER)
+    shaken = np.asarray(u.extras[COUNTS]) + 0.5  # a fraction, as noise would make
+    return dataclasses.replace(with_extras(u, counts=shaken), counts=tuple(float(c) for c in shaken),
+                               privacy=DP)  # fmt: skip
+
+
+def drawn_counts_negative() -> PrototypeUpdate:
+    # The counts field says 0, the counts the coordinator sums say -1,000,999.
+    u = release(flipped(1), ATTACKER)
+    return dataclasses.replace(with_extras(u, counts=np.full(C, -1_000_999.0)),
+                               counts=(0.0,) * C, privacy=DP)  # fmt: skip
+
+
+def drawn_counts_tenfold() -> PrototypeUpdate:
+    u = release(flipped(100), ATTACKER)
+    return with_extras(u, counts=np.asarray(u.extras[COUNTS]) * 10)
+
+
+def huge_indefinite_gram() -> PrototypeUpdate:
+    u = release(flipped(1), ATTACKER)
+    tri = np.asarray(u.extras[GRAM]).copy()
+    full = cf.from_upper_triangle(tri) + 30_000.0 * (np.ones((K, K)) - np.eye(K))
+    return with_extras(u, gram=cf.upper_triangle(full))
+
+
+def negative_definite_gram() -> PrototypeUpdate:
+    u = release(flipped(1), ATTACKER)
+    return with_extras(u, gram=cf.upper_triangle(-1000.0 * np.eye(K)))
+
+
+def deleted_classes() -> PrototypeUpdate:
+    u = release(flipped(1), ATTACKER)
+    drawn = np.array([-1e6, -1e6, 10.0])
+    return dataclasses.replace(with_extras(u, counts=drawn), counts=(0.0, 0.0, 10.0),
+                               privacy=DP)  # fmt: skip
+
+
+def stealthy_no_spread() -> PrototypeUpdate:
+    # The true class means at 1,000 samples each, and no spread around them (W = 0).
+    x, y = device(98)
+    means = np.stack([x[y == c].mean(axis=0) for c in range(C)])
+    counts = np.full(C, 1000.0)
+    stats = cf.Statistics(counts=counts, sums=means * counts[:, None],
+                          gram=np.einsum("c,ci,cj->ij", counts, means, means),
+                          holders=np.ones(C, np.int64), scatter=None, devices=1)  # fmt: skip
+    return release(stats, ATTACKER)
+
+
+ATTACKS: dict[str, tuple[Callable[[], PrototypeUpdate], str | None]] = {
+    # attack -> (its update, the rejection it meets; None: admitted, and capped)
+    "label_flip_inflated": (label_flip_inflated, None),
+    "label_flip_claiming_dp": (label_flip_claiming_dp, "wrong_release"),
+    "drawn_counts_negative": (drawn_counts_negative, "wrong_release"),
+    "drawn_counts_tenfold": (drawn_counts_tenfold, "implausible_statistics"),
+    "huge_indefinite_gram": (huge_indefinite_gram, "implausible_statistics"),
+    "negative_definite_gram": (negative_definite_gram, "implausible_statistics"),
+    "deleted_classes": (deleted_classes, "wrong_release"),
+    "stealthy_no_spread": (stealthy_no_spread, "implausible_statistics"),
+}
+
+
+def fleet_head(
+    mosquitto, tmp_path: Path, attack: PrototypeUpdate, *, admitted: bool
+) -> tuple[float, dict, dict]:
+    """The honest devices and the attacker's signed update (sent first) over a real
+    Mosquitto, the round closing once every update the coordinator should admit is in
+    (``admitted``: the attacker's too): the announced head's accuracy on honest test rows,
+    the rejections and the status."""
+    keys = make_keys(tmp_path, HONEST + 1)
+    config = coordinator_toml(tmp_path, mosquitto.address.port, method="lda",
+                              clients=HONEST + admitted,
+                              dim=K, feature_dim=K, keys=keys.folder)  # fmt: skip
+    honest = [release(cf.device_statistics(*device(i), C), f"dev-{i}") for i in range(HONEST)]
+    proc = start(config)
+    try:
+        with stand_ins(mosquitto) as fleet:
+            first = fleet.announcement(0)
+            assert first.auth is not None
+            fleet.send([sign(u, keys.devices[u.client], run=first.auth.run)
+                        for u in [attack, *honest]])  # fmt: skip
+            final = fleet.announcement(1)
+        finish(proc)
+    finally:
+        proc.kill()
+    head = global_head(final, num_classes=C, dim=K)
+    assert head is not None, "the fleet was left without a head"
+    rng = np.random.default_rng(7)
+    y = np.arange(600) % C
+    accuracy = float((head.predict(rows(rng, y)) == y).mean())
+    shown = status("edge-coordinator", config)
+    return accuracy, shown["rejections"], shown
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_one_compromised_device_cannot_wreck_the_fleets_lda_head(mosquitto, tmp_path, name):
+    make, refused = ATTACKS[name]
+    accuracy, rejections, _ = fleet_head(mosquitto, tmp_path, make(), admitted=refused is None)
+    assert rejections == ({} if refused is None else {refused: 1})
+    # The honest devices' head scores 0.958 on these rows, and with a flipping device
+    # weighing as much as one of them (the cap), 0.942; one that outweighs them (today's
+    # main admits it uncapped) takes it to 0.03.
+    assert accuracy >= 0.93, accuracy
