@@ -41,6 +41,7 @@ def device(seed: int, n: int = 30) -> tuple[np.ndarray, np.ndarray]:
 
 
 def release(stats: cf.Statistics, client: str, privacy: PrivacyMeta | None = None):
+    """``stats`` as an agent sends them (``privacy``: what the update says of itself)."""
     return StatisticsRelease.of(stats).update(
         fleet="lab", round_=0, client=client, bundle=BUNDLE, method="lda", privacy=privacy
     )
@@ -67,37 +68,44 @@ def label_flip_inflated() -> PrototypeUpdate:
 def label_flip_claiming_dp() -> PrototypeUpdate:
     u = release(flipped(100), ATTACKER)
     shaken = np.asarray(u.extras[COUNTS]) + 0.5  # a fraction, as noise would make
-    return dataclasses.replace(with_extras(u, counts=shaken), counts=tuple(float(c) for c in shaken),
-                               privacy=DP)  # fmt: skip
+    return dataclasses.replace(with_extras(u, counts=shaken),
+                               counts=tuple(float(c) for c in shaken), privacy=DP)  # fmt: skip
 
 
 def drawn_counts_negative() -> PrototypeUpdate:
-    # The counts field says 0, the counts the coordinator sums say -1,000,999.
+    # The counts field says 0, the counts the coordinator sums say -300,000 (within the
+    # bound main held the summed counts to with three classes: 1,000 + 3 * 100,000).
     u = release(flipped(1), ATTACKER)
-    return dataclasses.replace(with_extras(u, counts=np.full(C, -1_000_999.0)),
+    return dataclasses.replace(with_extras(u, counts=np.full(C, -300_000.0)),
                                counts=(0.0,) * C, privacy=DP)  # fmt: skip
 
 
 def drawn_counts_tenfold() -> PrototypeUpdate:
-    u = release(flipped(100), ATTACKER)
+    # The counts field within admission.max_count; the summed counts ten times more.
+    u = dataclasses.replace(release(flipped(100), ATTACKER), privacy=DP)
     return with_extras(u, counts=np.asarray(u.extras[COUNTS]) * 10)
 
 
-def huge_indefinite_gram() -> PrototypeUpdate:
-    u = release(flipped(1), ATTACKER)
-    tri = np.asarray(u.extras[GRAM]).copy()
-    full = cf.from_upper_triangle(tri) + 30_000.0 * (np.ones((K, K)) - np.eye(K))
+def huge_indefinite_gram(privacy: PrivacyMeta | None = DP) -> PrototypeUpdate:
+    # Its diagonal and trace a real device's; off the diagonal, 30,000.
+    u = release(flipped(1), ATTACKER, privacy)
+    full = cf.from_upper_triangle(np.asarray(u.extras[GRAM]))
+    full += 30_000.0 * (np.ones((K, K)) - np.eye(K))
     return with_extras(u, gram=cf.upper_triangle(full))
 
 
+def indefinite_gram_exact() -> PrototypeUpdate:
+    return huge_indefinite_gram(privacy=None)
+
+
 def negative_definite_gram() -> PrototypeUpdate:
-    u = release(flipped(1), ATTACKER)
+    u = release(flipped(1), ATTACKER, DP)
     return with_extras(u, gram=cf.upper_triangle(-1000.0 * np.eye(K)))
 
 
 def deleted_classes() -> PrototypeUpdate:
     u = release(flipped(1), ATTACKER)
-    drawn = np.array([-1e6, -1e6, 10.0])
+    drawn = np.array([-300_000.0, -300_000.0, 10.0])
     return dataclasses.replace(with_extras(u, counts=drawn), counts=(0.0, 0.0, 10.0),
                                privacy=DP)  # fmt: skip
 
@@ -113,31 +121,39 @@ def stealthy_no_spread() -> PrototypeUpdate:
     return release(stats, ATTACKER)
 
 
-ATTACKS: dict[str, tuple[Callable[[], PrototypeUpdate], str | None]] = {
-    # attack -> (its update, the rejection it meets; None: admitted, and capped)
-    "label_flip_inflated": (label_flip_inflated, None),
-    "label_flip_claiming_dp": (label_flip_claiming_dp, "wrong_release"),
-    "drawn_counts_negative": (drawn_counts_negative, "wrong_release"),
-    "drawn_counts_tenfold": (drawn_counts_tenfold, "implausible_statistics"),
-    "huge_indefinite_gram": (huge_indefinite_gram, "implausible_statistics"),
-    "negative_definite_gram": (negative_definite_gram, "implausible_statistics"),
-    "deleted_classes": (deleted_classes, "wrong_release"),
-    "stealthy_no_spread": (stealthy_no_spread, "implausible_statistics"),
+#: attack -> its update, and the rejection it meets in a fleet of exact releases and in
+#: one of noisy releases ([closed_form] release); None: admitted, and capped.
+ATTACKS: dict[str, tuple[Callable[[], PrototypeUpdate], str | None, str | None]] = {
+    "label_flip_inflated": (label_flip_inflated, None, "wrong_release"),
+    "label_flip_claiming_dp": (label_flip_claiming_dp, "wrong_release", None),
+    "drawn_counts_negative": (drawn_counts_negative, "wrong_release", "value_above_max"),
+    "drawn_counts_tenfold": (drawn_counts_tenfold, "wrong_release", "implausible_statistics"),
+    "huge_indefinite_gram": (huge_indefinite_gram, "wrong_release", "implausible_statistics"),
+    "indefinite_gram_exact": (indefinite_gram_exact, "implausible_statistics", "wrong_release"),
+    "negative_definite_gram": (negative_definite_gram, "wrong_release", "implausible_statistics"),
+    "deleted_classes": (deleted_classes, "wrong_release", "value_above_max"),
+    "stealthy_no_spread": (stealthy_no_spread, "implausible_statistics", "wrong_release"),
 }
+#: The noisy fleet's [closed_form] table: sigma = sqrt(3), so 6 sigma is 10.4.
+NOISY = '[closed_form]\nrelease = "noisy"\nnoise_multiplier = 1.0\n'
 
 
 def fleet_head(
-    mosquitto, tmp_path: Path, attack: PrototypeUpdate, *, admitted: bool
+    mosquitto, tmp_path: Path, attack: PrototypeUpdate, *, admitted: bool, noisy: bool
 ) -> tuple[float, dict, dict]:
     """The honest devices and the attacker's signed update (sent first) over a real
     Mosquitto, the round closing once every update the coordinator should admit is in
     (``admitted``: the attacker's too): the announced head's accuracy on honest test rows,
-    the rejections and the status."""
+    the rejections and the status. ``noisy``: a fleet of noisy releases, whose honest
+    devices' statistics say so (their noise drawn as zero)."""
     keys = make_keys(tmp_path, HONEST + 1)
     config = coordinator_toml(tmp_path, mosquitto.address.port, method="lda",
                               clients=HONEST + admitted,
                               dim=K, feature_dim=K, keys=keys.folder)  # fmt: skip
-    honest = [release(cf.device_statistics(*device(i), C), f"dev-{i}") for i in range(HONEST)]
+    if noisy:
+        config.write_text(config.read_text() + NOISY)
+    honest = [release(cf.device_statistics(*device(i), C), f"dev-{i}", DP if noisy else None)
+              for i in range(HONEST)]  # fmt: skip
     proc = start(config)
     try:
         with stand_ins(mosquitto) as fleet:
@@ -158,10 +174,13 @@ def fleet_head(
     return accuracy, shown["rejections"], shown
 
 
+@pytest.mark.parametrize("fleet", ["exact", "noisy"])
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_one_compromised_device_cannot_wreck_the_fleets_lda_head(mosquitto, tmp_path, name):
-    make, refused = ATTACKS[name]
-    accuracy, rejections, _ = fleet_head(mosquitto, tmp_path, make(), admitted=refused is None)
+def test_one_compromised_device_cannot_wreck_the_fleets_lda_head(mosquitto, tmp_path, name, fleet):
+    make, *refusals = ATTACKS[name]
+    refused = refusals[fleet == "noisy"]
+    accuracy, rejections, _ = fleet_head(mosquitto, tmp_path, make(), admitted=refused is None,
+                                         noisy=fleet == "noisy")  # fmt: skip
     assert rejections == ({} if refused is None else {refused: 1})
     # The honest devices' head scores 0.958 on these rows, and with a flipping device
     # weighing as much as one of them (the cap), 0.942; one that outweighs them (today's
