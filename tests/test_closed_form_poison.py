@@ -1,17 +1,21 @@
 """A closed-form fleet that one device cannot leave without a head: a secure sum that
 fails the checks on the unmasked sum keeps the last head (coordinator/rounds/secure_checks.py),
 a plain round that loses a class keeps it (coordinator/rounds/head_guard.py), and a
-client's statistics can be dropped (``Store.forget``) and are left out of the rebuilt sum."""
+client's statistics can be dropped (``Store.forget``), and those of a client dropped or no
+longer enrolled are left out of the sum a start or reload rebuilds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import subprocess
 
 import numpy as np
 
 import closed_form as cf
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, RoundSettings
+from coordinator.config import load as load_config
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.head_guard import HEAD_KEY
@@ -21,9 +25,14 @@ from coordinator.storage.store import Store
 from coordinator.strategies.closed_form import LDA
 from edge_agent.closed_form import StatisticsRelease
 from fleet.transports.secure import coordinator_tables
+from protocol.auth import sign
+from runtime.security import CoordinatorSecurity
 from runtime.settings import build
 from secagg.fleet import SecureAggregation, flatten
+from tests.coordinator_helpers import BIN, DIM, coordinator_toml
+from tests.coordinator_helpers import BUNDLE as HELPER_BUNDLE
 from tests.test_coordinator_closed_form import BUNDLE, C, K, _config, devices, update_of
+from tests.test_worker_intake import make_keys
 
 SAMPLES = 100  # secure_aggregation.dataset_size: the quantiser's clip
 
@@ -102,3 +111,52 @@ def test_a_forgotten_clients_statistics_leave_the_sum_at_the_next_start(tmp_path
     np.testing.assert_allclose(head.global_prototypes, want.global_prototypes.astype(np.float32),
                                rtol=1e-5)  # fmt: skip
     again.store.close()
+
+
+def test_a_device_whose_key_is_removed_leaves_the_sum_at_the_next_start(tmp_path, caplog):
+    keys = make_keys(tmp_path, 3)
+    cfg = dataclasses.replace(
+        _config(tmp_path),
+        security=CoordinatorSecurity(key=keys.folder / "coordinator.key",
+                                     devices=keys.folder / "devices"),
+        rounds=RoundSettings(min_clients=1, wait_after_quorum_s=0.0, timeout_s=100.0),
+    )  # fmt: skip
+    m = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=lambda: 0.0)
+    data = devices(23, count=3)
+    for i, (x, y) in enumerate(data):
+        signed = sign(update_of(x, y, f"dev-{i}", method="lda"), keys.devices[f"dev-{i}"],
+                      run=m.run_id)  # fmt: skip
+        assert m.offer(signed.to_wire(), topic_client=signed.client).accepted
+    assert m.poll() is not None
+    m.store.close()
+    (keys.folder / "devices" / "dev-2.pub").unlink()  # unenrolled; then a restart or reload
+    again = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(),
+                         clock=lambda: 0.0)  # fmt: skip
+    assert "the stored statistics of dev-2 are left out: unenrolled" in caplog.text
+    assert isinstance(again.tally, RunningStatistics)
+    assert again.tally.statistics.held == {"dev-0", "dev-1"}
+    again.store.close()
+
+
+def test_the_forget_command_drops_a_clients_statistics_and_refuses_an_unknown_one(tmp_path):
+    path = coordinator_toml(tmp_path, 1, method="lda", clients=1)
+    cfg = load_config(path)
+    m = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=lambda: 0.0)
+    rng = np.random.default_rng(24)
+    for client in ("dev-0", "dev-1"):
+        y = np.arange(12) % 3
+        stats = cf.device_statistics(cf.clip_rows(rng.normal(size=(12, DIM))), y, 3)
+        u = StatisticsRelease.of(stats).update(fleet="lab", round_=0, client=client,
+                                               bundle=HELPER_BUNDLE, method="lda")  # fmt: skip
+        assert m.offer(u.to_wire(), topic_client=client).accepted
+    assert m.poll() is not None
+    m.store.close()
+    forget = [str(BIN / "edge-coordinator"), "forget", "--config", str(path)]
+    done = subprocess.run([*forget, "dev-1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "forgot the statistics of dev-1" in done.stdout
+    again = Store(cfg.database)
+    assert again.statistics_clients() == ["dev-0"]
+    again.close()
+    done = subprocess.run([*forget, "dev-1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "holds no statistics of 'dev-1'" in done.stderr
