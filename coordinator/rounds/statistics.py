@@ -9,7 +9,15 @@ the statistics that arrived in the open round, each a running sum
 At the close the round's are added to the fleet's, less the earlier statistics of the
 clients they replace (read back from the store's statistics table), the head is solved,
 and the new total takes effect once the store has committed the close; the table then
-holds each client's latest, from which a restart rebuilds the total.
+holds each client's latest, from which a restart (or a reload) rebuilds the total, from
+the clients that pass today's checks, enrolment included (a client unenrolled, revoked or
+forgotten is left out, said in the log).
+
+The head is solved from the total with each client's weight per class capped
+(``[closed_form] count_cap``, closed_form/robust.py): the total itself stays every client's
+statistics as sent, and the capped clients' corrections are made afresh at each solve,
+since the medians move as clients join. Each client's counts (C values) are kept in memory
+to find them.
 """
 
 from __future__ import annotations
@@ -123,9 +131,10 @@ class FleetStatistics:
     def bounded(
         self, total: cf.StatisticsSum, counts: dict[str, np.ndarray], round_: int
     ) -> cf.StatisticsSum:
-        """``total`` with each client above a class's cap counted at the cap: only those
-        clients' statistics are read back (from the round's updates or the store), so a
-        fleet of similar devices costs nothing here."""
+        """``total`` with each client above a class's cap counted at the cap: those
+        clients' statistics are read back (from the round's updates or the store), one at
+        a time, so memory stays one client's; the counts, kept for every client, say
+        which."""
         if self.count_cap <= 0 or not counts:
             return total
         caps = cf.count_caps(np.stack(list(counts.values())), self.count_cap)
