@@ -28,7 +28,9 @@ def test_a_running_sum_adds_and_takes_out_every_field_by_hand() -> None:
     both = total.total()
     assert both.counts.tolist() == [1.0, 2.0]
     assert both.sums.tolist() == [[1.0, 0.0], [0.6, 1.8]]
-    np.testing.assert_allclose(both.gram, [[1.36, 0.48], [0.48, 1.64]], rtol=0, atol=1e-15)
+    assert both.gram is not None
+    np.testing.assert_allclose(both.gram, np.array([[1.36, 0.48], [0.48, 1.64]]), rtol=0,
+                               atol=1e-15)  # fmt: skip
     assert both.holders.tolist() == [1, 2] and both.devices == 2
     total.add(B, sign=-1)
     only_a = total.statistics()
