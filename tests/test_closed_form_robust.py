@@ -62,3 +62,14 @@ def test_one_device_claiming_a_hundredfold_counts_weighs_at_most_the_median(tmp_
     assert got is not None and got.global_prototypes.shape == (C, K)
     np.testing.assert_allclose(got.global_prototypes, want.global_prototypes, rtol=1e-10)
     m.store.close()
+
+
+def test_a_capped_fedcof_device_keeps_its_means():
+    # FedCOF's statistics are counts, sums and per-class n mu mu^T: all scale with w_c.
+    part = cf.means_statistics([4.0, 1.0], [[0.5, 0.0], [0.0, 1.0]])
+    out = cf.capped(part, np.array([2.0, np.inf]))
+    np.testing.assert_allclose(out.counts, [2.0, 1.0])
+    np.testing.assert_allclose(out.sums, [[1.0, 0.0], [0.0, 1.0]])
+    assert out.scatter is not None
+    np.testing.assert_allclose(out.scatter[0], [[0.5, 0.0], [0.0, 0.0]])  # 2 * mu mu^T
+    np.testing.assert_allclose(out.scatter[1], [[0.0, 0.0], [0.0, 1.0]])
