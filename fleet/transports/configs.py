@@ -168,15 +168,21 @@ def merged_tables(*parts: dict[str, Any]) -> dict[str, Any]:
 
 
 def closed_form_table(spec: RunSpec, *, secure: bool) -> dict[str, Any]:
-    """A closed-form fleet whose devices release noisy statistics: the coordinator's
-    ``[closed_form]`` says so, with their noise (its checks follow the fleet's settings,
-    never an update's word). Nothing for exact, secure or other fleets."""
-    mechanism = spec.privacy.get("mechanism", "none")
-    if secure or not wire_method(spec.method).closed_form or mechanism == "none":
+    """A closed-form fleet's ``[closed_form]``: devices that release noisy statistics say
+    so, with their noise (the coordinator's checks follow the fleet's settings, never an
+    update's word). No per-device cap (``count_cap = 0``): a simulated fleet's devices are
+    honest, the vector transport keeps no payloads to read a capped device's statistics
+    back from, and every transport must announce the same heads
+    (tests/test_vector_engine.py); what the cap costs a clean fleet is measured by
+    bench/closed_form_attack_bench.py. Nothing for other methods."""
+    if not wire_method(spec.method).closed_form:
         return {}
-    default = PrivacySettings.release_noise_multiplier
-    multiplier = spec.privacy.get("release_noise_multiplier", default)
-    return {"closed_form": {"release": "noisy", "noise_multiplier": float(multiplier)}}
+    table: dict[str, Any] = {"count_cap": 0.0}
+    if not secure and spec.privacy.get("mechanism", "none") != "none":
+        default = PrivacySettings.release_noise_multiplier
+        multiplier = spec.privacy.get("release_noise_multiplier", default)
+        table |= {"release": "noisy", "noise_multiplier": float(multiplier)}
+    return {"closed_form": table}
 
 
 def workers_tables(spec: RunSpec) -> dict[str, Any]:
