@@ -6,6 +6,7 @@ update be refused, said in ``edge-coordinator status``)."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,12 +14,13 @@ import numpy as np
 import pytest
 
 import closed_form as cf
+from coordinator.strategies.closed_form import LDA
 from edge_agent.closed_form import StatisticsRelease, global_head
 from protocol import PrivacyMeta, PrototypeUpdate
 from protocol.auth import sign
 from protocol.methods import COUNTS, GRAM
 from tests.coordinator_helpers import BUNDLE, coordinator_toml, finish, stand_ins, start
-from tests.process_helpers import status
+from tests.process_helpers import coordinator_process, status
 from tests.test_worker_intake import make_keys
 
 pytestmark = pytest.mark.broker
@@ -186,3 +188,43 @@ def test_one_compromised_device_cannot_wreck_the_fleets_lda_head(mosquitto, tmp_
     # weighing as much as one of them (the cap), 0.942; one that outweighs them (today's
     # main admits it uncapped) takes it to 0.03.
     assert accuracy >= 0.93, accuracy
+
+
+def test_a_device_unenrolled_by_a_reload_leaves_the_fleets_head(mosquitto, tmp_path):
+    # Its statistics, admitted while it was enrolled (flipped labels at an honest count:
+    # within every bound), stay in the stored table; the reload that unenrols it rebuilds
+    # the sum without them, and the next round's head is the honest devices' alone.
+    keys = make_keys(tmp_path, HONEST + 1)
+    config = coordinator_toml(tmp_path, mosquitto.address.port, method="lda",
+                              clients=HONEST + 1, rounds=0, dim=K, feature_dim=K,
+                              keys=keys.folder)  # fmt: skip
+    honest_stats = [cf.device_statistics(*device(i), C) for i in range(HONEST)]
+    honest = [release(s, f"dev-{i}") for i, s in enumerate(honest_stats)]
+    coordinator = coordinator_process(config)
+    try:
+        with stand_ins(mosquitto) as fleet:
+            first = fleet.announcement(0)
+            assert first.auth is not None
+            run = first.auth.run
+            fleet.send([sign(u, keys.devices[u.client], run=run)
+                        for u in [release(flipped(1), ATTACKER), *honest]])  # fmt: skip
+            with_attacker = fleet.announcement(1)
+            (keys.folder / "devices" / f"{ATTACKER}.pub").unlink()
+            config.write_text(config.read_text().replace(
+                f"min_clients = {HONEST + 1}", f"min_clients = {HONEST}"))  # fmt: skip
+            seen = len(coordinator.lines)
+            coordinator.signal(signal.SIGHUP)
+            coordinator.wait_for(f"the stored statistics of {ATTACKER} are left out", after=seen)
+            coordinator.wait_for("configuration reloaded", after=seen)
+            nothing = [StatisticsRelease.nothing(K).update(fleet="lab", round_=1, client=u.client,
+                                                           bundle=BUNDLE, method="lda")
+                       for u in honest]  # fmt: skip
+            fleet.send([sign(u, keys.devices[u.client], run=run) for u in nothing])
+            without = fleet.announcement(2)
+        assert coordinator.stop() == 0
+    finally:
+        coordinator.close()
+    want = LDA().solve_statistics(cf.merge(honest_stats))
+    assert not np.allclose(with_attacker.global_prototypes, want.global_prototypes, rtol=1e-3)
+    np.testing.assert_allclose(without.global_prototypes, want.global_prototypes, rtol=1e-5,
+                               atol=1e-6 * float(np.abs(want.global_prototypes).max()))  # fmt: skip
