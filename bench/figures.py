@@ -49,6 +49,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "restart": performance.restart,
     "database": performance.database,
     "compromised": performance.compromised,
+    "lda-attacks": performance.lda_attacks,
     "privacy": performance.privacy,
     "secure-aggregation": performance.secure_aggregation,
     "secure-cost": performance.secure_cost,

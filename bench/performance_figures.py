@@ -218,6 +218,46 @@ def compromised(r: Results) -> str:
     ])  # fmt: skip
 
 
+#: The closed-form attacks, as bench/closed_form_attack_bench.py names them.
+LDA_ATTACKS = (
+    ("label_flip", "labels flipped, counts at `max_samples`"),
+    ("label_flip_dp", "the same, claiming noise"),
+    ("deleted_classes", "counts of -100,000 on nine classes, claiming noise"),
+    ("huge_gram", "second moment 10,000 off the diagonal"),
+    ("indefinite_gram", "second moment -1,000 I, claiming noise"),
+    ("inflated_counts", "true means at 10,000 samples, no spread"),
+)
+
+
+def lda_attacks(r: Results) -> str:
+    """One compromised device against the LDA head: each attack's drop in points under the
+    defaults and undefended, at 1 of 3, 10 and 100 (bench.closed_form_attack_bench)."""
+    key = "reliability.lda_attack_worst_drop"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+    rows = ["| attack | 1 of 3: defaults / undefended | 1 of 10 | 1 of 100 |", "|---|---|---|---|"]
+    for name, what in LDA_ATTACKS:
+        cells = []
+        for n in (3, 10, 100):
+            got = r.get(f"reliability.lda_attack_1_of_{n}_{name}_drop")
+            bare = r.get(f"reliability.lda_attack_1_of_{n}_{name}_undefended_drop")
+            cells.append("-" if got is None else f"{num(got)} / {num(bare)}")
+        rows.append(f"| {what} | {' | '.join(cells)} |")
+    clean = [
+        f"{num(r.get(f'reliability.lda_attack_1_of_{n}_clean'))} "
+        f"({num(r.get(f'reliability.lda_attack_1_of_{n}_defence_cost'))})"
+        for n in (3, 10, 100)
+    ]
+    return "\n".join([
+        *rows, "",
+        f"Worst drop at 1 of 10: {num(r.get(key))} points (target <= 2); rounds announced "
+        f"without a head: {num(r.get('reliability.lda_attack_headless_rounds'))} (target 0). "
+        f"The clean fleet's head at 1 of 3, 10 and 100: {', '.join(clean)} (in brackets: the "
+        "points the defences cost it, the pooled head less the capped one) "
+        f"(`make bench`: {r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip
+
+
 #: Issue-level targets of the fleet-scale keys: (key, what it is, bound, at most?).
 SCALE_TARGETS = (
     ("fleet.bytes_down_per_client_round_fedpcl_1000", "FedPCL bytes down per client and "

@@ -55,6 +55,7 @@ SUITES: dict[str, list[str]] = {
         "bench.reliability_bench",
         "bench.intake_bench",
         "bench.compromised_bench",
+        "bench.closed_form_attack_bench",
         "bench.restart_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],

@@ -24,6 +24,7 @@ in the order a release travels:
 - ``heads``: :class:`LinearHead` and the fleet's heads solved from the sum (LDA, ridge,
   FedCOF);
 - ``personal``: a device's own ridge pulled toward the fleet's head;
+- ``robust``: one device's weight in a sum capped at a multiple of the median holder's;
 - ``arrays``: the checked read-only arrays and the two linear-algebra steps they share.
 
 Notation: ``k`` the feature dimension, ``C`` the number of classes.
@@ -47,6 +48,7 @@ from closed_form.privacy import (
     release_delta,
     sensitivity_bound,
 )
+from closed_form.robust import capped, count_caps
 from closed_form.statistics import (
     Statistics,
     StatisticsSum,
@@ -84,6 +86,8 @@ __all__ = [
     "personalised_head",
     "release_delta",
     "ridge_head",
+    "capped",
+    "count_caps",
     "sensitivity_bound",
     "statistics_fields",
     "statistics_from",

@@ -22,6 +22,7 @@ import numpy as np
 from closed_form import triangle_size
 from closed_form.projection import basis_problem
 from coordinator.aggregate import NORM_TOLERANCE
+from coordinator.statistics_checks import StatisticsBounds, statistics_problem
 from protocol import PrototypeUpdate
 from protocol.methods import BASIS, COUNTS, GRAM, wire_method
 from protocol.weights import averaged_weight_shapes
@@ -56,6 +57,12 @@ class Admission:
     #: Closed-form methods: the bundle's feature size ``D`` a release's basis check must
     #: name (``model.feature_dim``; 0: any, each checked against its own projection).
     features: int = 0
+    #: Closed-form methods: what the fleet's configuration says a device's release is
+    #: (``[closed_form]``): exact or noisy, and the public per-device sample bound. The
+    #: update's own privacy field never decides how it is checked.
+    release: StatisticsBounds = field(
+        default_factory=lambda: StatisticsBounds(max_samples=100_000.0)
+    )
 
     @classmethod
     def for_fleet(
@@ -71,6 +78,7 @@ class Admission:
         feature_dim: int = 0,
         norm: str = "batch",
         allow_list: tuple[str, ...] = (),
+        release: StatisticsBounds | None = None,
     ) -> Admission:
         extras: Mapping[str, tuple[int, ...]] | None = MappingProxyType({})
         kind = wire_method(method).extras
@@ -100,6 +108,7 @@ class Admission:
             statistics=kind == "statistics",
             unit_means=not wire_method(method).closed_form,
             features=feature_dim if kind == "statistics" else 0,
+            release=release or StatisticsBounds(max_samples=100_000.0),
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -124,17 +133,14 @@ class Admission:
             return "wrong_basis"
         if self._extras_mismatch(update):
             return "wrong_extras"
-        # The basis check is public and holds the feature size, not a statistic.
-        arrays = (update.prototypes, *(a for n, a in update.extras.items() if n != BASIS))
-        # A sum of rows of norm <= 1 over at most max_count samples of each class.
-        bound = self.max_value + (self.max_count * self.num_classes if self.statistics else 0)
-        if any(a.size and float(np.abs(a).max()) > bound for a in arrays):
+        if self.statistics:
+            return self.statistics_problem(update)
+        arrays = (update.prototypes, *update.extras.values())
+        if any(a.size and float(np.abs(a).max()) > self.max_value for a in arrays):
             return "value_above_max"
         exact = update.classes and update.privacy.mechanism == "none"
         if exact and any(c != int(c) for c in update.counts):
             return "fractional_count"  # samples come whole; only noise makes a fraction
-        if exact and self.statistics and implausible(update):
-            return "implausible_statistics"
         if exact and self.unit_means and longer_than_unit(update.prototypes):
             return "impossible_norm"
         return None
@@ -152,6 +158,27 @@ class Admission:
         if problem is not None:  # counted as wrong_basis; the why at DEBUG, as other refusals
             log.debug("%s: statistics in another basis (%s)", update.client, problem)
         return problem is not None
+
+    def statistics_problem(self, update: PrototypeUpdate) -> str | None:
+        """A closed-form update's statistics against what the fleet says its devices send
+        (coordinator/statistics_checks.py): exactly the arrays the coordinator sums (the
+        counts as drawn, the class sums, the second moment), held to one device's bounds."""
+        if not update.classes:
+            return None  # statistics sent before: nothing new to check or sum
+        noisy = update.privacy.mechanism != "none"
+        if noisy == self.release.exact:
+            return "wrong_release"
+        largest = self.release.largest_value
+        # The basis check is public and holds the feature size, not a statistic.
+        arrays = (update.prototypes, *(a for n, a in update.extras.items() if n != BASIS))
+        if any(a.size and float(np.abs(a).max()) > largest for a in arrays):
+            return "value_above_max"
+        drawn = np.asarray(update.extras[COUNTS], dtype=np.float64)
+        # The counts field is the counts as drawn, clamped at zero (edge_agent/closed_form.py).
+        if not np.array_equal(np.asarray(update.counts, dtype=np.float64), np.maximum(drawn, 0)):
+            return "implausible_statistics"
+        gram = update.extras.get(GRAM)
+        return statistics_problem(drawn, update.prototypes, gram, self.release)
 
     def _extras_mismatch(self, update: PrototypeUpdate) -> bool:
         got = {name: a.shape for name, a in update.extras.items()}
@@ -171,27 +198,3 @@ def longer_than_unit(prototypes: np.ndarray) -> bool:
     clip bounds it instead (coordinator/aggregate.py::clip_norms_at_median)."""
     rows = np.asarray(prototypes, dtype=np.float64)
     return bool(rows.size) and float(np.linalg.norm(rows, axis=1).max()) > 1.0 + NORM_TOLERANCE
-
-
-def implausible(update: PrototypeUpdate) -> bool:
-    """Exact statistics no device can hold: counts that are not whole numbers or disagree
-    with the counts as drawn, a class sum longer than its count (every row has norm <= 1),
-    or a second moment whose trace exceeds the samples (``tr(x x^T) = ||x||^2 <= 1``).
-    A noisy release cannot be held to these; its bounds are the admission's."""
-    counts = np.asarray(update.counts, dtype=np.float64)
-    drawn = np.asarray(update.extras[COUNTS], dtype=np.float64)
-    if not np.array_equal(counts, drawn) or not np.array_equal(counts, np.round(counts)):
-        return True
-    slack = 1e-9 * max(1.0, float(counts.sum()))
-    norms = np.linalg.norm(np.asarray(update.prototypes, dtype=np.float64), axis=1)
-    if (norms > counts + slack).any():
-        return True
-    if GRAM in update.extras:
-        k = update.prototypes.shape[1]
-        tri = np.asarray(update.extras[GRAM], dtype=np.float64)
-        # The diagonal's places in the row-by-row upper triangle: i * k - i * (i - 1) / 2.
-        i = np.arange(k)
-        trace = float(tri[i * k - i * (i - 1) // 2].sum())
-        if trace > counts.sum() + slack or (tri[i * k - i * (i - 1) // 2] < -slack).any():
-            return True
-    return False

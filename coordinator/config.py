@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from coordinator.admission import Admission
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.downlink import DEFAULT_BUDGET
 from coordinator.strategies import RobustOptions, available, make_strategy
 from protocol import DEFAULT_MAX_PAYLOAD_BYTES, validate_id
@@ -279,6 +280,7 @@ class CoordinatorConfig:
     privacy: PrivacySettings = field(default_factory=PrivacySettings)
     protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
     secure_aggregation: SecureAggregation = field(default_factory=SecureAggregation)
+    closed_form: ClosedFormSettings = field(default_factory=ClosedFormSettings)
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
@@ -337,6 +339,12 @@ class CoordinatorConfig:
 
     def admission_checks(self) -> Admission:
         model = self.model
+        wire = wire_method(model.method)
+        # Rows of norm exactly 1 when the statistics are of the features themselves (no
+        # projection): model.feature_dim, where the fleet gives it, equal to dim.
+        release = self.closed_form.bounds(
+            gram=wire.gram, unit_rows=wire.closed_form and model.feature_dim == model.dim
+        )
         return Admission.for_fleet(
             fleet=self.fleet,
             bundle=model.bundle,
@@ -348,6 +356,7 @@ class CoordinatorConfig:
             feature_dim=model.feature_dim,
             norm=model.norm,
             allow_list=self.rounds.allow_list,
+            release=release,
         )
 
     @property

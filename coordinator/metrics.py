@@ -109,6 +109,12 @@ class Metrics:
             "1 while the open round has used its extensions and is below rounds.floor",
             registry=self.registry,
         )
+        self.head_kept = Gauge(
+            "protofleet_head_kept",
+            "1 while the announced closed-form head is the last good one, kept because a "
+            "round's statistics gave none or a worse one (edge-coordinator status says why)",
+            registry=self.registry,
+        )
 
     def serve(self, *, host: str, port: int) -> None:
         """Serve the registry on ``host:port``; raises ``OSError`` if it cannot bind."""

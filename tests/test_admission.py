@@ -8,8 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from closed_form import upper_triangle
 from closed_form.projection import basis_check
 from coordinator.admission import Admission
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import AdmissionSettings, ModelSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
@@ -21,6 +23,9 @@ from protocol import PrivacyMeta
 from protocol.methods import wire_method
 from protocol.weights import averaged_weight_shapes
 from tests.coordinator_helpers import BUNDLE, CLASSES, DIM, config, stand_in_update
+
+#: The most samples one device of the closed-form methods may have in these tests.
+SAMPLES = 1e9
 
 
 class Clock:
@@ -97,6 +102,7 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
     cfg = dataclasses.replace(
         config(tmp_path, method=method, feature_dim=6, min_clients=40, wait_after_quorum_s=0.0),
         admission=limits,
+        closed_form=ClosedFormSettings(release="noisy", max_samples=SAMPLES),
     )
     # Announced in float16, whose range a closed-form head is scaled into (a float32 head
     # is sent as solved).
@@ -113,11 +119,17 @@ def test_no_admitted_update_makes_an_aggregate_non_finite(tmp_path, method):
             extras = {n: np.full(s, sign * 65504.0, np.float32) for n, s in shapes.items()}
         elif method == "feddbp":
             extras = {"fisher": np.full(u.prototypes.shape, 65504.0, np.float32)}
-        elif wire_method(method).closed_form:  # counts as drawn; lda, ridge: a second moment
-            extras = {"counts": np.full(len(u.classes), 1e9), "basis": basis_check("lab", 6, DIM)}
+        counts = (1e9,) * len(u.classes)
+        if wire_method(method).closed_form:
+            # At one device's bounds ([closed_form] max_samples): the counts as drawn,
+            # class sums as long as their counts, a second moment of trace N.
+            each = SAMPLES / len(u.classes)
+            counts = (each,) * len(u.classes)
+            protos = np.full(u.prototypes.shape, sign * each / np.sqrt(DIM))
+            extras = {"counts": np.full(len(u.classes), each), "basis": basis_check("lab", 6, DIM)}
             if wire_method(method).gram:
-                extras["gram"] = np.full(DIM * (DIM + 1) // 2, sign * 65504.0)
-        u = dataclasses.replace(u, counts=(1e9,) * len(u.classes), prototypes=protos, extras=extras)
+                extras["gram"] = upper_triangle(np.eye(DIM) * SAMPLES / DIM)
+        u = dataclasses.replace(u, counts=counts, prototypes=protos, extras=extras)
         # A release that says it is noisy: held to the bounds alone (an exact one this long
         # is refused as impossible_norm or implausible_statistics).
         mechanism = "dp-features" if wire_method(method).closed_form else "dp"

@@ -3,7 +3,7 @@
 import numpy as np
 
 from closed_form.heads import LinearHead, lda_head
-from closed_form.personal import personalised_head
+from closed_form.personal import centred, personalised_head
 from closed_form.statistics import clip_rows, device_statistics
 
 PK, PC = 6, 3
@@ -53,18 +53,40 @@ def test_personalised_head_of_one_row_keeps_the_global_scale() -> None:
     x, y = _device_rows(rng, centres, 1, swap=False)
     head = personalised_head(x, y, global_head, lam=1e12)
     # one row cannot fit a and b: a = 1, b = 0, so the head tends to the global one itself
-    np.testing.assert_allclose(head.weight, global_head.weight, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(head.bias, global_head.bias, rtol=1e-6, atol=1e-6)
+    # (centred over its classes: the same predictions)
+    weight, bias = centred(global_head)
+    np.testing.assert_allclose(head.weight, weight, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(head.bias, bias, rtol=1e-6, atol=1e-6)
+
+
+def test_a_global_heads_common_offset_does_not_pull_the_personalised_head_off() -> None:
+    # An LDA's scores share an offset far above their spread between classes (digits-5:
+    # 450-700, against a spread of a few units). The same head with every class's scores
+    # shifted alike predicts the same, and must personalise the same; before the head was
+    # centred, the shift dragged the personalised head to 0.12-0.20 on a device's held-out
+    # rows while the fleet's scored 0.92-1.0.
+    rng, centres, global_head = _population(15)
+    x, y = _device_rows(rng, centres, 40, swap=False)
+    shifted = LinearHead(weight=global_head.weight + 300.0, bias=global_head.bias + 500.0,
+                         present=global_head.present)  # fmt: skip
+    test_x, test_y = _device_rows(rng, centres, 1000, swap=False)
+    np.testing.assert_array_equal(shifted.predict(test_x), global_head.predict(test_x))
+    plain = personalised_head(x, y, global_head, lam=1.0)
+    moved = personalised_head(x, y, shifted, lam=1.0)
+    np.testing.assert_allclose(moved.weight, plain.weight, rtol=1e-9, atol=1e-9)
+    fleet_acc = float(np.mean(global_head.predict(test_x) == test_y))
+    assert float(np.mean(moved.predict(test_x) == test_y)) >= fleet_acc - 0.05
 
 
 def test_personalised_head_with_huge_lambda_is_the_global_head_on_the_target_scale() -> None:
     rng, centres, global_head = _population(15)
     x, y = _device_rows(rng, centres, 60, swap=False)
     head = personalised_head(x, y, global_head, lam=1e12)
-    # LDA scores are log-odds; one-hot targets are 0/1: the fitted line a L + b, a < 1
-    a, b = np.polyfit(global_head.scores(x).ravel(), np.eye(PC)[y].ravel(), 1)
+    # LDA scores are log-odds (centred over the classes); one-hot targets are 0/1: the
+    # fitted line a L + b, a < 1
+    weight, bias = centred(global_head)
+    scores = LinearHead(weight=weight, bias=bias, present=global_head.present).scores
+    a, b = np.polyfit(scores(x).ravel(), np.eye(PC)[y].ravel(), 1)
     assert 0.0 < a < 1.0
     test_x, _ = _device_rows(rng, centres, 200, swap=False)
-    np.testing.assert_allclose(
-        head.scores(test_x), a * global_head.scores(test_x) + b, rtol=1e-6, atol=1e-6
-    )
+    np.testing.assert_allclose(head.scores(test_x), a * scores(test_x) + b, rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import closed_form as cf
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
@@ -139,6 +140,9 @@ def _config(state_dir: Path, method: str = "lda") -> CoordinatorConfig:
         model=ModelSettings(method=method, bundle=BUNDLE, classes=tuple("abcd"), dim=K),
         rounds=RoundSettings(min_clients=2, wait_after_quorum_s=0.0, timeout_s=100.0),
         security=CoordinatorSecurity(insecure=True),
+        # The pooled head exactly: these devices' sizes differ up to eightfold, which the
+        # default cap would even out (its own tests: test_closed_form_robust.py).
+        closed_form=ClosedFormSettings(count_cap=0),
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import (
     CoordinatorConfig,
     ModelSettings,
@@ -53,6 +54,7 @@ def _owner_line(method: str) -> str | None:
         workers=WorkersSettings(count=2, local_sets="omit"),
         robust=RobustOptions() if wire_method(method).closed_form else RAW,
         security=CoordinatorSecurity(insecure=True),
+        closed_form=ClosedFormSettings(count_cap=0),  # the tier caps no client's statistics
     )  # fmt: skip
     return refusal(config)
 

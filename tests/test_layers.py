@@ -175,7 +175,8 @@ def test_no_fleet_room_imports_one_above_it(room: str) -> None:
 #: coordinator/'s rooms and which of the others each may import: the strategies and the
 #: storage at the bottom, the round cycle over them, the worker tier that runs the cycle
 #: over workers, and the services and command over all of it. The modules beside the rooms
-#: (configuration, keys, metrics, admission, the decision, the downlink budget, the
+#: (configuration, keys, metrics, admission and its statistics checks and [closed_form]
+#: settings, the decision, the downlink budget, the
 #: aggregation math) are the coordinator's shared vocabulary: every room may import them,
 #: and they import no room but the strategies (docs/architecture.md).
 COORDINATOR_ROOMS: dict[str, set[str]] = {
@@ -185,7 +186,10 @@ COORDINATOR_ROOMS: dict[str, set[str]] = {
     "tier": {"strategies", "storage", "rounds"},
     "service": {"strategies", "storage", "rounds", "tier"},
 }
-COORDINATOR_SHARED = {"config", "keys", "metrics", "admission", "decision", "downlink", "aggregate"}
+COORDINATOR_SHARED = {
+    "config", "keys", "metrics", "admission", "decision", "downlink", "aggregate",
+    "statistics_checks", "closed_form_settings",
+}  # fmt: skip
 
 
 def test_every_coordinator_module_lives_in_a_room_or_is_shared() -> None:

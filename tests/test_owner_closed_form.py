@@ -74,6 +74,8 @@ class Single:
     def __init__(self, tmp_path: Path, *, method: str, clients: int) -> None:
         (tmp_path / "single").mkdir()
         path = coordinator_toml(tmp_path / "single", 1, method=method, clients=clients, rounds=0)
+        # The tier's arithmetic: no per-client cap (coordinator/tier/owner.py::refusal).
+        path.write_text(path.read_text() + "[closed_form]\ncount_cap = 0\n")
         self.cfg = load_config(path)
         self.manager = RoundManager(config=self.cfg, store=Store(self.cfg.database),
                                     metrics=Metrics())  # fmt: skip

@@ -35,6 +35,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.rounds.announcements import Announcer
+from coordinator.rounds.head_guard import report as report_head
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.rejections import Rejections
@@ -45,6 +46,7 @@ from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Commit, RoundRow, Store
 from coordinator.strategies import Aggregate
 from protocol import PrototypeUpdate, RoundAnnouncement, Status
+from protocol.methods import wire_method
 from protocol.receipts import payload_digest
 
 log = logging.getLogger(__name__)
@@ -354,11 +356,18 @@ class RoundCycle(ABC):
         deadline = now if final else now + rounds.timeout_s
         nxt = self.announcer.announce(finished, tallied.aggregate, deadline=deadline, final=final)
         self.tally.before_commit(tallied)
+        kept = report_head(
+            round_=closing.number,
+            kept=tallied.kept,
+            clients=tallied.statistics,
+            metrics=self.metrics,
+            closed_form=wire_method(self.config.model.method).closed_form,
+        )
         self.store.advance(
             Commit(
                 closing.number, closed_at=now, announcement=nxt.to_wire(), deadline=deadline,
                 keep_rounds=rounds.keep_rounds, final=final, statistics=tallied.statistics,
-                meta=tallied.meta,
+                meta={**tallied.meta, **kept},
             )
         )  # fmt: skip
         self.tally.committed(tallied)

@@ -82,7 +82,10 @@ class RoundManager(RoundCycle):
                 statistics=FleetStatistics(
                     store=self.store, strategy=self.strategy, num_classes=len(model.classes),
                     dim=model.dim, gram=wire.gram,
-                    admissible=lambda u: self.screening.admission.check(u),
+                    # Today's checks, signature included: a client unenrolled or revoked
+                    # since (a reload or restart) is left out of the sum.
+                    admissible=lambda u: self.screening.problem(u),
+                    count_cap=config.closed_form.count_cap,
                 ),
             )  # fmt: skip
         return StoredUpdates(

@@ -4,8 +4,10 @@ each coordinator round is closed by the outcome of its secure-aggregation round
 
 - lda and ridge: the round's unmasked sum is added to the fleet's running sum
   (:class:`FleetSum`, kept in the meta table with the round's close in the one encoding
-  of summed statistics, closed_form/encoding.py), and the head is
-  solved from it; an aborted round announces the same head again.
+  of summed statistics, closed_form/encoding.py), and the head is solved from it; an
+  aborted round announces the same head again. The sum with the round's must pass
+  coordinator/rounds/secure_checks.py: a round whose sum fails is left out, and the last
+  head is announced again (coordinator/rounds/head_guard.py), naming the round.
 - FedProto: each class's summed rows over its holder count, the round's global
   prototypes; an aborted round announces the last ones again.
 
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import closed_form as cf
+from coordinator.rounds.head_guard import guarded, last_head
 from coordinator.rounds.open_round import OpenRound
+from coordinator.rounds.secure_checks import sum_problem
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate, Strategy
@@ -167,12 +171,20 @@ class SecureSum(Tally):
                 extra={"event": "secure_aborted", "round": outcome.round},
             )  # fmt: skip
         after: FleetSum | None = None
+        kept = ""
         if self.release.prototypes:
             result = self._prototypes(outcome, last)
         else:
             assert self.sum is not None
             after = self.sum.plus(outcome, self.release)
-            result = self._head(after)
+            why = sum_problem(after.stats, self.release)
+            if why is not None:
+                # Refused whole: the round's sum is not added, and the head stays.
+                kept = f"the secure sum of round {outcome.round} fails admission ({why})"
+                after = self.sum
+                result = last_head(last)
+            else:
+                result, kept = guarded(self._head(after), last)
         if outcome.total is not None:
             log.info(
                 "round %d: head solved from the secure sum of %d device(s) (%.1f s)",
@@ -182,7 +194,7 @@ class SecureSum(Tally):
             )  # fmt: skip
         return Tallied(
             result, updates=len(clients), source=",".join(clients), counted=False,
-            meta={} if after is None else {SUM_KEY: after.to_meta()}, detail=after,
+            meta={} if after is None else {SUM_KEY: after.to_meta()}, detail=after, kept=kept,
         )  # fmt: skip
 
     def _head(self, after: FleetSum) -> Aggregate:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from coordinator.rounds.head_guard import guarded
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.statistics import FleetStatistics
 from coordinator.rounds.tally import Tallied, Tally
@@ -52,10 +53,11 @@ class RunningStatistics(Tally):
 
     def tally(self, closing: OpenRound, *, now: float, last: RoundAnnouncement) -> Tallied:
         clients = self.store.update_clients(closing.number)
-        result = self.statistics.solve()
+        solved = self.statistics.solve(closing.number)
+        result, kept = guarded(solved, last, held=self.statistics.held_classes())
         return Tallied(
             result, updates=len(clients), source=",".join(clients),
-            statistics=tuple(self.statistics.round_clients),
+            statistics=tuple(self.statistics.round_clients), kept=kept,
         )  # fmt: skip
 
     def skipped(self) -> Sequence[str]:

@@ -41,6 +41,9 @@ class Tallied:
     meta: Mapping[str, str] = field(default_factory=dict)
     #: Whatever the tally needs back in :meth:`Tally.committed`.
     detail: Any = None
+    #: Why the round's own head was refused and the last good one announced again
+    #: (coordinator/rounds/head_guard.py); empty when it was not.
+    kept: str = ""
 
 
 class Tally(ABC):

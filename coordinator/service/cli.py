@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import sys
 import time
@@ -62,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="print the coordinator's state as JSON (read from its database)"
     )
     p_status.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
+    p_forget = sub.add_parser(
+        "forget",
+        help="drop one client's closed-form statistics from the fleet's sum (a running "
+        "coordinator is told to reload)",
+    )
+    p_forget.add_argument("client", help="the client id whose statistics to drop")
+    p_forget.add_argument("--config", "-c", type=Path, required=True, help="coordinator TOML file")
     add_example_config(
         sub, prog="edge-coordinator", example=EXAMPLE, config=config_mod.CoordinatorConfig
     )
@@ -183,6 +192,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Drop a client's statistics: the store forgets them, and a running coordinator,
+    whose sum holds them in memory, reloads (SIGHUP) to rebuild it without them."""
+    cfg = config_mod.load(args.config)
+    if not cfg.database.exists():
+        raise UsageError(f"no coordinator state at {cfg.database} (has the coordinator run yet?)")
+    try:
+        store = Store(cfg.database)
+    except StateError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        held = store.forget(args.client)
+    finally:
+        store.close()
+    if not held:
+        raise UsageError(f"{cfg.database} holds no statistics of {args.client!r}")
+    pid = holder(cfg.run_lock)
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)  # the reload rebuilds the sum from the table
+    print(
+        f"forgot the statistics of {args.client}"
+        + (f"; the running coordinator (pid {pid}) reloads without them" if pid else "")
+        + ". A device that is still enrolled sends them again with new data: remove its "
+        "key (security.devices) to keep it out"
+    )
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config)
     if args.name not in cfg.workers.members:
@@ -207,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv,
         handlers={
             "example-config": print_example_config,
+            "forget": cmd_forget,
             "run": cmd_run,
             "status": cmd_status,
             "worker": cmd_worker,

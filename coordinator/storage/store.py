@@ -310,6 +310,21 @@ class Store:
             raise LookupError(f"no statistics of {client}")
         return bytes(payload)
 
+    def forget(self, client: str) -> bool:
+        """Drop ``client``'s statistics (``edge-coordinator forget``): its row of the
+        statistics table, and its update in the open round set aside (quarantined as
+        ``forgotten``) so that a resume does not sum it again. False when neither was
+        held. The running coordinator drops them from its sum on its next start or
+        reload, which rebuilds the sum from the table."""
+        latest = self.latest_round()
+        with self._lock, self._transaction():
+            gone = self._db.execute("DELETE FROM statistics WHERE client = ?", (client,)).rowcount
+        held = latest is not None and client in self.update_clients(latest.round)
+        if held:
+            assert latest is not None
+            self.quarantine(latest.round, client, "forgotten")
+        return bool(gone) or held
+
     def record_status(
         self,
         client: str,

@@ -53,6 +53,9 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
     quarantined = _one(db, "SELECT COUNT(*) FROM quarantine")
     run = _one(db, "SELECT value FROM meta WHERE key = 'run'")
     started = _one(db, "SELECT value FROM meta WHERE key = 'run_started'")
+    # A closed-form fleet's last head refusal (coordinator/rounds/head_guard.py), while the
+    # head it kept is still the one announced.
+    kept = _one(db, "SELECT value FROM meta WHERE key = 'head_kept'")
     return {
         "identity": json.loads(identity) if identity else None,
         # The run devices follow (docs/protocol.md, "Runs"): a new one after a lost database.
@@ -80,6 +83,7 @@ def read_summary(db: sqlite3.Connection, *, online_since: float = -math.inf) -> 
         "previous_version": on_previous_version(db),
         "rejections": rejections,
         "quarantined": quarantined,
+        "head_kept": json.loads(kept) if kept else None,
     }
 
 

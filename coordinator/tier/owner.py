@@ -68,8 +68,16 @@ def refusal(cfg: CoordinatorConfig) -> str | None:
     method = cfg.model.method
     record = wire_method(method)
     if record.closed_form:
-        # Its statistics are sums (coordinator/tier/owner_statistics.py), and the configuration
-        # already refuses a [robust] table for it: nothing here to refuse.
+        # Its statistics are sums (coordinator/tier/owner_statistics.py): the per-client cap
+        # needs every client's statistics, which no worker sends. Said, not switched off
+        # quietly: the default is the safe one.
+        if cfg.closed_form.count_cap:
+            return (
+                f"[workers]: closed_form.count_cap = {cfg.closed_form.count_cap} caps each "
+                "client's statistics, which only the single coordinator keeps; set "
+                "count_cap = 0 to run over workers (admission still bounds each device), or "
+                "leave [workers] out"
+            )
         return None
     if not record.splits:
         if record.averaged:

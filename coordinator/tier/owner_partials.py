@@ -25,6 +25,7 @@ import numpy as np
 
 import closed_form as cf
 from coordinator.config import CoordinatorConfig
+from coordinator.rounds.head_guard import guarded
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.strategies import Aggregate
@@ -145,12 +146,12 @@ class WorkerPartials(Tally):
         answers = {**collect.first, **collect.final}
         merged = combine(answers.values(), fleet=self.config.fleet, run=self.run_id,
                          round_=closing.number)  # fmt: skip
-        solved = None
+        solved, kept = None, ""
         if self.statistics is not None:
             # Counted whatever rounds.floor says: the devices sent them once, have their
             # receipts and will not send them again.
             solved = self.statistics.solve(answers, round_=closing.number)
-            result = solved.result
+            result, kept = guarded(solved.result, last)
             values, has = _dense(result, self.config)
         else:
             assert self.mean is not None
@@ -172,7 +173,7 @@ class WorkerPartials(Tally):
         )
         return Tallied(
             result, updates=len(merged.clients), source=source,
-            detail=_Close(closed=closed, shares=shares, solved=solved),
+            detail=_Close(closed=closed, shares=shares, solved=solved), kept=kept,
         )  # fmt: skip
 
     def _globals(

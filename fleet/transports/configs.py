@@ -14,6 +14,7 @@ from coordinator.downlink import AnnouncementRefused
 from coordinator.rounds.announcements import largest_announcement
 from coordinator.tier.owner import refusal
 from edge_agent.config import ClosedFormSettings
+from edge_agent.privacy.settings import PrivacySettings
 from fleet.data.partition import ClientData
 from fleet.transports import secure as secure_mod
 from fleet.transports.spec import FLEET, RunSpec, train_table
@@ -153,8 +154,35 @@ def coordinator_tables(
         },
         **({"security": security} if security is not None else {}),
         **(secure_mod.coordinator_tables(secure, method=spec.method) if secure else {}),
-        **workers_tables(spec),
+        **merged_tables(workers_tables(spec), closed_form_table(spec, secure=secure is not None)),
     }
+
+
+def merged_tables(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Tables of several sources, a table named twice merged key by key."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, table in part.items():
+            out[name] = {**out.get(name, {}), **table} if isinstance(table, dict) else table
+    return out
+
+
+def closed_form_table(spec: RunSpec, *, secure: bool) -> dict[str, Any]:
+    """A closed-form fleet's ``[closed_form]``: devices that release noisy statistics say
+    so, with their noise (the coordinator's checks follow the fleet's settings, never an
+    update's word). No per-device cap (``count_cap = 0``): a simulated fleet's devices are
+    honest, the vector transport keeps no payloads to read a capped device's statistics
+    back from, and every transport must announce the same heads
+    (tests/test_vector_engine.py); what the cap costs a clean fleet is measured by
+    bench/closed_form_attack_bench.py. Nothing for other methods."""
+    if not wire_method(spec.method).closed_form:
+        return {}
+    table: dict[str, Any] = {"count_cap": 0.0}
+    if not secure and spec.privacy.get("mechanism", "none") != "none":
+        default = PrivacySettings.release_noise_multiplier
+        multiplier = spec.privacy.get("release_noise_multiplier", default)
+        table |= {"release": "noisy", "noise_multiplier": float(multiplier)}
+    return {"closed_form": table}
 
 
 def workers_tables(spec: RunSpec) -> dict[str, Any]:
@@ -168,7 +196,10 @@ def workers_tables(spec: RunSpec) -> dict[str, Any]:
     # announcement has the global prototypes only (docs/fleet.md says what that means).
     sets = {"local_sets": "omit"} if record.local_sets else {}
     tables: dict[str, Any] = {"workers": {"count": spec.coordinator_workers, **sets}}
-    if not record.closed_form:  # a closed-form coordinator takes no [robust] table at all
+    if record.closed_form:
+        # The per-client cap needs every client's statistics, which no worker sends.
+        tables["closed_form"] = {"count_cap": 0.0}
+    else:  # a closed-form coordinator takes no [robust] table at all
         # The default defences take medians over every update of a round, which no
         # worker holds: the owner runs only with them off.
         tables["robust"] = {
