@@ -31,6 +31,7 @@ from closed_form.projection import (
     splitmix64,
     uniform_values,
 )
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
@@ -236,6 +237,9 @@ def _manager(state_dir: Path) -> RoundManager:
         model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K),
         rounds=RoundSettings(min_clients=2, wait_after_quorum_s=0.0, timeout_s=100.0),
         security=CoordinatorSecurity(insecure=True),
+        # The head is compared with the plain strategy's over the same statistics: no
+        # per-class cap (the devices here hold different counts, which it would weigh).
+        closed_form=ClosedFormSettings(count_cap=0),
     )
     return RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=lambda: 0.0)
 

@@ -68,6 +68,9 @@ def test_a_version_2_device_is_counted_in_a_version_3_fleet(mosquitto, tmp_path)
             pub.publish(status_topic("lab", "dev-1"), old.to_wire(), qos=1, retain=True)
             v2_payload = _as_version_2(stand_in_update(1, 0).to_wire())
             pub.publish("protofleet/v1/lab/update/dev-1", v2_payload, qos=1).wait_for_publish(10)
+            # Read while the coordinator serves: it ends once the round dev-0 completes closes.
+            _wait(lambda: _metric(metrics, "protofleet_clients_previous_version") == 1.0,
+                  "the version-2 device in the metric")  # fmt: skip
             pub.publish("protofleet/v1/lab/update/dev-0", stand_in_update(0, 0).to_wire(),
                         qos=1).wait_for_publish(10)  # fmt: skip
 
@@ -93,7 +96,6 @@ def test_a_version_2_device_is_counted_in_a_version_3_fleet(mosquitto, tmp_path)
             _wait(lambda: final() is not None, "round 1")
             closed = final()
             assert closed is not None and set(closed.local_sets) == {"dev-0", "dev-1"}
-            assert _metric(metrics, "protofleet_clients_previous_version") == 1.0
         served.wait_for("final round")
     finally:
         served.close()
