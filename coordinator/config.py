@@ -229,7 +229,9 @@ class CoordinatorConfig:
     fleet: str
     state_dir: Path
     coordinator_id: str = "coordinator"
-    sqlite_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    # FULL: a receipt promises the update survives a power cut, not only a crash of the
+    # process (issue 53; bench/durability_bench.py measures what it costs).
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = "FULL"
     model: ModelSettings = field(default_factory=ModelSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     robust: RobustOptions = field(default_factory=RobustOptions)
