@@ -56,6 +56,8 @@ SUITES: dict[str, list[str]] = {
         "bench.intake_bench",
         "bench.compromised_bench",
         "bench.restart_bench",
+        "bench.durability_bench",
+        "bench.power_cut_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
     "closed-form": ["bench.closed_form_bench"],
