@@ -1,6 +1,7 @@
 """What a receipt that survives a power cut costs (issue 53): the signed intake at
-``sqlite_synchronous = "FULL"`` (the default since) beside ``"NORMAL"``, and the device's
-durable writes with and without their fsync.
+``sqlite_synchronous = "FULL"`` (an fsync per commit) and ``"GROUP"`` (group commit: one
+fsync per batch of receipts, coordinator/storage/group_sync.py), both safe, beside
+``"NORMAL"`` (not safe), and the device's durable writes with and without their fsync.
 
 - ``coordinator.signed_updates_per_s_full`` and ``_normal``: one ``edge-coordinator worker``
   draining a burst of signed updates from the broker's queue to durable receipts, as
@@ -10,8 +11,8 @@ durable writes with and without their fsync.
   single ``edge-coordinator run`` (no worker tier): it is started once to draw its run and
   open round 0, stopped, the burst signed for that run is queued on its persistent
   session, and it is started again to drain it.
-- ``coordinator.signed_full_over_normal`` and ``coordinator.signed_single_full_over_normal``:
-  the ratios (below 1: what FULL costs).
+- ``..._group`` the same at GROUP; ``coordinator.signed_full_over_normal``,
+  ``..._group_over_normal`` and their ``single`` twins: the ratios (below 1: the cost).
 - ``agent.ledger_records_per_s_fsync`` and ``_no_fsync``: the privacy ledger's
   :meth:`Ledger.record` (the write that must be durable before a release leaves), the
   ledger growing to ``LEDGER_ROUNDS`` rounds, with its temp-file fsync and folder fsync,
@@ -49,7 +50,7 @@ from protocol import RoundAnnouncement, round_topic, update_topic
 BURST = 6_000
 #: Runs of each setting, alternating.
 REPEATS = 3
-SETTINGS = ("FULL", "NORMAL")
+SETTINGS = ("FULL", "GROUP", "NORMAL")
 LEDGER_ROUNDS = 300
 
 
@@ -159,6 +160,10 @@ def run() -> dict[str, float]:
     one = {k: float(np.median(v)) for k, v in single.items()}
     led = {k: float(np.median(v)) for k, v in ledger.items()}
     return {
+        "coordinator.signed_updates_per_s_group": med["GROUP"],
+        "coordinator.signed_group_over_normal": med["GROUP"] / med["NORMAL"],
+        "coordinator.signed_single_updates_per_s_group": one["GROUP"],
+        "coordinator.signed_single_group_over_normal": one["GROUP"] / one["NORMAL"],
         "coordinator.signed_updates_per_s_full": med["FULL"],
         "coordinator.signed_updates_per_s_normal": med["NORMAL"],
         "coordinator.signed_full_over_normal": med["FULL"] / med["NORMAL"],

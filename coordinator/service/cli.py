@@ -90,7 +90,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService | OwnerService:
         try:
-            store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+            # A round owner commits once a round and sends no receipts: under GROUP its
+            # closes are fsync'd each (FULL), costing nothing a batch would save.
+            group_owner = cfg.workers.enabled and cfg.sqlite_synchronous == "GROUP"
+            store = Store(
+                cfg.database, synchronous="FULL" if group_owner else cfg.sqlite_synchronous
+            )
         except StateError as exc:
             raise CannotServe(str(exc)) from exc
         try:

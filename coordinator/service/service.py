@@ -15,6 +15,7 @@ from coordinator.decision import Decision
 from coordinator.rounds import RoundManager
 from coordinator.rounds.secure_rounds import SecureRounds
 from coordinator.service.main_loop import MainLoop
+from coordinator.storage.group_sync import GroupSync
 from coordinator.storage.store import StorageFault
 from protocol import (
     RoundAnnouncement,
@@ -57,6 +58,13 @@ class CoordinatorService(MainLoop):
         self.manager = manager
         self.config = manager.config
         self._fault: BaseException | None = None
+        # sqlite_synchronous = "GROUP": receipts wait for one fsync per batch, and an
+        # announcement (a round's close) for one covering it.
+        self._sync = (
+            GroupSync(manager.store.path, on_error=self._stop_intake)
+            if self.config.sqlite_synchronous == "GROUP"
+            else None
+        )
         self._flushed = time.monotonic()
         # What the round topic should hold: the digest of the announcement published last,
         # and those of the publications not yet heard back from the broker (in order), with
@@ -223,7 +231,11 @@ class CoordinatorService(MainLoop):
                 digest=decision.digest,
             )
         )
-        self.link.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire())
+        topic, payload = receipt_topic(self.config.fleet, decision.client), receipt.to_wire()
+        if self._sync is not None:
+            self._sync.after_sync(lambda: self.link.publish(topic, payload))
+        else:
+            self.link.publish(topic, payload)
 
     # -- driver ------------------------------------------------------------------------
 
@@ -234,6 +246,10 @@ class CoordinatorService(MainLoop):
         if self.secure is not None and not announcement.params.get("final"):
             # Listening before the devices hear of the round (once per round).
             self.secure.begin(announcement.round)
+        if self._sync is not None:
+            # The close this announces is durable first, and the receipts queued before
+            # it are out before it (a device hears its update stored, then the close).
+            self._sync.flush()
         payload = announcement.to_wire()
         digest = payload_digest(payload)
         with self._round_lock:
@@ -285,6 +301,8 @@ class CoordinatorService(MainLoop):
         if self._fault is None:
             with contextlib.suppress(sqlite3.Error, OSError):  # already stopping for it
                 self.manager.flush_rejections()
+        if self._sync is not None:
+            self._sync.close()  # the receipts still held go out after a last fsync
         # Let the last retained announcement reach the broker before disconnecting.
         self.link.close(
             last_word=(round_topic(self.config.fleet), self.manager.announcement.to_wire())

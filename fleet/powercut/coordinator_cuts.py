@@ -114,14 +114,18 @@ class StandInDevices:
         self._client.disconnect()
 
 
-def write_config(path: Path, *, state: Path, port: int, quorum: int, synchronous: str) -> None:
+def write_config(
+    path: Path, *, state: Path, port: int, quorum: int, synchronous: str = "GROUP", extra: str = ""
+) -> None:
+    """The coordinator's TOML: an insecure fedproto fleet that keeps every round; ``extra``
+    is appended (more tables)."""
     path.write_text(
         f'fleet = "{FLEET}"\nstate_dir = "{state}"\nsqlite_synchronous = "{synchronous}"\n'
         f'[model]\nmethod = "fedproto"\nbundle = "{BUNDLE}"\n'
         f"classes = {[str(c) for c in range(CLASSES)]}\ndim = {DIM}\n".replace("'", '"')
         + f"[rounds]\nmin_clients = {quorum}\nwait_after_quorum_s = 0.0\ntimeout_s = 600.0\n"
         "max_rounds = 100000\nkeep_rounds = 0\n"
-        f"[mqtt]\nport = {port}\n[security]\ninsecure = true\n"
+        f"[mqtt]\nport = {port}\n[security]\ninsecure = true\n" + extra
     )
 
 
@@ -161,7 +165,7 @@ def lost_receipts(
 
 def coordinator_cuts(
     root: Path, *, cuts: int, devices: int = 12, quorum: int = 8, seed: int = 0,
-    synchronous: str = "FULL", max_receipts: int = 60,
+    synchronous: str = "GROUP", max_receipts: int = 60,
 ) -> CutResult:  # fmt: skip
     """Run a coordinator on a lazy mount under ``root`` and cut its power ``cuts`` times
     (module text); each cut comes after 1..``max_receipts`` receipts since its start."""
