@@ -86,10 +86,10 @@ def test_a_revoked_device_is_told_it_is_refused_once_and_then_seldom(certs, tmp_
         finally:
             device.close()
         assert not device.is_connected()
+        # The shipped broker's TLS 1.2 is a minimum: the device negotiates TLS 1.3, whose
+        # refusal comes without a reason, and asks for it in a TLS 1.2 handshake.
         why = (
-            "it closed the connection before answering: it does not accept this client's "
-            f"certificate mqtt.tls_cert {certs / 'clients' / 'dev-1.crt'} (revoked, expired "
-            "or not issued by the CA it trusts; the broker's log says which)"
+            f"this client's certificate mqtt.tls_cert {certs / 'clients' / 'dev-1.crt'} is revoked"
         )
         assert [(r.levelno, r.getMessage()) for r in refusals] == [
             (logging.ERROR, f"broker refused the connection: {why}; it refuses it again until "
@@ -186,7 +186,7 @@ def test_a_connected_revoked_device_is_cut_off_by_restarting_the_broker(certs, t
         broker.start()
         assert kept.wait_connected(30)
         refusal = lines.wait("broker refused the connection")[0].getMessage()
-        assert "dev-1.crt (revoked, expired" in refusal
+        assert "dev-1.crt is revoked" in refusal
         assert not revoked.is_connected()
         for link in (kept, revoked):
             link.close()
