@@ -6,6 +6,11 @@ for the open round until a receipt names it, and a duplicate is answered with th
 of what is stored. ``run`` is the coordinator run the update was stored in: a device
 takes receipts of the run it follows only. ``digest`` is the SHA-256 of the stored update's payload: a receipt
 naming another digest means the coordinator holds someone else's update for this device.
+
+A *refusal* (``refused`` set) answers an update the coordinator will never take from this
+device whatever it resends: its certificate is ``revoked`` or it is ``unenrolled``. It names
+the refused payload's digest and stores nothing; the device stops resending for the round.
+Without it a device cut off while connected re-sent every 10 s, never told why.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
 from protocol.message_base import WireMessage, take_auth
+
+#: Rejection reasons a device is told of (coordinator/admission.py names them): no resend
+#: can change them, only its operator.
+REFUSALS = ("revoked", "unenrolled")
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> str:
@@ -35,6 +44,8 @@ class Receipt(WireMessage):
     client: str
     digest: str
     auth: Auth | None = None
+    #: Why the update was refused for good (a reason of :data:`REFUSALS`), "" for a receipt.
+    refused: str = ""
 
     def __post_init__(self) -> None:
         validate_id(self.fleet, field="fleet")
@@ -44,15 +55,21 @@ class Receipt(WireMessage):
         f.text(self.digest, field="digest", max_length=64, empty=False)
         if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
             raise FieldError("expected 64 lowercase hex digits", field="digest")
+        if self.refused and self.refused not in REFUSALS:
+            raise FieldError(f"expected one of {', '.join(REFUSALS)}", field="refused")
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "fleet": self.fleet,
             "round": self.round,
             "run": self.run,
             "client": self.client,
             "digest": self.digest,
         }
+        # Only when set: a receipt's bytes (and signature) stay what they were.
+        if self.refused:
+            body["refused"] = self.refused
+        return body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Receipt:
@@ -63,4 +80,5 @@ class Receipt(WireMessage):
             client=env.take("client"),
             digest=env.take("digest"),
             auth=take_auth(env),
+            refused=env.take_optional("refused") or "",
         )

@@ -26,7 +26,7 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.receipts import Receipt, payload_digest
+from protocol.receipts import REFUSALS, Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
 
@@ -66,6 +66,7 @@ class CoordinatorService(MainLoop):
             else None
         )
         self._flushed = time.monotonic()
+        self._told: set[tuple[int, str]] = set()  # (round, client) refusals sent
         # What the round topic should hold: the digest of the announcement published last,
         # and those of the publications not yet heard back from the broker (in order), with
         # when each was sent. Anything else that arrives there was retained over it.
@@ -157,6 +158,8 @@ class CoordinatorService(MainLoop):
             # the device would hear its round closed before hearing its update stored.
             if decision.digest is not None:
                 self._send_receipt(decision)
+            elif decision.reason in REFUSALS:
+                self._send_refusal(decision, message.payload)
             if decision.accepted:
                 self._wake.set()
         elif topic.kind is TopicKind.STATUS:
@@ -236,6 +239,25 @@ class CoordinatorService(MainLoop):
             self._sync.after_sync(lambda: self.link.publish(topic, payload))
         else:
             self.link.publish(topic, payload)
+
+    def _send_refusal(self, decision: Decision, payload: bytes | bytearray) -> None:
+        """Tell a device its updates are refused for good (revoked, unenrolled), once a
+        round: it stops resending, and its log says what its operator must do. Once a
+        round, so a flood of updates claiming such devices costs one signature each."""
+        assert decision.round is not None and decision.client is not None
+        key = (decision.round, decision.client)
+        if key in self._told:
+            return
+        if len(self._told) >= 100_000:  # bounded: a flood of invented ids
+            self._told.clear()
+        self._told.add(key)
+        refusal = self.manager.sign(
+            Receipt(
+                fleet=self.config.fleet, round=decision.round, run=self.manager.run_id,
+                client=decision.client, digest=payload_digest(payload), refused=decision.reason,
+            )
+        )  # fmt: skip
+        self.link.publish(receipt_topic(self.config.fleet, decision.client), refusal.to_wire())
 
     # -- driver ------------------------------------------------------------------------
 

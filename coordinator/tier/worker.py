@@ -52,6 +52,7 @@ from coordinator.tier.intake import Intake
 from coordinator.tier.partial_wire import CollectRequest, collect_topic, partial_topic
 from coordinator.tier.worker_store import WorkerStore
 from protocol import ProtocolError, round_topic, update_filter, validate_id
+from protocol.receipts import REFUSALS
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.sdnotify import Notifier, Watchdog
@@ -97,6 +98,7 @@ class Worker:
         #: A storage error stops the intake: nothing more is acknowledged, so the broker
         #: delivers it again to this worker's session once it is restarted.
         self.fault: BaseException | None = None
+        self._told: set[tuple[int, str]] = set()  # (round, client) refusals sent
         # sqlite_synchronous = "GROUP": receipts and partials wait for one fsync of the
         # log that covers the rows they speak of (coordinator/storage/group_sync.py).
         self._sync = (
@@ -194,8 +196,23 @@ class Worker:
                 receipt = self.intake.receipt(decision)
                 assert decision.client is not None
                 self._publish(receipt_topic(self.fleet, decision.client), receipt.to_wire())
+            elif decision.reason in REFUSALS:
+                self._refuse(decision, message.payload)
             if self._on_update is not None:
                 self._on_update(decision)
+
+    def _refuse(self, decision: Decision, payload: bytes | bytearray) -> None:
+        """Tell a device its updates are refused for good, once a round (as the single
+        coordinator does: coordinator/service/service.py)."""
+        assert decision.round is not None and decision.client is not None
+        key = (decision.round, decision.client)
+        refusal = None if key in self._told else self.intake.refusal(decision, payload)
+        if refusal is None:
+            return
+        if len(self._told) >= 100_000:  # bounded: a flood of invented ids
+            self._told.clear()
+        self._told.add(key)
+        self.link.publish(receipt_topic(self.fleet, decision.client), refusal.to_wire())
 
     def _answer(self, payload: bytes | bytearray) -> None:
         try:
