@@ -63,22 +63,29 @@ class StandInDevices:
     it holds no receipt for (a coordinator's restart announces again, so unreceipted
     updates are sent again then), and every receipt is kept."""
 
-    def __init__(self, port: int, *, devices: int) -> None:
-        self.clients = [f"dev-{i:03d}" for i in range(devices)]
+    def __init__(
+        self, port: int, *, devices: int, first: int = 0, client_id: str = "stand-ins"
+    ) -> None:
+        self.clients = [f"dev-{i:03d}" for i in range(first, first + devices)]
+        self._mine = set(self.clients)
         self.receipts: dict[tuple[str, int, str], str] = {}  # (run, round, client) -> digest
         self.announcements = 0
         self.latest_round = -1
         self._cond = threading.Condition()
-        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="stand-ins")
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
         self._client.max_inflight_messages_set(1000)
         self._client.on_message = self._on_message
         subscribed = threading.Event()
         self._client.on_subscribe = lambda *_: subscribed.set()
+        # On every (re)connect: a clean session forgets its subscriptions with the broker.
+        self._client.on_connect = self._on_connect
         self._client.connect("127.0.0.1", port)
         self._client.loop_start()
-        self._client.subscribe([(round_topic(FLEET), 1), (receipt_filter(FLEET), 1)])
         if not subscribed.wait(STEP_TIMEOUT_S):
             raise TimeoutError("no SUBACK for the stand-in devices")
+
+    def _on_connect(self, *_: object) -> None:
+        self._client.subscribe([(round_topic(FLEET), 1), (receipt_filter(FLEET), 1)])
 
     def _on_message(self, _c: object, _u: object, message: mqtt.MQTTMessage) -> None:
         if message.topic == round_topic(FLEET):
@@ -95,6 +102,8 @@ class StandInDevices:
                 self._client.publish(update_topic(FLEET, client), payload, qos=1)
             return
         receipt = Receipt.from_wire(message.payload)
+        if receipt.client not in self._mine:
+            return  # another stand-in group's (all receipts come on the one filter)
         with self._cond:
             self.receipts[(receipt.run, receipt.round, receipt.client)] = receipt.digest
             self._cond.notify_all()
@@ -115,7 +124,14 @@ class StandInDevices:
 
 
 def write_config(
-    path: Path, *, state: Path, port: int, quorum: int, synchronous: str = "GROUP", extra: str = ""
+    path: Path,
+    *,
+    state: Path,
+    port: int,
+    quorum: int,
+    synchronous: str = "GROUP",
+    extra: str = "",
+    timeout_s: float = 600.0,
 ) -> None:
     """The coordinator's TOML: an insecure fedproto fleet that keeps every round; ``extra``
     is appended (more tables)."""
@@ -123,7 +139,7 @@ def write_config(
         f'fleet = "{FLEET}"\nstate_dir = "{state}"\nsqlite_synchronous = "{synchronous}"\n'
         f'[model]\nmethod = "fedproto"\nbundle = "{BUNDLE}"\n'
         f"classes = {[str(c) for c in range(CLASSES)]}\ndim = {DIM}\n".replace("'", '"')
-        + f"[rounds]\nmin_clients = {quorum}\nwait_after_quorum_s = 0.0\ntimeout_s = 600.0\n"
+        + f"[rounds]\nmin_clients = {quorum}\nwait_after_quorum_s = 0.0\ntimeout_s = {timeout_s}\n"
         "max_rounds = 100000\nkeep_rounds = 0\n"
         f"[mqtt]\nport = {port}\n[security]\ninsecure = true\n" + extra
     )
