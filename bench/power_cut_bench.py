@@ -3,10 +3,10 @@ system that loses every write not fsync'd (fleet/powercut/lazyfs.py):
 
 - ``reliability.power_cut_receipted_lost``: receipted updates not in the coordinator's
   database after ``CUTS`` cuts under load (fleet/powercut/coordinator_cuts.py) at the
-  default ``sqlite_synchronous`` (FULL); ``reliability.power_cut_coordinator_cuts``,
+  default ``sqlite_synchronous`` (GROUP); ``reliability.power_cut_coordinator_cuts``,
   ``..._receipted`` (updates some receipt named) and ``..._damaged`` (cuts after which
   SQLite's integrity check failed) beside it. ``reliability.power_cut_receipted_lost_normal``
-  and ``..._receipted_normal``: the same for ``NORMAL_CUTS`` cuts at NORMAL, what FULL buys.
+  and ``..._receipted_normal``: the same for ``NORMAL_CUTS`` cuts at NORMAL, what GROUP buys.
 - ``reliability.power_cut_ledger_lost``: releases that left a dp device and whose spend
   its privacy ledger lacked after one of ``CUTS`` cuts (fleet/powercut/device_cuts.py);
   ``reliability.power_cut_device_cuts``, ``..._releases``, ``..._device_unreadable``
@@ -31,7 +31,7 @@ def run() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         full = coordinator_cuts(root / "full", cuts=CUTS, seed=1)
-        print(f"  coordinator, FULL: {full}", file=sys.stderr)
+        print(f"  coordinator, GROUP (the default): {full}", file=sys.stderr)
         normal = coordinator_cuts(root / "normal", cuts=NORMAL_CUTS, seed=1, synchronous="NORMAL")
         print(f"  coordinator, NORMAL: {normal}", file=sys.stderr)
         bundle = root / "zoo" / "bundle"

@@ -47,14 +47,19 @@ def test_a_cut_loses_exactly_what_was_not_fsynced(tmp_path: Path) -> None:
 
 
 @pytest.mark.broker
-def test_no_receipted_update_is_lost_to_power_cuts_under_load(tmp_path: Path) -> None:
-    result = coordinator_cuts(tmp_path, cuts=8, seed=53)
+@pytest.mark.slow  # about 10 s on a quiet machine, a minute on a loaded one
+@pytest.mark.parametrize("synchronous", ["GROUP", "FULL"])  # the default, and the other safe one
+def test_no_receipted_update_is_lost_to_power_cuts_under_load(
+    tmp_path: Path, synchronous: str
+) -> None:
+    result = coordinator_cuts(tmp_path, cuts=8, seed=53, synchronous=synchronous)
     assert result.receipted > 100 and result.rounds_closed > 10  # under load, rounds closing
     assert result.lost == 0
     assert result.damaged == 0
 
 
 @pytest.mark.broker
+@pytest.mark.slow
 def test_at_normal_sync_a_power_cut_loses_receipted_updates(tmp_path: Path) -> None:
     # Why FULL is the default: at NORMAL the write-ahead log is fsync'd only at a
     # checkpoint, and the cut takes every commit since (the receipts went out anyway).
