@@ -58,6 +58,7 @@ SUITES: dict[str, list[str]] = {
         "bench.restart_bench",
         "bench.durability_bench",
         "bench.power_cut_bench",
+        "bench.fault_matrix_bench",
     ],
     "accuracy": ["bench.accuracy_bench"],
     "closed-form": ["bench.closed_form_bench"],
