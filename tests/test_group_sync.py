@@ -4,6 +4,7 @@ holds everything back."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import threading
@@ -36,7 +37,7 @@ def test_actions_run_in_order_after_an_fsync_of_the_log(tmp_path: Path, monkeypa
     try:
         for i in range(3):
             db.execute("INSERT INTO t VALUES (?)", (i,))
-            sync.after_sync(lambda i=i: events.append(f"receipt {i}"))
+            sync.after_sync(functools.partial(events.append, f"receipt {i}"))
         sync.flush()
     finally:
         sync.close()
