@@ -133,13 +133,9 @@ class Drain:
 
 
 def drain(
-    fleet: Fleet,
-    workers: int,
-    payloads: list[bytes],
-    topics: list[str],
-    *,
+    fleet: Fleet, workers: int, payloads: list[bytes], topics: list[str], *,
     synchronous: str | None = None,
-) -> Drain:
+) -> Drain:  # fmt: skip
     """One drain of ``payloads`` by ``workers`` workers (module text), at
     ``sqlite_synchronous`` ``synchronous`` (None: the default)."""
     names = WORKERS[:workers]
