@@ -132,14 +132,18 @@ class Drain:
     cores: float  # the workers' CPU seconds per second of the drain
 
 
-def drain(fleet: Fleet, workers: int, payloads: list[bytes], topics: list[str]) -> Drain:
-    """One drain of ``payloads`` by ``workers`` workers (module text)."""
+def drain(
+    fleet: Fleet, workers: int, payloads: list[bytes], topics: list[str], *,
+    synchronous: str | None = None,
+) -> Drain:  # fmt: skip
+    """One drain of ``payloads`` by ``workers`` workers (module text), at
+    ``sqlite_synchronous`` ``synchronous`` (None: the default)."""
     names = WORKERS[:workers]
     with tempfile.TemporaryDirectory(dir=fleet.root) as tmp, MosquittoBroker(
         extra_config=f"max_queued_messages {len(payloads) + 1_000}\n"
     ) as broker:  # fmt: skip
         state = Path(tmp) / "state"
-        config = fleet.config(broker.address.port, state)
+        config = fleet.config(broker.address.port, state, synchronous=synchronous)
         announcement = RoundAnnouncement(
             fleet=FLEET, round=1, run=RUN, run_started=1.0, bundle=BUNDLE, method="fedpcl",
             classes=tuple(str(c) for c in range(CLASSES)), dim=DIM, deadline=2e9,

@@ -60,11 +60,27 @@ class Fleet:
         signers = {f"dev-{i:05d}": _enrolled(enrolled / f"dev-{i:05d}.pub") for i in range(devices)}
         return cls(root, load_signer(root / "coordinator.key"), signers)
 
-    def config(self, port: int, state: Path, *, rounds: int = 2, quorum: int = HONEST) -> Path:
-        """A coordinator TOML naming both workers, for the round owner and each worker."""
+    def config(
+        self,
+        port: int,
+        state: Path,
+        *,
+        rounds: int = 2,
+        quorum: int = HONEST,
+        synchronous: str | None = None,
+        workers: bool = True,
+    ) -> Path:
+        """A coordinator TOML naming both workers, for the round owner and each worker
+        (``workers=False``: a single coordinator's); ``synchronous`` sets
+        ``sqlite_synchronous`` (None: the default)."""
         path = state.with_suffix(".toml")
+        sync = "" if synchronous is None else f'sqlite_synchronous = "{synchronous}"\n'
+        tier = (
+            f'[workers]\nnames = {json.dumps(list(WORKERS))}\nlocal_sets = "omit"\n'
+            "collect_retry_s = 1.0\n"
+        )
         path.write_text(
-            f'fleet = "{FLEET}"\nstate_dir = "{state}"\n'
+            f'fleet = "{FLEET}"\nstate_dir = "{state}"\n{sync}'
             f'[model]\nmethod = "fedpcl"\nbundle = "{BUNDLE}"\n'
             f"classes = {json.dumps([str(c) for c in range(CLASSES)])}\ndim = {DIM}\n"
             f"[rounds]\nmin_clients = {quorum}\nwait_after_quorum_s = 0.0\n"
@@ -74,9 +90,7 @@ class Fleet:
             f'devices = "{self.root / "devices"}"\n'
             # What the round owner requires (coordinator/tier/owner.py::refusal).
             "[robust]\nmedian_count_cap = false\nmedian_norm_clip = false\n"
-            "median_direction_screen = false\n"
-            f'[workers]\nnames = {json.dumps(list(WORKERS))}\nlocal_sets = "omit"\n'
-            "collect_retry_s = 1.0\n"
+            "median_direction_screen = false\n" + (tier if workers else "")
         )
         return path
 

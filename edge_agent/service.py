@@ -197,6 +197,10 @@ class AgentService:
             or (receipt.wire_version >= 3 and receipt.run != pending.run)
         ):
             return  # a late copy, or one for a round this device has settled
+        if receipt.refused:
+            if receipt.digest == pending.digest:
+                self._refused(pending.round, receipt.refused)
+            return
         self._pending = None
         # Settled on disk before it is said: a device killed after the line answers the
         # round's re-announcement with already_answered, not with a re-send.
@@ -215,6 +219,21 @@ class AgentService:
         else:
             self.agent.confirmed(pending.round)
             log.info("round %d: update stored by the coordinator", pending.round)
+
+    def _refused(self, round_: int, reason: str) -> None:
+        """The coordinator refuses this device's updates for good: no resend can change
+        that, so stop resending this round's (the next round's is sent, and told, once)."""
+        self._pending = None
+        why = {
+            "revoked": "this device's certificate is revoked by the fleet's CRL",
+            "unenrolled": "the coordinator has no key enrolled for this device",
+        }.get(reason, reason)
+        log.error(
+            "round %d: the coordinator refuses this device's updates (%s): %s; not resending "
+            "(its operator must enrol it again: docs/deploy.md, section 1)",
+            round_, reason, why,
+            extra={"event": "update_refused", "round": round_, "reason": reason},
+        )  # fmt: skip
 
     def _expect_receipt(self, round_: int, payload: bytes) -> None:
         wait = self.resend_s

@@ -6,6 +6,11 @@ for the open round until a receipt names it, and a duplicate is answered with th
 of what is stored. ``run`` is the coordinator run the update was stored in: a device
 takes receipts of the run it follows only. ``digest`` is the SHA-256 of the stored update's payload: a receipt
 naming another digest means the coordinator holds someone else's update for this device.
+
+A *refusal* (``refused`` set) answers an update the coordinator will never take from this
+device whatever it resends: its certificate is ``revoked`` or it is ``unenrolled``. It names
+the refused payload's digest and stores nothing; the device stops resending for the round.
+Without it a device cut off while connected re-sent every 10 s, never told why.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from protocol.errors import FieldError
 from protocol.ids import validate_id
 from protocol.limits import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 from protocol.message_base import WireMessage, check_wire_version, legacy_run, take_auth
+
+#: Rejection reasons a device is told of (coordinator/admission.py names them): no resend
+#: can change them, only its operator.
+REFUSALS = ("revoked", "unenrolled")
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> str:
@@ -40,6 +49,8 @@ class Receipt(WireMessage):
     #: Written in the version of the update it answers; version 2 has no ``run`` (read
     #: back as the run its signature names, ``""`` unsigned).
     wire_version: int = PROTOCOL_VERSION
+    #: Why the update was refused for good (a reason of :data:`REFUSALS`), "" for a receipt.
+    refused: str = ""
 
     def __post_init__(self) -> None:
         check_wire_version(self)
@@ -51,9 +62,11 @@ class Receipt(WireMessage):
         f.text(self.digest, field="digest", max_length=64, empty=False)
         if len(self.digest) != 64 or any(c not in "0123456789abcdef" for c in self.digest):
             raise FieldError("expected 64 lowercase hex digits", field="digest")
+        if self.refused and self.refused not in REFUSALS:
+            raise FieldError(f"expected one of {', '.join(REFUSALS)}", field="refused")
 
     def _body(self) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "fleet": self.fleet,
             "round": self.round,
             "run": self.run,
@@ -62,6 +75,9 @@ class Receipt(WireMessage):
         }
         if self.wire_version < 3:
             del body["run"]
+        # Only when set: a receipt's bytes (and signature) stay what they were.
+        if self.refused:
+            body["refused"] = self.refused
         return body
 
     @classmethod
@@ -75,4 +91,5 @@ class Receipt(WireMessage):
             digest=env.take("digest"),
             auth=auth,
             wire_version=env.version,
+            refused=env.take_optional("refused") or "",
         )

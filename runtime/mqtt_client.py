@@ -6,6 +6,7 @@ how to say that a broker refused this client's certificate."""
 from __future__ import annotations
 
 import math
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -41,6 +42,38 @@ def certificate_refusal(exc: BaseException | None, settings: MqttSettings) -> st
     for alert, what in _CERTIFICATE_ALERTS.items():
         if reason.endswith(alert):
             return f"this client's certificate mqtt.tls_cert {settings.tls_cert} {what}"
+    return None
+
+
+#: The longest a probe of the broker's reason may take (it runs on paho's thread, after a
+#: refusal, and a refused client waits 30 s or more before its next attempt anyway).
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe_refusal(settings: MqttSettings) -> str | None:
+    """Why the broker refuses this client's certificate, asked in a TLS 1.2 handshake, or
+    None if that learns nothing (no client certificate, a handshake that passes, a
+    broker that refuses TLS 1.2, a network error).
+
+    A broker whose minimum is TLS 1.2 (the shipped ``tls_version tlsv1.2``) lets a client
+    negotiate TLS 1.3, where it checks the client's certificate after the handshake and
+    closes the connection without a reason; in TLS 1.2 it refuses the certificate inside
+    the handshake with an alert that names it (revoked, expired, unknown CA)."""
+    if settings.tls_cert is None:
+        return None
+    try:
+        context = load_credentials(settings).tls
+        if context is None:
+            return None
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        with socket.create_connection(
+            (settings.host, settings.port), timeout=PROBE_TIMEOUT_S
+        ) as raw:
+            context.wrap_socket(raw, server_hostname=settings.host).close()
+    except ssl.SSLError as exc:
+        return certificate_refusal(exc, settings)
+    except (OSError, ValueError):
+        return None
     return None
 
 

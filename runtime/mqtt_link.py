@@ -47,6 +47,7 @@ from runtime.mqtt_client import (
     certificate_refusal,
     closed_unanswered,
     make_client,
+    probe_refusal,
 )
 from runtime.transport import (
     MqttSettings,
@@ -185,8 +186,9 @@ class MqttLink:
         if self._leaving() or phase == "refused":  # a refusing CONNACK is told already
             return
         if phase == "connecting":
-            # Closed before any CONNACK: a failed attempt, not a lost connection.
-            self._refused(closed_unanswered(self.settings))
+            # Closed before any CONNACK: a failed attempt, not a lost connection. Over
+            # TLS 1.3 no reason came with it: a TLS 1.2 handshake asks for one.
+            self._refused(probe_refusal(self.settings) or closed_unanswered(self.settings))
             return
         if taken_over := self._takeover.dropped():
             self._log.error("%s", taken_over)

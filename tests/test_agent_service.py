@@ -59,9 +59,12 @@ def write_config(
 
 class StandInCoordinator:
     """Announces rounds and, like the coordinator, answers every update with a receipt
-    (``receipts=False``: never, as a coordinator that lost them)."""
+    (``receipts=False``: never, as a coordinator that lost them; ``refused``: with a
+    refusal for that reason, as the coordinator answers a revoked device)."""
 
-    def __init__(self, pub, inbox, bundle_id: str, *, receipts: bool = True) -> None:
+    def __init__(
+        self, pub, inbox, bundle_id: str, *, receipts: bool = True, refused: str = ""
+    ) -> None:
         self.pub, self.inbox, self.bundle_id = pub, inbox, bundle_id
         self.receipts = receipts
 
@@ -76,6 +79,7 @@ class StandInCoordinator:
                     run=RUN,
                     client=update.client,
                     digest=payload_digest(message.payload),
+                    refused=refused,
                 )
                 client.publish(receipt_topic("lab", update.client), receipt.to_wire(), qos=1)
 
@@ -280,6 +284,35 @@ def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_
             coord.wait_updates(0, {"dev-a"})
             wait_reason(lambda r: r == "", "taking it back")
             assert reasons()[seen:] == [""]  # said once, taken back once
+            assert agent.stop() == 0
+        finally:
+            agent.close()
+
+
+def test_a_device_refused_for_good_is_told_why_and_stops_resending(mosquitto, small_zoo, tmp_path):
+    # A device revoked while connected: the coordinator refuses its updates, and used to
+    # leave it re-sending every resend_s, never told. Now a signed refusal says why.
+    bundle_id = bundle_mod.load(small_zoo).id
+    port = mosquitto.address.port
+    config, _ = write_config(tmp_path / "a", small_zoo, "dev-a", "clean", port, epochs=1)
+    config.write_text(
+        config.read_text().replace(f"port = {port}\n", f"port = {port}\nresend_s = 1.0\n")
+    )
+    with connected(mosquitto.address, "stand-in", subscribe=(update_filter("lab"),)) as (
+        pub,
+        inbox,
+    ):
+        coord = StandInCoordinator(pub, inbox, bundle_id, refused="revoked")
+        agent = agent_process(config)
+        try:
+            coord.announce(0, [])
+            coord.wait_updates(0, {"dev-a"})
+            agent.wait_for("the coordinator refuses this device's updates (revoked)")
+            # The next round is answered (and refused) once more; by then, at resend_s = 1
+            # and a round of training, a device still resending round 0 would have.
+            coord.announce(1, [])
+            coord.wait_updates(1, {"dev-a"})
+            assert [u.round for _, u in coord.updates()].count(0) == 1
             assert agent.stop() == 0
         finally:
             agent.close()

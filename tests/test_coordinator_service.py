@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -259,8 +260,13 @@ def test_an_updates_receipt_is_queued_before_the_round_loop_is_woken(tmp_path, m
     """Woken first, the loop could close the round and announce the next one before the
     receipt left, and the device would hear its round closed before its update stored
     (seen in tests/test_deploy.py on a loaded machine). The order is pinned here by
-    recording, for each publish, whether the loop had been woken yet."""
-    coordinator = service(tmp_path, min_clients=1, wait_after_quorum_s=0.0)
+    recording, for each publish, whether the loop had been woken yet (at FULL, where the
+    receipt is published on paho's thread at once)."""
+    cfg = replace(service_config(tmp_path, min_clients=1, wait_after_quorum_s=0.0),
+                  sqlite_synchronous="FULL")  # fmt: skip
+    coordinator = CoordinatorService(
+        manager=RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics())
+    )
     published: list[tuple[str, bool]] = []
 
     def publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
@@ -271,6 +277,26 @@ def test_an_updates_receipt_is_queued_before_the_round_loop_is_woken(tmp_path, m
     assert coordinator._on_message(update_message(update))  # stored: the link acknowledges
     assert published == [(receipt_topic("lab", update.client), False)]
     assert coordinator._wake.is_set()
+    coordinator.manager.store.close()
+
+
+def test_under_group_commit_the_receipt_goes_out_before_the_close_it_preceded(
+    tmp_path, monkeypatch
+):
+    # GROUP (the default) holds the receipt for an fsync of the log; the round's close
+    # waits for one too, and the receipts queued before it go out first.
+    coordinator = service(tmp_path, min_clients=1, wait_after_quorum_s=0.0)
+    assert coordinator.config.sqlite_synchronous == "GROUP"
+    published: list[str] = []
+    monkeypatch.setattr(coordinator.link, "publish",
+                        lambda topic, payload, *, retain=False: published.append(topic))  # fmt: skip
+    update = stand_in_update(0, 0)
+    assert coordinator._on_message(update_message(update))
+    coordinator._step()  # the quorum of 1 is met: the round closes and round 1 is announced
+    assert published[:2] == [receipt_topic("lab", update.client), round_topic("lab")]
+    assert coordinator.manager.round == 1
+    assert coordinator._sync is not None
+    coordinator._sync.close()
     coordinator.manager.store.close()
 
 

@@ -130,6 +130,8 @@ FLEET_ROOMS: dict[str, set[str]] = {
     "transports": {"data", "engine"},
     "report": {"data", "engine", "transports"},
     "cli": {"data", "engine", "transports", "report"},
+    # Power cuts for tests and benchmarks (issue 53): beside the commands, not under them.
+    "powercut": {"data", "transports"},
 }
 
 

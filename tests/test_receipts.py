@@ -9,7 +9,7 @@ import time
 import pytest
 
 from export import bundle as bundle_mod
-from protocol import PrototypeUpdate, TopicKind, parse_topic, update_filter
+from protocol import ProtocolError, PrototypeUpdate, TopicKind, parse_topic, update_filter
 from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from tests.coordinator_helpers import coordinator_toml, finish, stand_in_update, stand_ins, start
@@ -102,3 +102,17 @@ def test_an_agent_sends_its_update_again_until_a_receipt_names_it(mosquitto, sma
             assert agent.stop() == 0
         finally:
             agent.close()
+
+
+def test_a_refusal_round_trips_and_a_receipt_keeps_its_bytes():
+    # `refused` is on the wire only when set: a receipt's bytes (and so its signature)
+    # are what they were before refusals existed.
+    digest = "a" * 64
+    receipt = Receipt(fleet="lab", round=3, run="r1", client="dev-1", digest=digest)
+    assert b"refused" not in receipt.to_wire()
+    refusal = Receipt(fleet="lab", round=3, run="r1", client="dev-1", digest=digest,
+                      refused="revoked")  # fmt: skip
+    back = Receipt.from_wire(refusal.to_wire())
+    assert back.refused == "revoked" and back.digest == digest
+    with pytest.raises(ProtocolError):
+        Receipt(fleet="lab", round=3, run="r1", client="dev-1", digest=digest, refused="busy")

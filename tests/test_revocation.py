@@ -20,7 +20,8 @@ import pytest
 
 from fleet.transports.broker import BrokerAddress, MosquittoBroker
 from protocol import update_filter, update_topic
-from protocol.auth import sign
+from protocol.auth import sign, signature_problem
+from protocol.receipts import Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.keyfiles import load_signer
 from runtime.mqtt_client import Reconnect, certificate_refusal
@@ -86,10 +87,10 @@ def test_a_revoked_device_is_told_it_is_refused_once_and_then_seldom(certs, tmp_
         finally:
             device.close()
         assert not device.is_connected()
+        # The shipped broker's TLS 1.2 is a minimum: the device negotiates TLS 1.3, whose
+        # refusal comes without a reason, and asks for it in a TLS 1.2 handshake.
         why = (
-            "it closed the connection before answering: it does not accept this client's "
-            f"certificate mqtt.tls_cert {certs / 'clients' / 'dev-1.crt'} (revoked, expired "
-            "or not issued by the CA it trusts; the broker's log says which)"
+            f"this client's certificate mqtt.tls_cert {certs / 'clients' / 'dev-1.crt'} is revoked"
         )
         assert [(r.levelno, r.getMessage()) for r in refusals] == [
             (logging.ERROR, f"broker refused the connection: {why}; it refuses it again until "
@@ -186,7 +187,7 @@ def test_a_connected_revoked_device_is_cut_off_by_restarting_the_broker(certs, t
         broker.start()
         assert kept.wait_connected(30)
         refusal = lines.wait("broker refused the connection")[0].getMessage()
-        assert "dev-1.crt (revoked, expired" in refusal
+        assert "dev-1.crt is revoked" in refusal
         assert not revoked.is_connected()
         for link in (kept, revoked):
             link.close()
@@ -228,17 +229,27 @@ def test_the_coordinator_rejects_a_revoked_device_from_its_reload_on(mosquitto, 
             coordinator.wait_for("rounds.min_clients = 2 exceeds the 1 device(s)", after=seen)
             coordinator.wait_for("configuration reloaded", after=seen)
 
-            # dev-1's signed round-1 update is rejected; dev-0's, sent after it, is stored
-            # (the coordinator takes one connection's updates in order).
-            with connected(
-                mosquitto.address, "dev-0-receipts", subscribe=(receipt_topic("lab", "dev-0"),)
-            ) as (_, receipts):
-                fleet.send(
-                    [sign(stand_in_update(i, 1), signers[f"dev-{i}"], run=run) for i in (1, 0)]
-                )
-                receipts.wait(1)
+            # dev-1's signed round-1 update is rejected, and dev-1 told so in a signed
+            # refusal (it would resend every 10 s otherwise); dev-0's, sent after it, is
+            # stored (the coordinator takes one connection's updates in order).
+            topics = (receipt_topic("lab", "dev-0"), receipt_topic("lab", "dev-1"))
+            with connected(mosquitto.address, "receipts", subscribe=topics) as (_, receipts):
+                sent = [sign(stand_in_update(i, 1), signers[f"dev-{i}"], run=run) for i in (1, 0)]
+                fleet.send(sent)
+                fleet.send(sent[:1])  # a resend: told once a round, not once a copy
+                receipts.wait(2)
+                fleet.send(sent[1:])  # a duplicate of dev-0's, answered after the resend
+                receipts.wait(3)
+            answers = {m.topic: Receipt.from_wire(m.payload) for m in receipts.messages}
+            refusal = answers[topics[1]]
+            assert [m.topic for m in receipts.messages].count(topics[1]) == 1
+            assert refusal.refused == "revoked" and refusal.round == 1
+            assert refusal.digest == payload_digest(sent[0].to_wire())
+            coordinator_key = load_signer(certs / "clients" / "coordinator.key").public
+            assert signature_problem(refusal, coordinator_key, run=run) is None
+            assert answers[topics[0]].refused == ""
         assert coordinator.stop() == 0
     finally:
         coordinator.close()
     shown = status("edge-coordinator", config)
-    assert shown["rejections"] == {"revoked": 1}
+    assert shown["rejections"] == {"revoked": 2, "duplicate": 1}

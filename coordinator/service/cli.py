@@ -18,7 +18,9 @@ from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.service.owner_service import OwnerService
 from coordinator.service.service import CoordinatorService
+from coordinator.storage.schema import DamagedDatabase
 from coordinator.storage.store import StateError, StorageFault, Store
+from coordinator.storage.store_rows import damaged_message
 from coordinator.tier import worker as worker_mod
 from coordinator.tier.owner import RoundOwner, refusal
 from coordinator.tier.worker_ledger import WorkerMetrics, worker_summary
@@ -99,7 +101,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     def build(cfg: config_mod.CoordinatorConfig) -> CoordinatorService | OwnerService:
         try:
-            store = Store(cfg.database, synchronous=cfg.sqlite_synchronous)
+            # A round owner commits once a round and sends no receipts: under GROUP its
+            # closes are fsync'd each (FULL), costing nothing a batch would save.
+            group_owner = cfg.workers.enabled and cfg.sqlite_synchronous == "GROUP"
+            store = Store(
+                cfg.database, synchronous="FULL" if group_owner else cfg.sqlite_synchronous
+            )
         except StateError as exc:
             raise CannotServe(str(exc)) from exc
         try:
@@ -231,6 +238,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         code = worker_mod.serve(cfg, name=args.name, db=args.db)
     except (CredentialsError, StateError) as exc:
         raise UsageError(str(exc)) from exc
+    except DamagedDatabase as exc:
+        # Found at open, before anything was written: what to do, as the coordinator says
+        # it, rather than a storage fault a restart would clear.
+        raise CommandFailed(damaged_message(exc.path, exc)) from exc
     except sqlite3.Error as exc:
         raise StorageFault(exc) from exc
     if code != 0:

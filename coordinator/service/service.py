@@ -15,6 +15,7 @@ from coordinator.decision import Decision
 from coordinator.rounds import RoundManager
 from coordinator.rounds.secure_rounds import SecureRounds
 from coordinator.service.main_loop import MainLoop
+from coordinator.storage.group_sync import GroupSync
 from coordinator.storage.store import StorageFault
 from protocol import (
     RoundAnnouncement,
@@ -25,7 +26,7 @@ from protocol import (
     status_filter,
     update_filter,
 )
-from protocol.receipts import Receipt, payload_digest
+from protocol.receipts import REFUSALS, Receipt, payload_digest
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
 
@@ -57,7 +58,15 @@ class CoordinatorService(MainLoop):
         self.manager = manager
         self.config = manager.config
         self._fault: BaseException | None = None
+        # sqlite_synchronous = "GROUP": receipts wait for one fsync per batch, and an
+        # announcement (a round's close) for one covering it.
+        self._sync = (
+            GroupSync(manager.store.path, on_error=self._stop_intake)
+            if self.config.sqlite_synchronous == "GROUP"
+            else None
+        )
         self._flushed = time.monotonic()
+        self._told: set[tuple[int, str]] = set()  # (round, client) refusals sent
         # What the round topic should hold: the digest of the announcement published last,
         # and those of the publications not yet heard back from the broker (in order), with
         # when each was sent. Anything else that arrives there was retained over it.
@@ -149,6 +158,8 @@ class CoordinatorService(MainLoop):
             # the device would hear its round closed before hearing its update stored.
             if decision.digest is not None:
                 self._send_receipt(decision)
+            elif decision.reason in REFUSALS:
+                self._send_refusal(decision, message.payload)
             if decision.accepted:
                 self._wake.set()
         elif topic.kind is TopicKind.STATUS:
@@ -225,7 +236,30 @@ class CoordinatorService(MainLoop):
                 wire_version=decision.wire_version,
             )
         )
-        self.link.publish(receipt_topic(self.config.fleet, decision.client), receipt.to_wire())
+        topic, payload = receipt_topic(self.config.fleet, decision.client), receipt.to_wire()
+        if self._sync is not None:
+            self._sync.after_sync(lambda: self.link.publish(topic, payload))
+        else:
+            self.link.publish(topic, payload)
+
+    def _send_refusal(self, decision: Decision, payload: bytes | bytearray) -> None:
+        """Tell a device its updates are refused for good (revoked, unenrolled), once a
+        round: it stops resending, and its log says what its operator must do. Once a
+        round, so a flood of updates claiming such devices costs one signature each."""
+        assert decision.round is not None and decision.client is not None
+        key = (decision.round, decision.client)
+        if key in self._told:
+            return
+        if len(self._told) >= 100_000:  # bounded: a flood of invented ids
+            self._told.clear()
+        self._told.add(key)
+        refusal = self.manager.sign(
+            Receipt(
+                fleet=self.config.fleet, round=decision.round, run=self.manager.run_id,
+                client=decision.client, digest=payload_digest(payload), refused=decision.reason,
+            )
+        )  # fmt: skip
+        self.link.publish(receipt_topic(self.config.fleet, decision.client), refusal.to_wire())
 
     # -- driver ------------------------------------------------------------------------
 
@@ -236,6 +270,10 @@ class CoordinatorService(MainLoop):
         if self.secure is not None and not announcement.params.get("final"):
             # Listening before the devices hear of the round (once per round).
             self.secure.begin(announcement.round)
+        if self._sync is not None:
+            # The close this announces is durable first, and the receipts queued before
+            # it are out before it (a device hears its update stored, then the close).
+            self._sync.flush()
         payload = announcement.to_wire()
         digest = payload_digest(payload)
         with self._round_lock:
@@ -287,6 +325,8 @@ class CoordinatorService(MainLoop):
         if self._fault is None:
             with contextlib.suppress(sqlite3.Error, OSError):  # already stopping for it
                 self.manager.flush_rejections()
+        if self._sync is not None:
+            self._sync.close()  # the receipts still held go out after a last fsync
         # Let the last retained announcement reach the broker before disconnecting.
         self.link.close(
             last_word=(round_topic(self.config.fleet), self.manager.announcement.to_wire())

@@ -88,7 +88,9 @@ class DamagedDatabase(sqlite3.DatabaseError):
 
     def __init__(self, path: Path, problems: list[str]) -> None:
         self.path = path
-        super().__init__("; ".join(problems[:3]))
+        # One line: SQLite reports a problem as "*** in database main ***\nOn tree page
+        # ...", and a log line (journald, JSON) or an error must not break inside it.
+        super().__init__("; ".join(" ".join(p.split()) for p in problems[:3]))
 
 
 def open_checked(

@@ -212,6 +212,21 @@ class Intake:
             return receipt
         return sign(receipt, self.keys.signer, run=open_.run)
 
+    def refusal(self, decision: Decision, payload: bytes | bytearray) -> Receipt | None:
+        """The signed refusal of an update refused for good (``refused`` set:
+        protocol/receipts.py), None before a round is heard (no run to name)."""
+        assert decision.round is not None and decision.client is not None
+        open_ = self.open_round
+        if open_ is None:
+            return None
+        refusal = Receipt(
+            fleet=self.fleet, round=decision.round, run=open_.run, client=decision.client,
+            digest=payload_digest(payload), refused=decision.reason,
+        )  # fmt: skip
+        if self.keys.signer is None:
+            return refusal
+        return sign(refusal, self.keys.signer, run=open_.run)
+
     # -- partial sums -------------------------------------------------------------------
 
     def collect(

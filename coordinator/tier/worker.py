@@ -47,10 +47,12 @@ import paho.mqtt.client as mqtt
 from coordinator import config as config_mod
 from coordinator.decision import Decision
 from coordinator.keys import CoordinatorKeys
+from coordinator.storage.group_sync import GroupSync
 from coordinator.tier.intake import Intake
 from coordinator.tier.partial_wire import CollectRequest, collect_topic, partial_topic
 from coordinator.tier.worker_store import WorkerStore
 from protocol import ProtocolError, round_topic, update_filter, validate_id
+from protocol.receipts import REFUSALS
 from protocol.topics import receipt_topic
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.sdnotify import Notifier, Watchdog
@@ -83,6 +85,7 @@ class Worker:
         mqtt_settings: MqttSettings | None = None,
         session_expiry_s: int = SESSION_EXPIRY_S,
         on_update: Callable[[Decision], None] | None = None,
+        group_sync: bool = False,
     ) -> None:
         self.intake = intake
         self.name = intake.name
@@ -95,6 +98,12 @@ class Worker:
         #: A storage error stops the intake: nothing more is acknowledged, so the broker
         #: delivers it again to this worker's session once it is restarted.
         self.fault: BaseException | None = None
+        self._told: set[tuple[int, str]] = set()  # (round, client) refusals sent
+        # sqlite_synchronous = "GROUP": receipts and partials wait for one fsync of the
+        # log that covers the rows they speak of (coordinator/storage/group_sync.py).
+        self._sync = (
+            GroupSync(intake.store.path, on_error=self._sync_failed) if group_sync else None
+        )
         # MQTT 5 (shared subscriptions do not exist in 3.1.1, which the device-facing
         # services speak) with a persistent session; the round topic is among the
         # subscriptions asked for on every connect, as the broker sends a retained
@@ -128,7 +137,20 @@ class Worker:
         return self._heard.wait(timeout)
 
     def stop(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
         self.link.close()
+
+    def _sync_failed(self, exc: BaseException) -> None:
+        log.error("worker %s: fsync failed, intake stopped: %s", self.name, exc)
+        self.fault = exc
+
+    def _publish(self, topic: str, payload: bytes) -> None:
+        """Publish now, or (group commit) once the log is fsync'd past what it says."""
+        if self._sync is None:
+            self.link.publish(topic, payload)
+        else:
+            self._sync.after_sync(lambda: self.link.publish(topic, payload))
 
     def healthy(self) -> bool:
         """For systemd's watchdog: no storage fault, and paho's network thread alive (its
@@ -173,9 +195,24 @@ class Worker:
             if decision.digest is not None:
                 receipt = self.intake.receipt(decision)
                 assert decision.client is not None
-                self.link.publish(receipt_topic(self.fleet, decision.client), receipt.to_wire())
+                self._publish(receipt_topic(self.fleet, decision.client), receipt.to_wire())
+            elif decision.reason in REFUSALS:
+                self._refuse(decision, message.payload)
             if self._on_update is not None:
                 self._on_update(decision)
+
+    def _refuse(self, decision: Decision, payload: bytes | bytearray) -> None:
+        """Tell a device its updates are refused for good, once a round (as the single
+        coordinator does: coordinator/service/service.py)."""
+        assert decision.round is not None and decision.client is not None
+        key = (decision.round, decision.client)
+        refusal = None if key in self._told else self.intake.refusal(decision, payload)
+        if refusal is None:
+            return
+        if len(self._told) >= 100_000:  # bounded: a flood of invented ids
+            self._told.clear()
+        self._told.add(key)
+        self.link.publish(receipt_topic(self.fleet, decision.client), refusal.to_wire())
 
     def _answer(self, payload: bytes | bytearray) -> None:
         try:
@@ -189,8 +226,8 @@ class Worker:
             run=request.run, round_=request.round, exclude=request.exclude,
             retract=request.retract,
         )  # fmt: skip
-        # Not awaited: this is paho's network thread.
-        self.link.publish(partial_topic(self.fleet, self.name), answer.to_wire())
+        # Not awaited: this is paho's network thread. Behind the receipts queued before it.
+        self._publish(partial_topic(self.fleet, self.name), answer.to_wire())
 
 
 def serve(
@@ -221,7 +258,10 @@ def serve(
     # promptly here (runtime/lifecycle.py's dispatch thread is for loops that block).
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    worker = Worker(intake=intake, group=group or cfg.workers.group, mqtt_settings=cfg.mqtt).start()
+    worker = Worker(
+        intake=intake, group=group or cfg.workers.group, mqtt_settings=cfg.mqtt,
+        group_sync=cfg.sqlite_synchronous == "GROUP",
+    ).start()  # fmt: skip
     watchdog = Watchdog(notifier=notifier, healthy=worker.healthy)
     try:
         if not worker.wait_heard(10.0):
