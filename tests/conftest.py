@@ -1,3 +1,14 @@
+import os
+
+# Parallel workers (pytest-xdist, -n auto): each gets its share of the cores for its
+# numerical threads. OpenBLAS and torch otherwise start a thread per core in every worker
+# and, spinning against each other, made the heaviest linear-algebra tests ten times
+# slower. Set before numpy or torch is imported; the processes tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_share))
+
 import subprocess
 import sys
 from collections.abc import Iterator
