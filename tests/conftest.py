@@ -9,6 +9,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, str(_share))
 
+import fcntl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,20 +29,21 @@ def mosquitto() -> Iterator[MosquittoBroker]:
 
 @pytest.fixture(scope="session")
 def small_zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small zoo bundle, built once per session through the real CLI."""
-    out = tmp_path_factory.mktemp("zoo") / "bundle"
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "edge-export"),
-            "zoo",
-            "--out",
-            str(out),
-            "--size",
-            "small",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    """The small zoo bundle, built once per run through the real CLI: parallel workers
+    share one (the first to take the lock builds it; the CLI moves it into place whole)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    out = root / "small-zoo" / "bundle"
+    with (root / "small-zoo.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            result = subprocess.run(
+                [str(Path(sys.executable).parent / "edge-export"), "zoo", "--out", str(out),
+                 "--size", "small"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
     return out

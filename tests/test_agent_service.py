@@ -289,6 +289,7 @@ def test_a_device_that_cannot_take_part_says_why_in_its_status(mosquitto, small_
             agent.close()
 
 
+@pytest.mark.slow
 def test_a_device_refused_for_good_is_told_why_and_stops_resending(mosquitto, small_zoo, tmp_path):
     # A device revoked while connected: the coordinator refuses its updates, and used to
     # leave it re-sending every resend_s, never told. Now a signed refusal says why.

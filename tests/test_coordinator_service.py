@@ -89,6 +89,7 @@ def run_rounds(fleet: Fleet, rounds: int, *, seed: int = 0) -> list[RoundAnnounc
     return published
 
 
+@pytest.mark.slow
 def test_five_fedpcl_rounds_match_a_hand_computation(mosquitto, tmp_path):
     config = write_config(tmp_path, mosquitto.address.port, rounds=5)
     proc = start(config)

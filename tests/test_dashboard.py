@@ -109,6 +109,7 @@ def evaluate_until_data(port: int, queries: list[tuple[str, str]]) -> dict[str, 
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 def test_every_panel_query_returns_data_from_a_live_fleet(tmp_path: Path) -> None:
     prometheus = shutil.which("prometheus")

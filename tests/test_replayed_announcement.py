@@ -90,6 +90,7 @@ def retained(broker: MosquittoBroker, client_id: str) -> bytes:
         return bytes(inbox.wait(1)[0].payload)
 
 
+@pytest.mark.slow
 def test_a_replayed_earlier_announcement_of_the_coordinator_is_replaced(mosquitto, tmp_path):
     config = signed_config(tmp_path, mosquitto.address.port)
     dev_0 = load_signer(tmp_path / "dev-0.key")

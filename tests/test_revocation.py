@@ -77,6 +77,7 @@ def live_crl(broker_dir: Path, certs: Path) -> None:
     shutil.copy(certs / "crl.pem", broker_dir / "mosquitto" / "certs" / "crl.pem")
 
 
+@pytest.mark.slow
 def test_a_revoked_device_is_told_it_is_refused_once_and_then_seldom(certs, tmp_path, lines):
     revoke(certs, "dev-1")
     with shipped_broker(certs, tmp_path) as broker:
@@ -150,6 +151,7 @@ def wait_for_log(broker: MosquittoBroker, text: str, *, timeout: float = 10.0) -
         time.sleep(0.05)  # poll interval of a bounded wait on another process's log
 
 
+@pytest.mark.slow
 def test_a_connected_revoked_device_is_cut_off_by_restarting_the_broker(certs, tmp_path, lines):
     broker = shipped_broker(certs, tmp_path)
     with broker:
@@ -210,6 +212,7 @@ def signed_coordinator(tmp_path: Path, port: int, certs: Path) -> Path:
     return config
 
 
+@pytest.mark.slow
 def test_the_coordinator_rejects_a_revoked_device_from_its_reload_on(mosquitto, certs, tmp_path):
     config = signed_coordinator(tmp_path, mosquitto.address.port, certs)
     signers = {n: load_signer(certs / "clients" / f"{n}.key") for n in ("dev-0", "dev-1")}

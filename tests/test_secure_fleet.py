@@ -146,6 +146,7 @@ def _running(services: list[AgentService], coordinator: CoordinatorService) -> I
             t.join(30)
 
 
+@pytest.mark.slow
 def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     small_zoo: Path,
     tmp_path: Path,

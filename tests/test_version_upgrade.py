@@ -49,6 +49,7 @@ def _metric(port: int, name: str) -> float | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_version_2_device_is_counted_in_a_version_3_fleet(mosquitto, tmp_path):
     metrics = free_port()
     cfg = _config(tmp_path, mosquitto.address.port, announce=2, metrics=metrics)
