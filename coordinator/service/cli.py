@@ -165,14 +165,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    cfg = config_mod.load(args.config)
+def _existing_store(cfg: config_mod.CoordinatorConfig) -> Store:
+    """The coordinator's store, for a command that reads or edits it; a usage error when
+    there is none yet or it cannot be opened."""
     if not cfg.database.exists():
         raise UsageError(f"no coordinator state at {cfg.database} (has the coordinator run yet?)")
     try:
-        store = Store(cfg.database)
+        return Store(cfg.database)
     except StateError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config)
+    store = _existing_store(cfg)
     try:
         summary = store.summary(online_since=time.time() - cfg.rounds.online_ttl_s)
     finally:
@@ -203,12 +209,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
     """Drop a client's statistics: the store forgets them, and a running coordinator,
     whose sum holds them in memory, reloads (SIGHUP) to rebuild it without them."""
     cfg = config_mod.load(args.config)
-    if not cfg.database.exists():
-        raise UsageError(f"no coordinator state at {cfg.database} (has the coordinator run yet?)")
-    try:
-        store = Store(cfg.database)
-    except StateError as exc:
-        raise UsageError(str(exc)) from exc
+    store = _existing_store(cfg)
     try:
         held = store.forget(args.client)
     finally:
