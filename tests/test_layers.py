@@ -292,3 +292,20 @@ def test_the_deferred_import_finder_sees_nested_and_relative_imports(tmp_path: P
     assert deferred_imports(sample) == [6, 8]
     text = sample.read_text().splitlines()
     assert _explained(text, 6) and not _explained(text, 8)
+
+
+#: Small modules that each do one thing: the longest a module, and a test file, may be.
+MAX_MODULE_LINES, MAX_TEST_LINES = 400, 500
+
+
+def test_no_module_and_no_test_file_is_longer_than_its_bound() -> None:
+    too_long = {}
+    for top in sorted(ROOT.iterdir()):
+        if not top.is_dir() or top.name.startswith(".") or top.name in {"build", "runs"}:
+            continue
+        bound = MAX_TEST_LINES if top.name == "tests" else MAX_MODULE_LINES
+        for path in sorted(top.rglob("*.py")):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > bound:
+                too_long[str(path.relative_to(ROOT))] = lines
+    assert too_long == {}

@@ -20,7 +20,6 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import CoordinatorConfig, WorkersSettings
 from coordinator.config import load as load_config
 from coordinator.keys import CoordinatorKeys
@@ -130,16 +129,6 @@ def test_what_does_not_split_is_refused_in_one_line_naming_the_setting(
 @pytest.mark.parametrize("method", ["fedpcl", "fedproto"])
 def test_the_sums_methods_run_over_workers_with_raw_options(method: str) -> None:
     assert refusal(sharded(method)) is None
-
-
-@pytest.mark.parametrize("method", ["lda", "ridge", "fedcof"])
-def test_the_closed_form_methods_run_over_workers_as_configured(method: str) -> None:
-    # A closed-form fleet takes no [robust] table (coordinator/config.py): the defaults;
-    # its per-client cap is said to need the single coordinator, which keeps them.
-    why = refusal(sharded(method, robust=RobustOptions()))
-    assert why is not None and "closed_form.count_cap" in why and "count_cap = 0" in why
-    uncapped = ClosedFormSettings(count_cap=0)
-    assert refusal(sharded(method, robust=RobustOptions(), closed_form=uncapped)) is None
 
 
 def test_the_refusal_names_every_method_that_runs_over_workers() -> None:

@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 
 import closed_form as cf
+from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.config import load as load_config
 from coordinator.keys import CoordinatorKeys
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.stored import RunningStatistics
 from coordinator.storage.store import Store
-from coordinator.strategies import Aggregate
+from coordinator.strategies import Aggregate, RobustOptions
 from coordinator.tier.intake import Intake
-from coordinator.tier.owner import Closed
+from coordinator.tier.owner import Closed, refusal
 from coordinator.tier.partial_wire import CollectRequest, PartialMessage, collect_topic
 from coordinator.tier.worker import Worker
 from coordinator.tier.worker_store import WorkerStore
@@ -36,7 +37,7 @@ from protocol.methods import BIAS
 from runtime.transport import MqttSettings
 from tests.coordinator_helpers import BUNDLE, DIM, coordinator_toml
 from tests.mqtt_helpers import connected
-from tests.test_owner import WORKERS, Tier, Watch, owner_service, sharded_toml
+from tests.test_owner import WORKERS, Tier, Watch, owner_service, sharded, sharded_toml
 from tests.test_worker_intake import Keys, make_keys
 
 C = 3  # coordinator_toml's classes
@@ -413,3 +414,13 @@ class Handled:
     def wait(self, count: int) -> None:
         with self._cond:
             assert self._cond.wait_for(lambda: self.count >= count, timeout=10)
+
+
+@pytest.mark.parametrize("method", ["lda", "ridge", "fedcof"])
+def test_the_closed_form_methods_run_over_workers_as_configured(method: str) -> None:
+    # A closed-form fleet takes no [robust] table (coordinator/config.py): the defaults;
+    # its per-client cap is said to need the single coordinator, which keeps them.
+    why = refusal(sharded(method, robust=RobustOptions()))
+    assert why is not None and "closed_form.count_cap" in why and "count_cap = 0" in why
+    uncapped = ClosedFormSettings(count_cap=0)
+    assert refusal(sharded(method, robust=RobustOptions(), closed_form=uncapped)) is None
