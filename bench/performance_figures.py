@@ -194,20 +194,31 @@ COMPROMISED_SETTINGS = (
 )
 
 
+def _one_of_n_table(
+    r: Results, what: str, header: str, fields: tuple[str, str],
+    settings: tuple[tuple[str, str], ...], key: str,
+) -> list[str]:  # fmt: skip
+    """One compromised device at 1 of 3, 10 and 100: per setting, ``key`` (``{n}``,
+    ``{name}``, ``{field}``) for each of ``fields``, as ``a / b``."""
+    rows = [f"| {what} | 1 of 3: {header} | 1 of 10 | 1 of 100 |", "|---|---|---|---|"]
+    for name, label in settings:
+        cells = []
+        for n in (3, 10, 100):
+            a, b = (r.get(key.format(n=n, name=name, field=f)) for f in fields)
+            cells.append("-" if a is None else f"{num(a)} / {num(b)}")
+        rows.append(f"| {label} | {' | '.join(cells)} |")
+    return rows
+
+
 def compromised(r: Results) -> str:
     """One compromised device against each setting: the largest cosine of a final global
     prototype to its vector and the longest global prototype (bench.compromised_bench)."""
     key = "reliability.compromised_1_of_10_cosine"
     if r.get(key) is None:
         return "Not measured: run `make bench`."
-    rows = ["| setting | 1 of 3: cosine / norm | 1 of 10 | 1 of 100 |", "|---|---|---|---|"]
-    for name, what in COMPROMISED_SETTINGS:
-        cells = []
-        for n in (3, 10, 100):
-            cos = r.get(f"reliability.compromised_1_of_{n}_{name}_cosine")
-            norm = r.get(f"reliability.compromised_1_of_{n}_{name}_norm")
-            cells.append("-" if cos is None else f"{num(cos)} / {num(norm)}")
-        rows.append(f"| {what} | {' | '.join(cells)} |")
+    rows = _one_of_n_table(r, "setting", "cosine / norm", ("cosine", "norm"),
+                           COMPROMISED_SETTINGS,
+                           "reliability.compromised_1_of_{n}_{name}_{field}")  # fmt: skip
     drop = r.get("reliability.compromised_1_of_10_accuracy_drop")
     return "\n".join([
         *rows, "",
@@ -235,14 +246,8 @@ def lda_attacks(r: Results) -> str:
     key = "reliability.lda_attack_worst_drop"
     if r.get(key) is None:
         return "Not measured: run `make bench`."
-    rows = ["| attack | 1 of 3: defaults / undefended | 1 of 10 | 1 of 100 |", "|---|---|---|---|"]
-    for name, what in LDA_ATTACKS:
-        cells = []
-        for n in (3, 10, 100):
-            got = r.get(f"reliability.lda_attack_1_of_{n}_{name}_drop")
-            bare = r.get(f"reliability.lda_attack_1_of_{n}_{name}_undefended_drop")
-            cells.append("-" if got is None else f"{num(got)} / {num(bare)}")
-        rows.append(f"| {what} | {' | '.join(cells)} |")
+    rows = _one_of_n_table(r, "attack", "defaults / undefended", ("drop", "undefended_drop"),
+                           LDA_ATTACKS, "reliability.lda_attack_1_of_{n}_{name}_{field}")  # fmt: skip
     clean = [
         f"{num(r.get(f'reliability.lda_attack_1_of_{n}_clean'))} "
         f"({num(r.get(f'reliability.lda_attack_1_of_{n}_defence_cost'))})"
