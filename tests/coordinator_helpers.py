@@ -201,6 +201,12 @@ class Fleet:
                     return a
             seen = len(messages)
 
+    def run(self) -> str:
+        """The run round 0's signed announcement names: what a device signs its updates for."""
+        first = self.announcement(0)
+        assert first.auth is not None, "round 0 was announced unsigned"
+        return first.auth.run
+
     def send(self, updates: list[PrototypeUpdate]) -> None:
         for u in updates:
             self.publish(update_topic("lab", u.client), u.to_wire())

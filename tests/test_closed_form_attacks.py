@@ -159,9 +159,8 @@ def fleet_head(
     proc = start(config)
     try:
         with stand_ins(mosquitto) as fleet:
-            first = fleet.announcement(0)
-            assert first.auth is not None
-            fleet.send([sign(u, keys.devices[u.client], run=first.auth.run)
+            run = fleet.run()
+            fleet.send([sign(u, keys.devices[u.client], run=run)
                         for u in [attack, *honest]])  # fmt: skip
             final = fleet.announcement(1)
         finish(proc)
@@ -217,9 +216,7 @@ def test_a_device_unenrolled_by_a_reload_leaves_the_fleets_head(mosquitto, tmp_p
     coordinator = coordinator_process(config)
     try:
         with stand_ins(mosquitto) as fleet:
-            first = fleet.announcement(0)
-            assert first.auth is not None
-            run = first.auth.run
+            run = fleet.run()
             fleet.send([sign(u, keys.devices[u.client], run=run)
                         for u in [release(flipped(1), ATTACKER), *honest]])  # fmt: skip
             with_attacker = fleet.announcement(1)

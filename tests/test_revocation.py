@@ -219,9 +219,7 @@ def test_the_coordinator_rejects_a_revoked_device_from_its_reload_on(mosquitto, 
     coordinator = coordinator_process(config)
     try:
         with stand_ins(mosquitto) as fleet:
-            first = fleet.announcement(0)
-            assert first.auth is not None
-            run = first.auth.run
+            run = fleet.run()
             fleet.send([sign(stand_in_update(i, 0), signers[f"dev-{i}"], run=run) for i in (0, 1)])
             fleet.announcement(1)  # both counted in round 0
 
