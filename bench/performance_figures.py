@@ -308,19 +308,29 @@ def secure_aggregation(r: Results) -> str:
     key = "privacy.secagg_1000_eps1_acc"
     if r.get(key) is None:
         return "Not measured: run `make bench`."
+
+    def cells(prefix: str, names: tuple[str, ...]) -> str:
+        return " | ".join(pct(r.get(f"privacy.{prefix}_1000_{n}_acc")) for n in names)
+
     rows = [
-        "| release (best k of each, fair protocol) | epsilon 1 | epsilon 8 | no noise |",
+        "| release (best k of each, fair protocol) | epsilon 1 | epsilon 8 | epsilon 1000 |",
         "|---|---:|---:|---:|",
-        f"| each device noises its own (`dp-features`) | {pct(r.get('privacy.local_1000_eps1_acc'))} "
-        f"| {pct(r.get('privacy.local_1000_eps8_acc'))} | |",
-        f"| distributed discrete Gaussian, secure sum | {pct(r.get(key))} "
-        f"| {pct(r.get('privacy.secagg_1000_eps8_acc'))} | |",
-        f"| exact sum | | | {pct(r.get('privacy.secagg_1000_exact_acc'))} |",
-        f"| secure sum, noise off | | | {pct(r.get('privacy.secagg_1000_noise_off_acc'))} |",
+        f"| each device noises its own (`dp-features`) | {cells('local', ('eps1', 'eps8'))} | |",
+        f"| distributed discrete Gaussian, secure sum | {cells('secagg', ('eps1', 'eps8', 'eps1000'))} |",
     ]
-    guard = r.get("privacy.secagg_1000_eps1000_acc")
-    if guard is not None:  # the regression guard: noise that should cost (almost) nothing
-        rows.append(f"| secure sum at epsilon 1000 (the guard) | | | {pct(guard)} |")
+    if r.get("privacy.central_1000_eps1_acc") is not None:
+        rows.append("| the same noise on the exact sum (a trusted curator's) | "
+                    f"{cells('central', ('eps1', 'eps8', 'eps1000'))} |")  # fmt: skip
+    rows += [
+        "",
+        "| without noise, or noise of the quantiser's order | accuracy |",
+        "|---|---:|",
+        f"| exact sum | {pct(r.get('privacy.secagg_1000_exact_acc'))} |",
+        f"| secure sum, noise off | {pct(r.get('privacy.secagg_1000_noise_off_acc'))} |",
+    ]
+    guard = r.get("privacy.secagg_1000_eps1e6_acc")
+    if guard is not None:  # the regression guard: noise that costs nothing
+        rows.append(f"| secure sum at epsilon 10^6 (the guard) | {pct(guard)} |")
     error = r.get("privacy.secagg_1000_noise_off_max_error")
     bound = r.get("privacy.secagg_1000_noise_off_bound")
     return "\n".join([

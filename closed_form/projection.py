@@ -42,7 +42,7 @@ from closed_form.arrays import F64
 
 #: The name of this way of making the projection: a device keeps it beside what it knows
 #: the coordinator stores, so that statistics in an earlier basis are sent again.
-PROJECTION = "splitmix64-mgs"
+PROJECTION = "splitmix64-mgs/unit-rows"
 
 #: SplitMix64's constants (Steele, Lea and Flood, 2014; the generator of Java's
 #: ``SplittableRandom``).
@@ -133,20 +133,27 @@ def projection(fleet: str, feature_dim: int, k: int) -> F64 | None:
 
 
 def prepare(features: npt.ArrayLike, q: F64 | None) -> F64:
-    """Backbone features (N, D) -> rows of norm <= 1 in the statistics' space (N, k): each
-    row divided by its Euclidean norm (by 2^-1022 when that is smaller, so a zero row
-    stays zero), multiplied by ``q``, and scaled by ``1 / norm`` when its norm then
-    exceeds 1 (orthonormal columns keep it at most 1 up to rounding)."""
-    x = np.asarray(features, dtype=np.float64)
+    """Backbone features (N, D) -> rows of norm 1 in the statistics' space (N, k): each row
+    divided by its Euclidean norm, multiplied by ``q``, and divided by its norm again (by
+    2^-1022 when a norm is smaller, so a zero row stays zero).
+
+    Why again after the projection: ``k`` orthonormal columns keep about ``sqrt(k / D)``
+    of a unit row (0.27 at k 64 of the zoo's 896 features), while the release's
+    sensitivity, and so a private release's noise, is priced for rows of norm 1. Rows left
+    short put a fraction of the signal (its square, in the second moment) against the full
+    noise: a secure sum at epsilon 1000 scored 2 points under the exact sum at 1,000 devices
+    x 20, k 64, 15 at 100 x 50 (issue 56); at unit length it scores as the exact sum. The
+    exact statistics' head hardly moves: a ratio of the features' own geometry, the same
+    for every row of one class direction, is all that changes."""
+    x = _unit_rows(np.asarray(features, dtype=np.float64))
+    if q is None:
+        return x
+    return _unit_rows(x @ q)
+
+
+def _unit_rows(x: F64) -> F64:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
-    x = x / np.maximum(norms, np.finfo(np.float64).tiny)
-    if q is not None:
-        x = x @ q
-    lengths = np.linalg.norm(x, axis=1)
-    over = lengths > 1.0
-    scale = np.ones_like(lengths)
-    scale[over] = 1.0 / lengths[over]
-    out: F64 = x * scale[:, None]
+    out: F64 = x / np.maximum(norms, np.finfo(np.float64).tiny)
     return out
 
 
