@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from bench import accuracy_figures as accuracy
 from bench import performance_figures as performance
+from bench import secure_figures as secure
 from bench.figure_results import HERE, SOURCES, Results
 
 __all__ = ["BLOCK", "BLOCKS", "FILES", "SOURCES", "Results", "main", "render"]
@@ -51,9 +52,9 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "compromised": performance.compromised,
     "lda-attacks": performance.lda_attacks,
     "privacy": performance.privacy,
-    "secure-aggregation": performance.secure_aggregation,
-    "secure-cost": performance.secure_cost,
-    "secure-scale": performance.secure_scale,
+    "secure-aggregation": secure.secure_aggregation,
+    "secure-cost": secure.secure_cost,
+    "secure-scale": secure.secure_scale,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),
     "glyphs-table": accuracy.glyphs_table,

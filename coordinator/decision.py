@@ -21,6 +21,9 @@ class Decision:
     digest: str | None = None
     #: The protocol version the update came in: its receipt is written in it.
     wire_version: int = PROTOCOL_VERSION
+    #: The epsilon an accepted update says its device has spent in total (None: it
+    #: names none, as without a formal mechanism).
+    epsilon: float | None = None
 
     @property
     def accepted(self) -> bool:

@@ -14,6 +14,9 @@ from prometheus_client import (
     start_http_server,
 )
 
+#: The outcomes ``protofleet_secure_rounds`` counts.
+SECURE_OUTCOMES = ("closed", "aborted")
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -113,6 +116,48 @@ class Metrics:
             "protofleet_head_kept",
             "1 while the announced closed-form head is the last good one, kept because a "
             "round's statistics gave none or a worse one (edge-coordinator status says why)",
+            registry=self.registry,
+        )
+
+        # A secure fleet's rounds (coordinator/rounds/secure_rounds.py). Both outcomes
+        # exist from the start, at 0, so that a dashboard's panel has a series to draw.
+        self.secure_rounds = Counter(
+            "protofleet_secure_rounds",
+            "Secure-aggregation rounds ended, by outcome (closed: a sum was unmasked; "
+            "aborted: fewer than the threshold answered a stage, or the round failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in SECURE_OUTCOMES:
+            self.secure_rounds.labels(outcome=outcome)
+        self.secure_round_seconds = Histogram(
+            "protofleet_secure_round_seconds",
+            "Seconds of a secure-aggregation round, its four stages",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.secure_stage = Gauge(
+            "protofleet_secure_stage",
+            "The stage the open secure-aggregation round waits in: 0 none, 1 advertise, "
+            "2 share, 3 masked input, 4 unmask",
+            registry=self.registry,
+        )
+        self.secure_survivors = Gauge(
+            "protofleet_secure_survivors",
+            "Devices whose inputs are in the last unmasked secure sum",
+            registry=self.registry,
+        )
+        self.secure_round_epsilon = Gauge(
+            "protofleet_secure_round_epsilon",
+            "The epsilon one secure round's noise spends ([secure_aggregation] epsilon as "
+            "planned; 0 without noise or outside a secure fleet)",
+            registry=self.registry,
+        )
+        self.client_epsilon_spent = Gauge(
+            "protofleet_client_epsilon_spent",
+            "The epsilon a device reports spent in total (privacy.epsilon of its last "
+            "accepted update; devices without a formal mechanism report none)",
+            ["client"],
             registry=self.registry,
         )
 

@@ -119,6 +119,7 @@ class SecAggCoordinatorLink:
         deadlines: StageDeadlines,
         expected: Collection[str] | None = None,
         logger: logging.Logger = log,
+        on_stage: Callable[[Stage], None] | None = None,
     ) -> None:
         if wire.fleet != server.fleet:
             raise ValueError(f"the wire is for fleet {wire.fleet}, the round for {server.fleet}")
@@ -128,6 +129,7 @@ class SecAggCoordinatorLink:
         self.deadlines = deadlines
         self.expected = None if expected is None else frozenset(expected)
         self._log = logger
+        self._on_stage = on_stage  # told as each stage opens (the coordinator's metrics)
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._takers: dict[type[SecAggMessage], Callable[[Any], None]] = {
             Advertise: server.take_advertise,
@@ -212,6 +214,8 @@ class SecAggCoordinatorLink:
     def _collect(self, stage: Stage, expected: frozenset[str] | None) -> None:
         """Hand the server what arrives until every one of ``expected`` has answered
         ``stage`` or its deadline passes."""
+        if self._on_stage is not None:
+            self._on_stage(stage)
         deadline = time.monotonic() + self.deadlines.of(stage)
         answered: set[str] = set()
         while expected is None or not expected <= answered:

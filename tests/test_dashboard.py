@@ -44,7 +44,8 @@ def panel_queries() -> list[tuple[str, str]]:
 def test_the_dashboard_has_the_panels_the_guide_names():
     titles = {title for title, _ in panel_queries()}
     for wanted in ("Rounds closed", "Round time", "Rejections by reason", "Stalled round",
-                   "Devices rejecting announcements", "Worker shares"):  # fmt: skip
+                   "Devices rejecting announcements", "Worker shares", "Secure rounds",
+                   "Secure round time and survivors", "Privacy budget"):  # fmt: skip
         assert wanted in titles
     uids = [t["datasource"]["uid"] for p in json.loads(DASHBOARD.read_text())["panels"]
             for t in p.get("targets", [])]  # fmt: skip
@@ -133,7 +134,9 @@ def test_every_panel_query_returns_data_from_a_live_fleet(tmp_path: Path) -> Non
                                     tmp_path / "single.log"))  # fmt: skip
         stack.enter_context(process([*coordinator, "run", "--config", str(tier_cfg)],
                                     tmp_path / "owner.log"))  # fmt: skip
-        devices = [StandInDevices(b.address.port, devices=6) for b in (single, tier)]
+        # The single coordinator's devices claim a formal mechanism: the privacy panel.
+        devices = [StandInDevices(b.address.port, devices=6, epsilon=e)
+                   for b, e in ((single, 0.5), (tier, None))]  # fmt: skip
         for d in devices:
             stack.callback(d.close)
         # One message no device would send, so the rejections panel has a reason to show.

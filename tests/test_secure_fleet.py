@@ -183,6 +183,13 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     exact = [a.closed.statistics() for a in agents if a.closed is not None]
     total = np.sum([flatten(s, gram=True) for s in exact], axis=0)
     assert len(outcomes) == 2 and outcomes[1].total is None  # round 1: nobody has new data
+    # An operator's view of the same two rounds (systemd/prometheus's dashboard).
+    metrics = manager.metrics
+    assert metrics.value("protofleet_secure_rounds_total", outcome="closed") == 1
+    assert metrics.value("protofleet_secure_rounds_total", outcome="aborted") == 1
+    assert metrics.value("protofleet_secure_round_seconds_count") == 2
+    assert metrics.value("protofleet_secure_survivors") == len(DOMAINS)
+    assert metrics.value("protofleet_secure_stage") == 0  # no round waits
     summed = outcomes[0]
     assert summed.survivors == len(DOMAINS) and summed.total is not None
     assert manager.secure is not None

@@ -102,6 +102,10 @@ class RoundManager(RoundCycle):
             self.metrics.updates_accepted.inc()
             assert decision.client is not None and decision.round is not None
             self.metrics.client_last_accepted.labels(client=decision.client).set(decision.round)
+            if decision.epsilon is not None:
+                self.metrics.client_epsilon_spent.labels(client=decision.client).set(
+                    decision.epsilon
+                )
         else:
             self.rejections.reject_update(
                 decision.reason, round_=decision.round, client=decision.client or topic_client
@@ -146,7 +150,9 @@ class RoundManager(RoundCycle):
             self.tally.take(update)
             self.presence.know(update.client)
             open_.arrivals.append(now)
-        return Decision(ACCEPTED, update.round, update.client, digest)
+        return Decision(
+            ACCEPTED, update.round, update.client, digest, epsilon=update.privacy.epsilon
+        )
 
     def _stored(self, update: PrototypeUpdate, payload: bytes | bytearray) -> str | None:
         """``update``, received as ``payload``, is now stored in the open round (called

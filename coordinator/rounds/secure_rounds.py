@@ -26,15 +26,20 @@ import time
 from collections.abc import Callable, Mapping
 
 from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics
 from coordinator.rounds.secure import SecureOutcome
 from protocol.auth import Signer, Verifier
 from secagg.errors import RoundAborted
 from secagg.fleet import SecureRelease
+from secagg.messages import Stage
 from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
 from secagg.server import SecAggServer
 from secagg.wire import CoordinatorWire
 
 log = logging.getLogger(__name__)
+
+#: ``protofleet_secure_stage``'s value for each stage (0: no secure round waits).
+STAGE_NUMBERS = {stage: i for i, stage in enumerate(Stage, start=1)}
 
 #: How long :meth:`SecureRounds.begin` waits for the round's link to reach the broker.
 CONNECT_S = 30.0
@@ -43,7 +48,8 @@ CONNECT_S = 30.0
 class SecureRounds:
     """Runs the open round's secure aggregation beside the service's main loop: the
     outcome goes to ``deliver`` (which says whether the open round took it), then
-    ``wake()`` is called. ``devices``: the enrolled devices' keys (none when insecure)."""
+    ``wake()`` is called. ``devices``: the enrolled devices' keys (none when insecure).
+    ``metrics``: where each round's stage, outcome, time and survivors show."""
 
     def __init__(
         self,
@@ -55,8 +61,13 @@ class SecureRounds:
         devices: Mapping[str, Verifier],
         deliver: Callable[[SecureOutcome], bool],
         wake: Callable[[], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.config, self.release, self.run_id = config, release, run_id
+        self.metrics = metrics
+        if metrics is not None:
+            plan = release.plan
+            metrics.secure_round_epsilon.set(0.0 if plan is None else plan.epsilon)
         self.signer, self.devices = signer, devices
         self._deliver = deliver
         self._wake = wake
@@ -87,6 +98,7 @@ class SecureRounds:
             # without waiting out its deadline. An insecure fleet knows no list.
             expected=tuple(self.devices) or None,
             logger=log,
+            on_stage=self._stage,
         )  # fmt: skip
         started = time.monotonic()
         link.start()
@@ -117,10 +129,25 @@ class SecureRounds:
         finally:
             link.close()
         outcome = dataclasses.replace(outcome, seconds=time.monotonic() - started)
+        self._record(outcome)
         if self._stopping.is_set():
             return
         if self._deliver(outcome):
             self._wake()
+
+    def _stage(self, stage: Stage) -> None:
+        if self.metrics is not None:
+            self.metrics.secure_stage.set(STAGE_NUMBERS[stage])
+
+    def _record(self, outcome: SecureOutcome) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.secure_stage.set(0)
+        metrics.secure_rounds.labels(outcome="aborted" if outcome.total is None else "closed").inc()
+        metrics.secure_round_seconds.observe(outcome.seconds)
+        if outcome.total is not None:
+            metrics.secure_survivors.set(outcome.survivors)
 
     def _end_link(self) -> None:
         link, self._link = self._link, None

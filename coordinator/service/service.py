@@ -84,7 +84,7 @@ class CoordinatorService(MainLoop):
             else SecureRounds(
                 config=manager.config, release=manager.secure, run_id=manager.run_id,
                 signer=manager.keys.signer, devices=manager.keys.devices,
-                deliver=manager.take_secure, wake=self._wake.set,
+                deliver=manager.take_secure, wake=self._wake.set, metrics=manager.metrics,
             )
         )  # fmt: skip
         fleet = self.config.fleet

@@ -29,6 +29,7 @@ from fleet.powercut.mount import LazyMount
 from fleet.transports.broker import MosquittoBroker
 from protocol import PrototypeUpdate, RoundAnnouncement, round_topic, update_topic
 from protocol.receipts import Receipt, payload_digest
+from protocol.update import PrivacyMeta
 
 FLEET = "cuts"
 BUNDLE = "c" * 64
@@ -46,26 +47,38 @@ class CutResult:
     rounds_closed: int
 
 
-def update_payload(round_: int, client: str) -> bytes:
-    """The one update ``client`` sends in ``round_`` (the same bytes on every resend)."""
+def update_payload(round_: int, client: str, *, epsilon: float | None = None) -> bytes:
+    """The one update ``client`` sends in ``round_`` (the same bytes on every resend).
+    ``epsilon``: the total a private device would say it has spent by then (``epsilon``
+    a round; None: no formal mechanism)."""
     rng = np.random.default_rng([round_, int(client.rsplit("-", 1)[1])])
     z = rng.normal(size=(CLASSES, DIM))
     z /= np.linalg.norm(z, axis=1, keepdims=True)
     return PrototypeUpdate(
         fleet=FLEET, round=round_, client=client, bundle=BUNDLE, method="fedproto",
         classes=tuple(range(CLASSES)), counts=tuple(float(c) for c in rng.integers(1, 50, CLASSES)),
-        prototypes=z.astype(np.float16),
+        prototypes=z.astype(np.float16), privacy=_privacy(round_, epsilon),
     ).to_wire()  # fmt: skip
+
+
+def _privacy(round_: int, epsilon: float | None) -> PrivacyMeta:
+    if epsilon is None:
+        return PrivacyMeta()
+    return PrivacyMeta(mechanism="dp", epsilon=epsilon * (round_ + 1), delta=1e-5,
+                       guarantee="(epsilon, delta)-DP, add/remove one example")  # fmt: skip
 
 
 class StandInDevices:
     """``devices`` devices on one MQTT client: each answers every announcement of a round
     it holds no receipt for (a coordinator's restart announces again, so unreceipted
-    updates are sent again then), and every receipt is kept."""
+    updates are sent again then), and every receipt is kept. ``epsilon``: what each
+    device's update says it spends a round (None: no formal mechanism)."""
 
     def __init__(
-        self, port: int, *, devices: int, first: int = 0, client_id: str = "stand-ins"
-    ) -> None:
+        self, port: int, *, devices: int, first: int = 0, client_id: str = "stand-ins",
+        epsilon: float | None = None,
+    ) -> None:  # fmt: skip
+        self.epsilon = epsilon
         self.clients = [f"dev-{i:03d}" for i in range(first, first + devices)]
         self._mine = set(self.clients)
         self.receipts: dict[tuple[str, int, str], str] = {}  # (run, round, client) -> digest
@@ -98,7 +111,7 @@ class StandInDevices:
             if heard.params.get("final"):
                 return
             for client in due:
-                payload = update_payload(heard.round, client)
+                payload = update_payload(heard.round, client, epsilon=self.epsilon)
                 self._client.publish(update_topic(FLEET, client), payload, qos=1)
             return
         receipt = Receipt.from_wire(message.payload)
