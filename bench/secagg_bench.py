@@ -3,11 +3,11 @@ statistics (issue 43): a one-shot LDA on digits-5 feature shift, 1,000 devices o
 training samples, accuracy on the pooled test set (every device's 20 test samples).
 
 Every variant sends the same statistics, built by the agent's own ``ClosedFormDevice``
-(unit-norm features, the fleet's public projection, rows clipped to norm <= 1), and the
+(unit-norm features, the fleet's public projection, rows made unit length again), and the
 fleet's head is solved as the coordinator solves it (``cf.denoise``, then ``cf.lda_head``
-with OAS shrinkage, a secure sum's with the scatter floored at its plan's public noise
-level, ``noise_std``, as the coordinator's secure tally (``coordinator/rounds/secure.py``)
-passes it; the coordinator's rescaling of a huge head changes no prediction). A sum of the
+with OAS shrinkage, a secure sum's with the scatter floored at its public noise level,
+the plan's and the rounding's (``secagg.plan.decoded_noise_std``), as the coordinator's
+secure tally (``coordinator/rounds/secure.py``) passes it; the coordinator's rescaling of a huge head changes no prediction). A sum of the
 devices' own releases is solved as the coordinator solves plain updates, without that floor.
 Under the fair protocol each variant runs at every projection k of :data:`KS` (the
 closed-form benchmark's private grid, ``closed_form_bench.DP_KS``, and the small k where
@@ -92,6 +92,7 @@ from secagg.plan import (
     DistributedPlan,
     SecureSum,
     check_ring,
+    decoded_noise_std,
     plan_distributed,
     statistics_clip,
 )
@@ -319,15 +320,18 @@ def run() -> dict[str, float]:
         decoded = sums.secure(None)
         errors.append(float(np.abs(decoded - _flat(exact)).max()))
         off = _unflat(decoded, k, DEVICES)
-        out[f"privacy.secagg_1000_k{k}_noise_off_acc"] = _accuracy(off, x_test, y_test)
+        out[f"privacy.secagg_1000_k{k}_noise_off_acc"] = _accuracy(
+            off, x_test, y_test, noise_std=decoded_noise_std(spec=spec, plan=None, devices=DEVICES)
+        )
         central_noise = _secret_generator()
         for eps in SECURE_EPSILONS:
             secure = _unflat(sums.secure(eps), k, DEVICES)
             sigma = sums.plans[eps].sum_std(DEVICES)
             name = eps_name(eps)
             out[f"privacy.secagg_1000_k{k}_{name}_sigma"] = sigma
+            floor = decoded_noise_std(spec=spec, plan=sums.plans[eps], devices=DEVICES)
             out[f"privacy.secagg_1000_k{k}_{name}_acc"] = _accuracy(
-                secure, x_test, y_test, noise_std=sigma
+                secure, x_test, y_test, noise_std=floor
             )
             if eps != GUARD_EPSILON:  # the same noise on the exact sum, by a trusted curator
                 central = _unflat(_flat(exact) + central_noise.normal(0.0, sigma, decoded.size),

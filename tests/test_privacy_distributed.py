@@ -20,6 +20,7 @@ from secagg.plan import (
     DistributedPlan,
     SecureSum,
     check_ring,
+    decoded_noise_std,
     example_support,
     kls_tau,
     plan_distributed,
@@ -216,3 +217,15 @@ def test_nonsense_is_refused() -> None:
         check_ring(plan, spec=QuantiseSpec(clip=1.0, scale=2.0), devices=2)
     with pytest.raises(ValueError, match="survivors"):
         plan.sum_std(1)
+
+
+def test_the_decoded_sums_noise_level_adds_the_roundings_to_the_plans() -> None:
+    spec = QuantiseSpec(clip=10.0, scale=2.0, bits=32)
+    # Four devices' roundings, each of variance <= 1/4 unit^2: sqrt(4) / (2 * 2) = 0.5.
+    assert decoded_noise_std(spec=spec, plan=None, devices=4) == 0.5
+    release = SecureSum(sensitivity=1.0, support=1, length=4, scale=2.0, threshold=4)
+    plan = DistributedPlan(release, 12, 1.0, 1e-5)  # 12 / 4 = 3 units^2 a share
+    # The plan's: sqrt(4 * 3) / 2 = sqrt(3); with the rounding's: sqrt(3 + 0.25).
+    assert decoded_noise_std(spec=spec, plan=plan, devices=4) == pytest.approx(math.sqrt(3.25))
+    with pytest.raises(ValueError, match="0 devices"):
+        decoded_noise_std(spec=spec, plan=None, devices=0)

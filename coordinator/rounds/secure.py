@@ -34,6 +34,7 @@ from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, RoundAnnouncement
 from protocol.codec import pack, unpack
 from secagg.fleet import SecureRelease, global_prototypes, unflatten
+from secagg.plan import decoded_noise_std
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +204,11 @@ class SecureSum(Tally):
             return Aggregate()
         release = self.release
         assert isinstance(self.strategy, ClosedForm)
-        # The sum's noise is public (the plan's): the solve keeps the directions it swamps
-        # from being amplified (closed_form/heads.py::lda_head).
-        noise = 0.0
-        if release.plan is not None:
-            noise = release.plan.sum_std(max(after.devices, release.plan.release.threshold))
+        # The sum's noise is public (the plan's and the rounding's): the solve keeps the
+        # directions it swamps from being amplified (closed_form/heads.py::lda_head).
+        noise = decoded_noise_std(
+            spec=release.settings.spec, plan=release.plan, devices=after.devices
+        )
         return self.strategy.solve_statistics(after.stats, noise_std=noise)
 
     def _prototypes(self, outcome: SecureOutcome, last: RoundAnnouncement) -> Aggregate:
