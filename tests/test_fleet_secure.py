@@ -47,7 +47,7 @@ from protocol import RoundAnnouncement
 from runtime.cliutil import UsageError
 from runtime.settings import build
 from secagg.fleet import SecureAggregation, flatten, secure_release, unflatten
-from secagg.plan import statistics_clip
+from secagg.plan import decoded_noise_std, statistics_clip
 from secagg.quantise import QuantiseSpec, sum_error_bound
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -168,7 +168,9 @@ def test_a_vector_fleet_summing_securely_without_noise_hands_the_coordinator_the
     assert kept.devices == 3
     error = np.abs(flatten(kept.stats, gram=True) - exact).max()
     assert 0 < error < sum_error_bound(3, spec=release.settings.spec)
-    solved = LDA().solve_statistics(kept.stats)
+    # Solved at the rounding's noise level: the sum carries it even without noise.
+    rounding = decoded_noise_std(spec=release.settings.spec, plan=None, devices=3)
+    solved = LDA().solve_statistics(kept.stats, noise_std=rounding)
     announced = _announced(spec, 1)
     np.testing.assert_array_equal(
         announced.global_prototypes,
@@ -195,7 +197,8 @@ def test_a_vector_fleets_noisy_sum_is_solved_at_its_plans_noise_level(
     kept = FleetSum.load(store.meta_value(SUM_KEY), release=release)
     store.close()
     assert kept.devices == 3
-    solved = LDA().solve_statistics(kept.stats, noise_std=plan.sum_std(3))
+    noise = decoded_noise_std(spec=release.settings.spec, plan=plan, devices=3)
+    solved = LDA().solve_statistics(kept.stats, noise_std=noise)
     announced = _announced(spec, 1)
     np.testing.assert_array_equal(
         announced.global_prototypes,

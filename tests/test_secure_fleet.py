@@ -55,6 +55,7 @@ from secagg.fleet import (
     global_prototypes,
     unflatten,
 )
+from secagg.plan import decoded_noise_std
 from secagg.quantise import sum_error_bound
 from tests.agent_helpers import CLASSES, agent_config, announcement
 
@@ -195,8 +196,11 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     assert manager.secure is not None
     bound = sum_error_bound(len(exact), spec=manager.secure.settings.spec)
     assert 0 < np.abs(summed.total - total).max() < bound
+    # Solved at the rounding's noise level: the sum carries it even without noise.
+    rounding = decoded_noise_std(spec=manager.secure.settings.spec, plan=None, devices=len(exact))
     solved = LDA().solve_statistics(unflatten(summed.total, k=K, classes=len(CLASSES),
-                                              gram=True, devices=len(exact)))  # fmt: skip
+                                              gram=True, devices=len(exact)),
+                                    noise_std=rounding)  # fmt: skip
     assert announcement.global_classes == solved.global_classes
     np.testing.assert_array_equal(
         announcement.global_prototypes,
@@ -291,7 +295,9 @@ def test_over_mosquitto_a_noisy_sums_head_is_solved_at_the_plans_noise_level(
     summed = outcomes[0]
     assert summed.total is not None and summed.survivors == len(DOMAINS)
     stats = unflatten(summed.total, k=K, classes=len(CLASSES), gram=True, devices=len(DOMAINS))
-    noise = manager.secure.plan.sum_std(len(DOMAINS))
+    noise = decoded_noise_std(
+        spec=manager.secure.settings.spec, plan=manager.secure.plan, devices=len(DOMAINS)
+    )
     solved = LDA().solve_statistics(stats, noise_std=noise)
     announced = manager.announcement
     assert announced.global_classes == solved.global_classes
