@@ -42,6 +42,7 @@ from secagg.messages import (
     Unmask,
 )
 from secagg.noise import device_noise
+from secagg.points import small_order
 from secagg.quantise import round_scaled, to_ring
 from secagg.sealing import pack_pair, pair_context, seal, share_value, unpack_pair, unseal
 from secagg.settings import SecAggSettings
@@ -120,6 +121,12 @@ class SecAggDevice:
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.
             raise self._refuse("the roster carries one public key twice")
+        weak = sorted(
+            v for v, pair in roster.keys.items() if small_order(pair.c) or small_order(pair.s)
+        )
+        if weak:
+            # Shares sealed to such a key, or masks agreed with it, are public (secagg/points.py).
+            raise self._refuse("a neighbour's public key is of small order", blame=weak[0])
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
         self._neighbours = neighbours
         self._keys = roster.keys

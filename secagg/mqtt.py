@@ -46,7 +46,7 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
-from secagg.errors import Refused, RoundAborted
+from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.messages import (
     Abort,
     Advertise,
@@ -136,6 +136,8 @@ class SecAggCoordinatorLink:
             Unmask: server.take_unmask,
         }
         self._ran = False
+        # Devices the server excluded: they have answered, and will not again.
+        self._excluded: set[str] = set()
         self.link = MqttLink(
             settings=mqtt_settings,
             client_id=client_id,
@@ -214,7 +216,7 @@ class SecAggCoordinatorLink:
         ``stage`` or its deadline passes."""
         deadline = time.monotonic() + self.deadlines.of(stage)
         answered: set[str] = set()
-        while expected is None or not expected <= answered:
+        while expected is None or not expected <= answered | self._excluded:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -232,6 +234,16 @@ class SecAggCoordinatorLink:
             return None
         try:
             self._takers[type(message)](message)
+        except Excluded as exc:
+            # Dropped, and its sender told why: a device that cannot take part at all
+            # (the wrong table, an unusable key) must learn it from its own log.
+            self.drops.add("excluded", f"a {message.KIND} of {sender}: {exc}")
+            self._excluded.add(sender)
+            server = self.server
+            notice = Abort(fleet=server.fleet, round=server.round, client=sender,
+                           stage=Stage.ADVERTISE, reason=f"this device is refused: {exc.why}")  # fmt: skip
+            self._send({sender: notice})
+            return None
         except Refused as exc:
             self.drops.add("refused", f"a {message.KIND} of {sender}: {exc}")
             return None

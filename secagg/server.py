@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.errors import Refused, RoundAborted
+from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.graph import neighbour_graph
 from secagg.masks import MaskContext, pair_secret, ring_add, ring_dtype, unmask_sum
 from secagg.messages import (
@@ -43,6 +43,7 @@ from secagg.messages import (
     Survivors,
     Unmask,
 )
+from secagg.points import small_order
 from secagg.quantise import decode
 from secagg.sealing import share_of
 from secagg.settings import SecAggSettings
@@ -94,6 +95,9 @@ class SecAggServer:
         if {message.keys.c, message.keys.s} & published:
             # A key another device already advertised: a replay under a second name.
             raise self._refuse("advertised a key another device already holds", message.client)
+        if small_order(message.keys.c) or small_order(message.keys.s):
+            # Its neighbours would refuse the roster, and the round abort (secagg/points.py).
+            raise self._exclude("advertised a public key of small order", message.client)
         self._keys[message.client] = message.keys
 
     def close_advertise(self) -> dict[str, Roster]:
@@ -317,6 +321,9 @@ class SecAggServer:
     @staticmethod
     def _left(before: Iterable[str], after: Mapping[str, object]) -> tuple[str, ...]:
         return tuple(sorted(set(before) - set(after)))
+
+    def _exclude(self, why: str, client: str) -> Excluded:
+        return Excluded(why, round=self.round, client=client)
 
     def _refuse(self, why: str, client: str) -> Refused:
         return Refused(f"{client} {why}", round=self.round, client=client)

@@ -17,6 +17,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from secagg.device import SecAggDevice
+from secagg.errors import Excluded
 from secagg.graph import neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
@@ -216,3 +217,87 @@ def test_the_harness_drops_who_it_is_told_to_and_keeps_each_refusal() -> None:
     assert transcript.result is not None
     assert "dev-03" in transcript.result.survivors and "dev-01" not in transcript.result.survivors
     assert "dev-03" not in transcript.answers[Stage.UNMASK]
+
+
+# Public keys of small order (secagg/points.py): refused by the device reading a roster,
+# and by the coordinator taking an advertisement.
+
+P = 2**255 - 19
+#: Every small-order u-coordinate of Curve25519 and its twist (libsodium's list): u = 0
+#: (the identity's encoding, and the point of order 2), 1, p - 1, the two points of
+#: order 8, and the non-canonical p and p + 1; then u = 0 with the ignored top bit set.
+SMALL = {
+    "zero": 0,
+    "one": 1,
+    "p-1": P - 1,
+    "order-8-a": 325606250916557431795983626356110631294008115727848805560023387167927233504,
+    "order-8-b": 39382357235489614581723060781553021112529911719440698176882885853963445705823,
+    "p": P,
+    "p+1": P + 1,
+    "zero-top-bit": 1 << 255,
+}
+SMALL_KEYS = pytest.mark.parametrize(
+    "point", [u.to_bytes(32, "little") for u in SMALL.values()], ids=list(SMALL)
+)
+
+
+class WeakKey(Coordinator):
+    """Hands ``victim`` a roster in which neighbour ``neighbour``'s key ``which`` (``c``
+    or ``s``) is ``point``."""
+
+    def __init__(self, *, settings: SecAggSettings, victim: str, neighbour: str, which: str,
+                 point: bytes) -> None:  # fmt: skip
+        super().__init__(settings=settings)
+        self.victim, self.neighbour, self.which, self.point = victim, neighbour, which, point
+
+    def rosters(self, adverts: Mapping[str, Advertise]) -> Mapping[str, Roster]:
+        rosters = dict(super().rosters(adverts))
+        honest = rosters[self.victim]
+        weak = replace(honest.keys[self.neighbour], **{self.which: self.point})
+        rosters[self.victim] = replace(honest, keys={**honest.keys, self.neighbour: weak})
+        return rosters
+
+
+@SMALL_KEYS
+@pytest.mark.parametrize("which", ["s", "c"])
+def test_a_device_refuses_a_roster_with_a_small_order_key_before_any_share_leaves(
+    which: str, point: bytes
+) -> None:
+    # Before issue 51 a small-order masking key (s) was found only at the masked-input
+    # stage, after the device had sealed the shares of its seed and masking key; an
+    # encryption key (c) was refused at this point already, by the sealing's own error.
+    coordinator = WeakKey(settings=COMPLETE, victim=VICTIM, neighbour="dev-07", which=which,
+                          point=point)  # fmt: skip
+    transcript = run_round(coordinator, devices(COMPLETE, NAMES), inputs(NAMES))
+    assert VICTIM not in transcript.answers[Stage.SHARE]
+    assert "a neighbour's public key is of small order (dev-07)" in str(transcript.refused[VICTIM])
+
+
+class WeakDevice(SecAggDevice):
+    """Advertises ``point`` in place of one of its keys."""
+
+    point = bytes(32)
+
+    def advertise(self) -> Advertise:
+        honest = super().advertise()
+        return replace(honest, keys=replace(honest.keys, s=self.point))
+
+
+@SMALL_KEYS
+def test_the_coordinator_excludes_an_advertisement_with_a_small_order_key(point: bytes) -> None:
+    # Before issue 51 it was taken: its neighbours refused it one by one, and on the
+    # complete graph every device refused, so one device aborted the round.
+    fleet = devices(COMPLETE, NAMES)
+    weak = WeakDevice(client="dev-03", fleet=FLEET, round=ROUND, settings=COMPLETE)
+    weak.point = point
+    fleet[3] = weak
+    coordinator = Coordinator(settings=COMPLETE)
+    vectors = inputs(NAMES)
+    transcript = run_round(coordinator, fleet, vectors)
+    assert isinstance(coordinator.refused["dev-03"], Excluded)
+    assert coordinator.refused["dev-03"].why == "advertised a public key of small order"
+    assert transcript.refused == {} and transcript.result is not None
+    others = [c for c in NAMES if c != "dev-03"]
+    assert transcript.result.survivors == tuple(others)
+    plain = np.sum([np.clip(vectors[c], -1.0, 1.0) for c in others], axis=0)
+    assert np.abs(transcript.result.total - plain).max() < sum_error_bound(N, spec=SPEC)

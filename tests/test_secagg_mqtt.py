@@ -288,6 +288,25 @@ def test_fewer_than_t_survivors_abort_and_every_remaining_device_hears_why(
 
 
 @pytest.mark.broker
+def test_a_device_the_coordinator_excludes_hears_why_and_the_round_goes_on(
+    mosquitto: MosquittoBroker, lines: Lines, device_lines: Lines
+) -> None:
+    with fleet(
+        mosquitto.address, SPARSE, logger=lines.logger, device_logger=device_lines.logger
+    ) as f:
+        weak = f.devices["dev-03"].device
+        weak.public = dataclasses.replace(weak.public, s=bytes(32))  # u = 0: small order
+        result = f.run()
+        assert result.survivors == tuple(c for c in CLIENTS if c != "dev-03")
+        link = f.devices["dev-03"]
+        assert link.wait_finished(10) and link.abort is not None
+        why = "this device is refused: advertised a public key of small order"
+        assert (link.abort.stage, link.abort.reason) == (Stage.ADVERTISE, why)
+        device_lines.wait(f"dev-03: secure aggregation round 5 aborted at advertise: {why}")
+        assert f.coordinator.drops.counts() == {"excluded": 1}
+
+
+@pytest.mark.broker
 def test_forged_stage_messages_are_dropped_and_counted_on_both_sides(
     mosquitto: MosquittoBroker, lines: Lines, device_lines: Lines
 ) -> None:
