@@ -96,7 +96,13 @@ class SecAggDevice:
         return self._answer(
             Stage.ADVERTISE,
             None,
-            Advertise(fleet=self.fleet, round=self.round, client=self.client, keys=self.public),
+            Advertise(
+                fleet=self.fleet,
+                round=self.round,
+                client=self.client,
+                keys=self.public,
+                table=self.settings.table,
+            ),
         )
 
     def share(self, roster: Roster) -> ShareKeys:

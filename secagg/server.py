@@ -91,6 +91,14 @@ class SecAggServer:
         self._open(Stage.ADVERTISE, message)
         if self._repeat(self._keys.get(message.client), message.keys, message.client):
             return
+        if message.table != self.settings.table:
+            # Another table adds other noise, or masks in another ring: its sum is wrong.
+            theirs = message.table.hex()[:8] or "none"
+            raise self._exclude(
+                f"its [secure_aggregation] table differs from the coordinator's (digest "
+                f"{theirs}, not {self.settings.table.hex()[:8] or 'none'})",
+                message.client,
+            )
         published = {key for pair in self._keys.values() for key in (pair.c, pair.s)}
         if {message.keys.c, message.keys.s} & published:
             # A key another device already advertised: a replay under a second name.

@@ -444,7 +444,9 @@ def test_a_secure_fedproto_fleet_announces_the_holders_mean_of_the_summed_rows(
     assert np.abs(outcome.total - exact).max() < sum_error_bound(
         3, spec=manager.secure.settings.spec
     )
-    rows, has = global_prototypes(outcome.total, dim=dim, classes=len(CLASSES))
+    rows, has = global_prototypes(
+        outcome.total, dim=dim, classes=len(CLASSES), threshold=table.threshold
+    )
     announced = manager.announcement
     assert announced.global_classes == tuple(int(c) for c in np.flatnonzero(has))
     np.testing.assert_allclose(
