@@ -28,7 +28,7 @@ from protocol import fields as f
 from protocol.ids import validate_id
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
-from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret
+from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
 from secagg.messages import (
     Advertise,
     MaskedInput,
@@ -80,16 +80,17 @@ class SecAggDevice:
             c=self._c.public_key().public_bytes_raw(), s=self._s.public_key().public_bytes_raw()
         )
         self._context = MaskContext(fleet=fleet, round=round)
+        # Drawn now, not with the shares: the advertisement commits to it.
+        self._seed = self._rng.randbytes(SEED_BYTES)
         self._answers: dict[Stage, tuple[object, SecAggMessage]] = {}
         self._index: dict[str, int] = {}
         self._neighbours: frozenset[str] = frozenset()
         self._keys: Mapping[str, PublicKeys] = {}
-        self._seed = b""
         self._held: dict[str, tuple[Share, Share]] = {}
         self._senders: frozenset[str] = frozenset()
 
     def advertise(self) -> Advertise:
-        """Stage 1: this round's public keys."""
+        """Stage 1: this round's public keys and the commitment to the self-mask seed."""
         cached = self._begin(Stage.ADVERTISE, None, Advertise)
         if cached is not None:
             return cached
@@ -102,12 +103,13 @@ class SecAggDevice:
                 client=self.client,
                 keys=self.public,
                 table=self.settings.table,
+                commitment=seed_commitment(self._seed, client=self.client, context=self._context),
             ),
         )
 
     def share(self, roster: Roster) -> ShareKeys:
-        """Stage 2: check the roster, draw the self-mask seed ``b_u`` and seal each
-        neighbour's Shamir shares of ``b_u`` and of the masking key ``s_u``."""
+        """Stage 2: check the roster and seal each neighbour's Shamir shares of the
+        self-mask seed ``b_u`` and of the masking key ``s_u``."""
         cached = self._begin(Stage.SHARE, roster, ShareKeys)
         if cached is not None:
             return cached
@@ -136,7 +138,6 @@ class SecAggDevice:
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
         self._neighbours = neighbours
         self._keys = roster.keys
-        self._seed = self._rng.randbytes(SEED_BYTES)
         holders = sorted(self._index[v] for v in neighbours | {self.client})
         seeds = split(self._seed, threshold=t, holders=holders, rng=self._rng)
         masks = split(self._s.private_bytes_raw(), threshold=t, holders=holders, rng=self._rng)

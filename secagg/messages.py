@@ -36,7 +36,8 @@ from secagg.shamir import P521
 
 #: An X25519 public key.
 KEY_BYTES = 32
-#: A SHA-256 digest: of the ``[secure_aggregation]`` table (secagg/fleet.py).
+#: A SHA-256 digest: of the ``[secure_aggregation]`` table (secagg/fleet.py), or the
+#: commitment to a self-mask seed (secagg/masks.py).
 DIGEST_BYTES = 32
 #: One Shamir share's value in GF(2^521 - 1), big-endian.
 SHARE_BYTES = (P521.bit_length() + 7) // 8
@@ -102,31 +103,37 @@ class PublicKeys:
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Advertise(SecAggMessage):
-    """Stage 1, device to coordinator: the sender's fresh public keys for this round, and
+    """Stage 1, device to coordinator: the sender's fresh public keys for this round;
     ``table``, the digest of the ``[secure_aggregation]`` table the sender's settings were
-    made from (empty: settings made without one; an advertisement from before the field
-    decodes so, and the coordinator of a fleet refuses it)."""
+    made from; and ``commitment``, its commitment to its self-mask seed
+    (:func:`secagg.masks.seed_commitment`). Either may be empty (none): an advertisement
+    from before the field decodes so, and the coordinator excludes it."""
 
     KIND: ClassVar[str] = "secagg_advertise"
 
     keys: PublicKeys
     table: bytes = b""
+    commitment: bytes = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.keys, PublicKeys):
             raise FieldError("expected PublicKeys", field="keys")
-        blob(self.table, field="table", size=DIGEST_BYTES if self.table else None)
+        for name in ("table", "commitment"):
+            value = getattr(self, name)
+            blob(value, field=name, size=DIGEST_BYTES if value else None)
 
     def _body(self) -> dict[str, Any]:
-        return {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table}
+        return {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table,
+                "commitment": self.commitment}  # fmt: skip
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Advertise:
         head = cls._take_head(env)
         keys = PublicKeys(c=env.take("c"), s=env.take("s"))
-        table = env.take_optional("table")
-        return cls(**head, keys=keys, table=b"" if table is None else table)
+        table, commitment = env.take_optional("table"), env.take_optional("commitment")
+        return cls(**head, keys=keys, table=b"" if table is None else table,
+                   commitment=b"" if commitment is None else commitment)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -29,7 +29,14 @@ from protocol import fields as f
 from protocol.ids import validate_id
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.graph import neighbour_graph
-from secagg.masks import MaskContext, pair_secret, ring_add, ring_dtype, unmask_sum
+from secagg.masks import (
+    MaskContext,
+    pair_secret,
+    ring_add,
+    ring_dtype,
+    seed_commitment,
+    unmask_sum,
+)
 from secagg.messages import (
     Abort,
     Advertise,
@@ -74,6 +81,7 @@ class SecAggServer:
         self.aborted: RoundAborted | None = None
         self._context = MaskContext(fleet=fleet, round=round)
         self._keys: dict[str, PublicKeys] = {}
+        self._commitments: dict[str, bytes] = {}
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
@@ -89,7 +97,9 @@ class SecAggServer:
 
     def take_advertise(self, message: Advertise) -> None:
         self._open(Stage.ADVERTISE, message)
-        if self._repeat(self._keys.get(message.client), message.keys, message.client):
+        u = message.client
+        taken = (self._keys[u], self._commitments[u]) if u in self._keys else None
+        if self._repeat(taken, (message.keys, message.commitment), u):
             return
         if message.table != self.settings.table:
             # Another table adds other noise, or masks in another ring: its sum is wrong.
@@ -106,7 +116,10 @@ class SecAggServer:
         if small_order(message.keys.c) or small_order(message.keys.s):
             # Its neighbours would refuse the roster, and the round abort (secagg/points.py).
             raise self._exclude("advertised a public key of small order", message.client)
+        if not message.commitment:
+            raise self._exclude("advertised no commitment to its self-mask seed", message.client)
         self._keys[message.client] = message.keys
+        self._commitments[message.client] = message.commitment
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
@@ -228,9 +241,17 @@ class SecAggServer:
         dropped = sorted(set(self._shares) - set(self._digests))
         # Each device's input is hidden by b_u and by s_u; rebuild one or the other, never both.
         assert not set(survivors) & set(dropped)
-        seeds = {
-            self._index[u]: self._rebuild(u, self._seed_shares, "self-mask seed") for u in survivors
-        }
+        seeds = {}
+        for u in survivors:
+            seed = self._rebuild(u, self._seed_shares, "self-mask seed")
+            # With exactly t shares a wrong one still interpolates: only the commitment
+            # tells that the seed is not u's, which would silently spoil the sum.
+            if seed_commitment(seed, client=u, context=self._context) != self._commitments[u]:
+                self._abort(
+                    Stage.UNMASK,
+                    f"the rebuilt self-mask seed of {u} is not the one it committed to",
+                )
+            seeds[self._index[u]] = seed
         dangling: dict[tuple[int, int], bytes] = {}
         for v in dropped:
             partners = sorted(self._graph[v] & set(survivors))

@@ -21,6 +21,7 @@ from secagg.errors import Excluded
 from secagg.graph import neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
+    SHARE_BYTES,
     Advertise,
     MaskedInput,
     RelayedShares,
@@ -301,3 +302,51 @@ def test_the_coordinator_excludes_an_advertisement_with_a_small_order_key(point:
     assert transcript.result.survivors == tuple(others)
     plain = np.sum([np.clip(vectors[c], -1.0, 1.0) for c in others], axis=0)
     assert np.abs(transcript.result.total - plain).max() < sum_error_bound(N, spec=SPEC)
+
+
+# Self-mask seed commitments: a wrong share among exactly t shares is found, not summed.
+
+
+class LyingHolder(SecAggDevice):
+    """Gives a wrong share of ``about``'s self-mask seed when it unmasks."""
+
+    about = "dev-04"
+
+    def unmask(self, survivors: Survivors) -> Unmask:
+        honest = super().unmask(survivors)
+        wrong = int.from_bytes(honest.seed_shares[self.about], "big") + 1
+        shares = {**honest.seed_shares, self.about: wrong.to_bytes(SHARE_BYTES, "big")}
+        return replace(honest, seed_shares=shares)
+
+
+@pytest.mark.parametrize("lying", [False, True], ids=["honest", "one-wrong-share"])
+def test_a_wrong_share_among_exactly_t_aborts_the_round_rather_than_spoil_the_sum(
+    lying: bool,
+) -> None:
+    # Five devices, t = 3; two go silent after their masked inputs, so exactly three
+    # shares of every seed come back. Before issue 51 a wrong one among them rebuilt a
+    # wrong seed, and the round "succeeded" with a sum off by a whole self mask.
+    small, names = settings(n=5, threshold=3), clients(5)
+    fleet = devices(small, names)
+    if lying:
+        fleet[0] = LyingHolder(client="dev-00", fleet=FLEET, round=ROUND, settings=small)
+    vectors = inputs(names)
+    transcript = run_round(Coordinator(settings=small), fleet, vectors,
+                           drop={Stage.UNMASK: {"dev-03", "dev-04"}})  # fmt: skip
+    if lying:
+        assert transcript.result is None and transcript.aborted is not None
+        assert transcript.aborted.stage == Stage.UNMASK.value
+        assert transcript.aborted.why == (
+            "the rebuilt self-mask seed of dev-04 is not the one it committed to"
+        )
+    else:
+        assert transcript.result is not None and transcript.result.survivors == tuple(names)
+        plain = np.sum([np.clip(v, -1.0, 1.0) for v in vectors.values()], axis=0)
+        assert np.abs(transcript.result.total - plain).max() < sum_error_bound(5, spec=SPEC)
+
+
+def test_the_coordinator_excludes_an_advertisement_without_a_seed_commitment() -> None:
+    fleet = devices(COMPLETE, NAMES)
+    coordinator = Coordinator(settings=COMPLETE)
+    with pytest.raises(Excluded, match="advertised no commitment to its self-mask seed"):
+        coordinator.server.take_advertise(replace(fleet[0].advertise(), commitment=b""))

@@ -35,7 +35,7 @@ CT = bytes(range(CIPHERTEXT_BYTES))
 SHARE = bytes(SHARE_BYTES)
 
 SAMPLES: list[SecAggMessage] = [
-    Advertise(**HEAD, keys=KEYS, table=bytes(range(32))),
+    Advertise(**HEAD, keys=KEYS, table=bytes(range(32)), commitment=bytes(range(1, 33))),
     Roster(**HEAD, clients=("dev-1", "dev-2", "dev-3"), keys={"dev-2": OTHER, "dev-1": KEYS}),
     ShareKeys(**HEAD, ciphertexts={"dev-2": CT, "dev-3": CT[::-1]}),
     RelayedShares(**HEAD, ciphertexts={"dev-3": CT}),
@@ -128,9 +128,9 @@ def test_malformed_fields_raise_a_protocol_error_naming_the_problem(
         kind.from_wire(pack(obj))
 
 
-#: Fields a message decodes without: an advertisement from before the table digest
-#: (the coordinator of a fleet then excludes it, tests/test_secagg_table.py).
-OPTIONAL = {Advertise.KIND: {"table"}}
+#: Fields a message decodes without: an advertisement from before the table digest and the
+#: seed commitment (the coordinator then excludes it, tests/test_secagg_table.py).
+OPTIONAL = {Advertise.KIND: {"table", "commitment"}}
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
