@@ -43,11 +43,11 @@ class SecureInput:
 
 def summed(state: StateDir, secure: SecureInput) -> None:
     """The round's secure sum holds this device's statistics (it was a survivor): the
-    same data need not be summed again."""
+    same data need not be summed again in the same coordinator run."""
     if secure.statistics is None:
         return  # a prototype method's round: nothing carries over
     state.save_summed(secure.statistics)
-    state.record(statistics_summed=secure.version)
+    state.record(statistics_summed=secure.version, statistics_summed_run=secure.run)
 
 
 class SecureJoin:
