@@ -2,10 +2,10 @@
 
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
-:class:`RelayedShares` and :class:`Survivors`, or an :class:`Abort`. Every message names
-the fleet, the round and one device (the sender of a device's message, the recipient of
-the coordinator's), and carries an optional ``auth`` trailer so that
-:func:`protocol.auth.sign` can sign it unchanged.
+:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`.
+Every message names the fleet, the round and one device (the sender of a device's
+message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
+that :func:`protocol.auth.sign` can sign it unchanged.
 
 Each validates itself on construction, so :meth:`from_wire` raises a
 :class:`~protocol.errors.ProtocolError` for any malformed payload. Collections keyed by a
@@ -331,6 +331,29 @@ class Abort(SecAggMessage):
     def _from_envelope(cls, env: f.Envelope) -> Abort:
         head = cls._take_head(env)
         return cls(**head, stage=env.take("stage"), reason=env.take("reason"))
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Close(SecAggMessage):
+    """After the round's sum is unmasked, coordinator to ``client``: whether its input is
+    in the sum (``summed``), as it is once its masked input arrived, unmask answer or
+    not. A device marks its data summed from this, never from its own view of the stages."""
+
+    KIND: ClassVar[str] = "secagg_close"
+
+    summed: bool
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if type(self.summed) is not bool:
+            raise FieldError(f"expected a bool, got {type(self.summed).__name__}", field="summed")
+
+    def _body(self) -> dict[str, Any]:
+        return {**self._head(), "summed": self.summed}
+
+    @classmethod
+    def _from_envelope(cls, env: f.Envelope) -> Close:
+        return cls(**cls._take_head(env), summed=env.take("summed"))
 
 
 def blob(value: object, *, field: str, size: int | None = None) -> bytes:

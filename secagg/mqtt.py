@@ -193,6 +193,9 @@ class SecAggCoordinatorLink:
             server.fleet,
             len(result.survivors),
         )
+        # Before the caller announces the next round: a device marks its data summed
+        # from its close, which it waits for once that announcement reaches it.
+        self._send_flushed(server.close_messages())
         return result
 
     # -- paho's network thread: file the payload, nothing more -------------------------
@@ -283,8 +286,13 @@ class SecAggCoordinatorLink:
             why,
             len(notices),
         )
+        self._send_flushed(notices)
+
+    def _send_flushed(self, messages: Mapping[str, SecAggMessage]) -> None:
+        """Send ``messages`` and wait (up to ``FLUSH_S`` in all) for the broker to take
+        them: the round's last word must be out before the caller moves on."""
         deadline = time.monotonic() + FLUSH_S
-        for info in self._send(notices):
+        for info in self._send(messages):
             remaining = max(0.0, deadline - time.monotonic())
             wait_acknowledged(
                 info, timeout=remaining, stopping=lambda: not self.link.is_connected()

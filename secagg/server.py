@@ -40,6 +40,7 @@ from secagg.masks import (
 from secagg.messages import (
     Abort,
     Advertise,
+    Close,
     MaskedInput,
     PublicKeys,
     RelayedShares,
@@ -274,6 +275,16 @@ class SecAggServer:
             survivors=tuple(survivors),
             dropped=MappingProxyType(dict(self._dropped)),
         )
+
+    def close_messages(self) -> dict[str, Close]:
+        """After the sum is unmasked, the close for every device that advertised keys:
+        whether its input is in the sum (its masked input arrived)."""
+        if self.stage is not None or self.aborted is not None:
+            raise ValueError(f"round {self.round} has not closed")
+        return {
+            u: Close(fleet=self.fleet, round=self.round, client=u, summed=u in self._digests)
+            for u in sorted(self._keys)
+        }
 
     def abort_messages(self) -> dict[str, Abort]:
         """After an abort, the notice for every device that advertised keys."""

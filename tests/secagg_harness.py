@@ -8,7 +8,8 @@ overrides the stage it wants to lie at:
 - :meth:`Coordinator.relay`: withhold, redirect or forge ciphertexts;
 - :meth:`Coordinator.survivors`: equivocate (a different list for each device);
 - :meth:`Coordinator.result`: drop unmask answers, or bypass the server and combine the
-  shares itself.
+  shares itself;
+- :meth:`Coordinator.closes`: tell devices their input is, or is not, in the sum.
 
 Each stage takes the devices' answers (client -> message) and returns what each device is
 sent next. A device that refuses a message leaves the round, as it does over MQTT
@@ -31,6 +32,7 @@ from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.messages import (
     Advertise,
+    Close,
     MaskedInput,
     RelayedShares,
     Roster,
@@ -105,6 +107,9 @@ class Coordinator:
         self.take(self.server.take_unmask, unmasks)
         return self.server.close_unmask()
 
+    def closes(self) -> Mapping[str, Close]:
+        return self.server.close_messages()
+
     def take(self, taker: Callable[[Any], None], answers: Mapping[str, SecAggMessage]) -> None:
         for client, message in answers.items():
             try:
@@ -116,12 +121,13 @@ class Coordinator:
 @dataclass
 class Transcript:
     """What a round did: each stage's requests (what the coordinator sent each device)
-    and answers, each device's refusal, and the result or the abort."""
+    and answers, each device's refusal, and the result and the closes, or the abort."""
 
     requests: dict[Stage, dict[str, SecAggMessage]] = field(default_factory=dict)
     answers: dict[Stage, dict[str, SecAggMessage]] = field(default_factory=dict)
     refused: dict[str, Refused] = field(default_factory=dict)
     result: SecAggResult | None = None
+    closes: dict[str, Close] = field(default_factory=dict)
     aborted: RoundAborted | None = None
 
 
@@ -168,6 +174,7 @@ def run_round(
         survivors = coordinator.survivors(masked)
         unmasks = answer(Stage.UNMASK, survivors, lambda d, m: d.unmask(m))
         transcript.result = coordinator.result(unmasks)
+        transcript.closes = {c: wire(m) for c, m in coordinator.closes().items()}
     except RoundAborted as exc:
         transcript.aborted = exc
     return transcript

@@ -23,6 +23,7 @@ from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
     SHARE_BYTES,
     Advertise,
+    Close,
     MaskedInput,
     RelayedShares,
     Roster,
@@ -178,6 +179,9 @@ class Equivocator(Coordinator):
                            dangling=dangling, context=MaskContext(fleet=FLEET, round=ROUND))  # fmt: skip
         return SecAggResult(total=decode(alone, spec=self.settings.spec), survivors=(u,))
 
+    def closes(self) -> Mapping[str, Close]:
+        return {}  # its server never closed the round: it tells the devices nothing
+
 
 @pytest.mark.xfail(
     strict=True,
@@ -218,6 +222,20 @@ def test_the_harness_drops_who_it_is_told_to_and_keeps_each_refusal() -> None:
     assert transcript.result is not None
     assert "dev-03" in transcript.result.survivors and "dev-01" not in transcript.result.survivors
     assert "dev-03" not in transcript.answers[Stage.UNMASK]
+
+
+def test_the_close_tells_each_device_whether_its_input_is_in_the_sum() -> None:
+    # dev-03's masked input arrived but its unmask answer did not: it is in the sum, and
+    # its close says so (before issue 51 it believed it was not, and added its data again
+    # next round); dev-05 left before its masked input, and dev-01's input is in.
+    vectors = inputs(NAMES)
+    drop = {Stage.MASKED_INPUT: {"dev-05"}, Stage.UNMASK: {"dev-03"}}
+    transcript = run_round(Coordinator(settings=COMPLETE), devices(COMPLETE, NAMES), vectors,
+                           drop=drop)  # fmt: skip
+    assert transcript.result is not None and sorted(transcript.closes) == NAMES
+    summed = {c for c, close in transcript.closes.items() if close.summed}
+    assert summed == set(transcript.result.survivors) == set(NAMES) - {"dev-05"}
+    assert all(close.client == c for c, close in transcript.closes.items())
 
 
 # Public keys of small order (secagg/points.py): refused by the device reading a roster,

@@ -17,6 +17,7 @@ from secagg.messages import (
     SHARE_BYTES,
     Abort,
     Advertise,
+    Close,
     MaskedInput,
     PublicKeys,
     RelayedShares,
@@ -42,6 +43,7 @@ SAMPLES: list[SecAggMessage] = [
     MaskedInput(**HEAD, bits=32, masked=np.arange(5, dtype="<u4").tobytes()),
     Survivors(**HEAD, survivors=("dev-1", "dev-3")),
     Unmask(**HEAD, seed_shares={"dev-1": SHARE, "dev-3": SHARE}, key_shares={"dev-2": SHARE}),
+    Close(**HEAD, summed=False),
     Abort(**HEAD, stage=Stage.SHARE, reason="5 devices shared keys, fewer than t = 7"),
 ]
 

@@ -26,7 +26,7 @@ from protocol.topics import secagg_down_topic, secagg_up_topic
 from runtime.transport import MqttSettings
 from secagg.device import SecAggDevice
 from secagg.errors import RoundAborted
-from secagg.messages import Abort, Advertise, PublicKeys, Roster, Stage
+from secagg.messages import Abort, Advertise, Close, PublicKeys, Roster, Stage
 from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
 from secagg.mqtt_device import SecAggDeviceLink
 from secagg.quantise import QuantiseSpec, sum_error_bound
@@ -187,6 +187,9 @@ def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
         assert result.survivors == tuple(CLIENTS)
         assert within_bound(result, f.vectors)
         assert all(link.answered == tuple(Stage) for link in f.devices.values())
+        # Each device hears from the coordinator that its input is in the sum.
+        closes = [link.wait_settled(10) for link in f.devices.values()]
+        assert all(isinstance(c, Close) and c.summed for c in closes)
         assert f.coordinator.drops.counts() == {}
         assert all(link.drops.counts() == {} for link in f.devices.values())
 
