@@ -6,6 +6,7 @@ no class fewer than ``t`` devices hold."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import msgpack
 import numpy as np
@@ -47,6 +48,16 @@ def test_the_digest_reads_equal_values_alike_and_leaves_the_deadline_out() -> No
     assert dataclasses.replace(TABLE, scale=32768).digest() == TABLE.digest()
     # The stage deadline is the coordinator's own: a device need not know it.
     assert dataclasses.replace(TABLE, stage_timeout_s=5.0).digest() == TABLE.digest()
+
+
+def test_the_digest_is_the_one_docs_protocol_md_spells_out() -> None:
+    lines = (
+        "threshold=3\nneighbours=0\ncolluding=0\nscale=0x1.0000000000000p+15\nbits=32\n"
+        f"epsilon=0x0.0p+0\ndelta={(1e-5).hex()}\ndataset_size=50"
+    )
+    assert (
+        TABLE.digest() == hashlib.sha256(b"protofleet/secagg/table/v1\n" + lines.encode()).digest()
+    )
 
 
 def test_the_settings_of_a_release_carry_the_tables_digest() -> None:
