@@ -20,6 +20,11 @@ checked by :mod:`secagg.wire`.
   fewer than ``t`` devices left aborts, and every device that advertised keys (and every
   device the caller expected) is sent an :class:`~secagg.messages.Abort` with the
   reason.
+- **Closing.** Once the sum is unmasked, every device that advertised is sent a
+  :class:`~secagg.messages.Close` saying whether its input is in it, and the broker has
+  taken them (or ``FLUSH_S`` passed) before :meth:`SecAggCoordinatorLink.run` returns:
+  the caller announces the next round after that. A device the server excludes at the
+  first stage is told why in an abort of its own.
 - **Joining.** A device advertises its keys once its link is first up. The coordinator must
   be listening by then: it is the caller's to start it first (later, the round
   announcement will say when).
