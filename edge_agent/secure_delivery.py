@@ -2,8 +2,8 @@
 a round's release goes into the fleet's secure sum, never into an update.
 
 - :class:`SecureSumInputs` (the agent's side, transport-free): lda and ridge add their
-  statistics once per data version, and after new data only the difference from what the
-  sum holds of them; FedProto adds each round's prototypes (rows of the classes held and a
+  statistics once per data version and coordinator run, and after new data only the
+  difference from what the run's sum holds of them; FedProto adds each round's prototypes (rows of the classes held and a
   holder count each). The privacy mode prices the sum's noise in the ledger before the
   first stage message leaves (:meth:`~edge_agent.privacy.modes.PrivacyMode.admit_secure_sum`).
 - edge_agent/secure_join.py (the MQTT service's side): runs the protocol for the round on
@@ -56,11 +56,16 @@ class SecureSumInputs(Delivery):
     ) -> Sent | None:  # fmt: skip
         """Once per data version; a round this device joins but that aborts is paid for
         all the same."""
-        round_ = announcement.round
+        round_, run = announcement.round, _run(announcement)
         # A secure round's record has no announcement size: the protocol's traffic is
         # amended into it when the round settles (SecureJoin.settle).
         record: dict[str, Any] = {"bytes_down": None, "secure": True}
-        if agent.state.snapshot.extra.get("statistics_summed") == version:
+        extra = agent.state.snapshot.extra
+        # Summed where: a coordinator of another run (its database lost or replaced)
+        # starts an empty sum, which holds none of this device's statistics. A state from
+        # before the run was kept counts as this run's.
+        in_this_run = extra.get("statistics_summed_run", run) == run
+        if in_this_run and extra.get("statistics_summed") == version:
             log.info("round %d: statistics of this data already in the fleet's sum", round_)
             return Sent("nothing_new", record=record | {"statistics_sent": False},
                         published=True)  # fmt: skip
@@ -73,8 +78,9 @@ class SecureSumInputs(Delivery):
         statistics = flatten(closed.statistics(), gram=release.gram)
         # The fleet's sum is a running one: new data adds its difference from the data
         # summed before (the same sensitivity to one example as the statistics).
-        vector = statistics - agent.state.load_summed(statistics.size)
-        secure = SecureInput(round=round_, run=_run(announcement), vector=vector,
+        held = agent.state.load_summed(statistics.size) if in_this_run else 0.0
+        vector = statistics - held
+        secure = SecureInput(round=round_, run=run, vector=vector,
                              settings=release.settings, version=version,
                              statistics=statistics)  # fmt: skip
         return Sent("secure", secure=secure, record=record | {"statistics_sent": True},

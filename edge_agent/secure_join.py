@@ -16,12 +16,18 @@ from edge_agent.keys import AgentKeys
 from edge_agent.state import StateDir
 from protocol import RoundAnnouncement
 from secagg.device import SecAggDevice
-from secagg.messages import Stage
+from secagg.messages import Abort, Close
+from secagg.mqtt import FLUSH_S
 from secagg.mqtt_device import SecAggDeviceLink
 from secagg.settings import SecAggSettings
 from secagg.wire import DeviceWire
 
 log = logging.getLogger(__name__)
+
+#: How long a device waits, once the next round is announced, for the coordinator's close
+#: or abort of the secure round it joined (sent before that announcement, on another
+#: session): the coordinator's own flush allowance (secagg/mqtt.py).
+SETTLE_S = FLUSH_S
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,11 @@ class SecureInput:
 
 def summed(state: StateDir, secure: SecureInput) -> None:
     """The round's secure sum holds this device's statistics (it was a survivor): the
-    same data need not be summed again."""
+    same data need not be summed again in the same coordinator run."""
     if secure.statistics is None:
         return  # a prototype method's round: nothing carries over
     state.save_summed(secure.statistics)
-    state.record(statistics_summed=secure.version)
+    state.record(statistics_summed=secure.version, statistics_summed_run=secure.run)
 
 
 class SecureJoin:
@@ -78,9 +84,11 @@ class SecureJoin:
 
     def settle(self, announcement: RoundAnnouncement) -> None:
         """A later round's announcement means the coordinator closed the secure round this
-        device joined: its statistics are in the fleet's sum if it answered every stage
-        and heard no abort (an abort reaches it before the next announcement: the
-        coordinator tells the devices before it closes the round)."""
+        device joined: its statistics are in the fleet's sum if the coordinator's close
+        says so, whatever this device saw of the stages (its masked input may be in the
+        sum though its unmask answer never arrived, or out of it though it answered).
+        The close or abort is sent before the next announcement, but on another MQTT
+        session, so it is waited for a little (``SETTLE_S``)."""
         joined = self._joined
         if joined is None:
             return
@@ -88,26 +96,27 @@ class SecureJoin:
         if (announcement.round, announcement.run) == (secure.round, secure.run):
             return  # the same round, announced again
         self._joined = None
+        notice = link.wait_settled(SETTLE_S)
         sent, received = link.traffic
         # The round's record gets the protocol's traffic (its update carried nothing).
         self.state.amend_round(
             secure.round, secagg_bytes_up=sent, secagg_bytes_down=received,
             secagg_seconds=time.monotonic() - started,
         )  # fmt: skip
-        abort = link.abort
-        if abort is not None:
+        if isinstance(notice, Abort):
             log.warning(
                 "round %d: secure aggregation aborted at %s: %s",
-                secure.round, abort.stage.value, abort.reason,
+                secure.round, notice.stage.value, notice.reason,
             )  # fmt: skip
-        elif Stage.UNMASK in link.answered:
+        elif isinstance(notice, Close) and notice.summed:
             summed(self.state, secure)
             log.info("round %d: statistics added to the fleet's secure sum", secure.round)
         else:
+            answered = ", ".join(s.value for s in link.answered) or "none"
+            why = "its input is not in the sum" if notice else f"no close came in {SETTLE_S:g} s"
             log.warning(
-                "round %d: closed before this device finished its secure-aggregation stages "
-                "(it answered %s); its statistics join a later round",
-                secure.round, ", ".join(s.value for s in link.answered) or "none",
+                "round %d: closed, and %s (this device answered %s); its statistics join a "
+                "later round", secure.round, why, answered,
             )  # fmt: skip
         link.close()
 

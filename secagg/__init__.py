@@ -10,17 +10,20 @@ and :class:`~secagg.server.SecAggServer`, exchanging the messages of
 (:mod:`~secagg.graph`):
 
 1. Key advertisement: each device publishes two X25519 public keys, one to encrypt the
-   shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks.
-2. Share keys: each device draws a 32-byte self-mask seed ``b_u`` and splits it and its
-   mask private key into Shamir shares for its neighbours, threshold ``t``
-   (:mod:`~secagg.shamir`).
+   shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks, none of
+   small order (:mod:`~secagg.points`); the digest of its ``[secure_aggregation]`` table;
+   and a commitment to the 32-byte self-mask seed ``b_u`` it draws
+   (:func:`~secagg.masks.seed_commitment`).
+2. Share keys: each device splits ``b_u`` and its mask private key into Shamir shares for
+   its neighbours, threshold ``t`` (:mod:`~secagg.shamir`).
 3. Masked input: each device clips, scales and rounds its vector
    (:mod:`~secagg.quantise`), adds its share of the distributed discrete Gaussian
    noise in the integer domain (:mod:`~secagg.noise`), maps it into ``Z_{2^k}``
    and adds its self mask and pairwise masks (:mod:`~secagg.masks`).
 4. Unmasking: the survivors send, for every neighbour, the share of its seed ``b_u`` if it
    survived or of its mask key if it dropped; the server rebuilds them
-   (:func:`~secagg.shamir.combine`), removes the masks that did not cancel
+   (:func:`~secagg.shamir.combine`), checks them against the advertised commitment and
+   public key, removes the masks that did not cancel
    (:func:`~secagg.masks.unmask_sum`) and decodes the noised sum
    (:func:`~secagg.quantise.decode`).
 

@@ -28,7 +28,7 @@ from protocol import fields as f
 from protocol.ids import validate_id
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
-from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret
+from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
 from secagg.messages import (
     Advertise,
     MaskedInput,
@@ -42,6 +42,7 @@ from secagg.messages import (
     Unmask,
 )
 from secagg.noise import device_noise
+from secagg.points import small_order
 from secagg.quantise import round_scaled, to_ring
 from secagg.sealing import pack_pair, pair_context, seal, share_value, unpack_pair, unseal
 from secagg.settings import SecAggSettings
@@ -79,28 +80,36 @@ class SecAggDevice:
             c=self._c.public_key().public_bytes_raw(), s=self._s.public_key().public_bytes_raw()
         )
         self._context = MaskContext(fleet=fleet, round=round)
+        # Drawn now, not with the shares: the advertisement commits to it.
+        self._seed = self._rng.randbytes(SEED_BYTES)
         self._answers: dict[Stage, tuple[object, SecAggMessage]] = {}
         self._index: dict[str, int] = {}
         self._neighbours: frozenset[str] = frozenset()
         self._keys: Mapping[str, PublicKeys] = {}
-        self._seed = b""
         self._held: dict[str, tuple[Share, Share]] = {}
         self._senders: frozenset[str] = frozenset()
 
     def advertise(self) -> Advertise:
-        """Stage 1: this round's public keys."""
+        """Stage 1: this round's public keys and the commitment to the self-mask seed."""
         cached = self._begin(Stage.ADVERTISE, None, Advertise)
         if cached is not None:
             return cached
         return self._answer(
             Stage.ADVERTISE,
             None,
-            Advertise(fleet=self.fleet, round=self.round, client=self.client, keys=self.public),
+            Advertise(
+                fleet=self.fleet,
+                round=self.round,
+                client=self.client,
+                keys=self.public,
+                table=self.settings.table,
+                commitment=seed_commitment(self._seed, client=self.client, context=self._context),
+            ),
         )
 
     def share(self, roster: Roster) -> ShareKeys:
-        """Stage 2: check the roster, draw the self-mask seed ``b_u`` and seal each
-        neighbour's Shamir shares of ``b_u`` and of the masking key ``s_u``."""
+        """Stage 2: check the roster and seal each neighbour's Shamir shares of the
+        self-mask seed ``b_u`` and of the masking key ``s_u``."""
         cached = self._begin(Stage.SHARE, roster, ShareKeys)
         if cached is not None:
             return cached
@@ -120,10 +129,15 @@ class SecAggDevice:
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.
             raise self._refuse("the roster carries one public key twice")
+        weak = sorted(
+            v for v, pair in roster.keys.items() if small_order(pair.c) or small_order(pair.s)
+        )
+        if weak:
+            # Shares sealed to such a key, or masks agreed with it, are public (secagg/points.py).
+            raise self._refuse("a neighbour's public key is of small order", blame=weak[0])
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
         self._neighbours = neighbours
         self._keys = roster.keys
-        self._seed = self._rng.randbytes(SEED_BYTES)
         holders = sorted(self._index[v] for v in neighbours | {self.client})
         seeds = split(self._seed, threshold=t, holders=holders, rng=self._rng)
         masks = split(self._s.private_bytes_raw(), threshold=t, holders=holders, rng=self._rng)

@@ -27,6 +27,19 @@ class Refused(SecAggError):
     reason = "refused"
 
 
+class Excluded(Refused):
+    """An advertisement the round will not take at all (its keys are unusable, or it was
+    made from another ``[secure_aggregation]`` table): unlike a message merely dropped,
+    its sender is told ``why`` in an :class:`~secagg.messages.Abort`, so that the
+    device's log says what to fix."""
+
+    reason = "excluded"
+
+    def __init__(self, why: str, *, round: int, client: str) -> None:
+        self.why = why
+        super().__init__(f"{client} {why}", round=round, client=client)
+
+
 class RoundAborted(SecAggError):
     """The round cannot finish: too few devices are left at ``stage``, or the shares that
     would rebuild some secret are too few or disagree. ``why`` is the reason alone, fit

@@ -16,6 +16,7 @@ what :mod:`secagg.plan` accounts for.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,15 @@ from secagg.settings import SecAggSettings
 #: ``[privacy] aggregation``: ``plain`` (each device's release reaches the coordinator) or
 #: ``secure`` (only the fleet's sum does).
 AGGREGATIONS = ("plain", "secure")
+
+#: The ``[secure_aggregation]`` fields every party must hold alike, and their types: they
+#: set the graph, the ring, the quantiser and the noise. ``stage_timeout_s`` is the
+#: coordinator's deadline alone, so it stays out of the digest.
+SHARED_FIELDS: dict[str, type] = {
+    "threshold": int, "neighbours": int, "colluding": int, "scale": float, "bits": int,
+    "epsilon": float, "delta": float, "dataset_size": int,
+}  # fmt: skip
+_TABLE_LABEL = b"protofleet/secagg/table/v1\n"
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,16 @@ class SecureAggregation:
             raise ValueError(f"dataset_size must not be negative, got {self.dataset_size}")
         if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
             raise ValueError(f"stage_timeout_s must be positive, got {self.stage_timeout_s}")
+
+    def digest(self) -> bytes:
+        """SHA-256 of :data:`SHARED_FIELDS` in one canonical form (``epsilon = 1`` and
+        ``1.0`` read alike): every advertisement carries it, and the coordinator refuses
+        a device whose digest is not its own (secagg/server.py)."""
+        lines = []
+        for name, kind in SHARED_FIELDS.items():
+            value = getattr(self, name)
+            lines.append(f"{name}={float(value).hex() if kind is float else int(value)}")
+        return hashlib.sha256(_TABLE_LABEL + "\n".join(lines).encode()).digest()
 
     def problem(self) -> str | None:
         """What a secure fleet must still set, in one line; None when it is complete."""
@@ -172,6 +192,7 @@ def _protocol(
         spec=spec,
         length=length,
         sigma2=sigma2,
+        table=table.digest(),
     )
 
 
@@ -198,15 +219,18 @@ def flatten_prototypes(rows: np.ndarray, held: np.ndarray) -> np.ndarray:
 
 
 def global_prototypes(
-    total: np.ndarray, *, dim: int, classes: int
+    total: np.ndarray, *, dim: int, classes: int, threshold: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """FedProto's global prototypes from the decoded sum: each class's summed rows over
     its holder count (exact integers, rounded back from the quantised sum), and which
-    classes any device holds."""
+    classes to announce: those at least ``threshold`` (t) devices hold. The sum has no
+    noise, so a class fewer hold would announce the mean of a few devices' rows (one
+    device's own prototype when one holds it); t is the fewest inputs the protocol lets
+    any sum have, and so the fewest a class's announced mean may have."""
     if total.shape != (classes * dim + classes,):
         raise ValueError(f"a sum of {total.shape} values, not ({classes * dim + classes},)")
     holders = np.rint(total[classes * dim :])
-    has = holders >= 1
+    has = holders >= max(1, threshold)
     rows = total[: classes * dim].reshape(classes, dim) / np.maximum(holders, 1.0)[:, None]
     return rows, has
 

@@ -23,6 +23,7 @@ Arithmetic is numpy's on unsigned arrays, which wraps modulo ``2^k`` by definiti
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -108,6 +109,17 @@ def self_mask(seed: bytes, *, me: int, length: int, bits: Bits, context: MaskCon
     """``PRG(b_u)``: device ``me``'s own mask from its seed ``b_u``."""
     key = derive_key(seed, info=context.info("self", me))
     return keystream_words(key, length=length, bits=bits)
+
+
+def seed_commitment(seed: bytes, *, client: str, context: MaskContext) -> bytes:
+    """A device's commitment to its self-mask seed ``b_u``, sent with its keys before any
+    share: SHA-256 of the context, the device's id (its index is not known until the
+    roster) and the seed. The seed is 32 random bytes, so the digest hides it; a seed the
+    coordinator rebuilds from shares must hash to it, or a wrong share would pass silently
+    when exactly ``t`` came back."""
+    name = client.encode()
+    head = context.info("seed-commitment") + len(name).to_bytes(2, "big") + name
+    return hashlib.sha256(head + seed).digest()
 
 
 def pair_secret(private: X25519PrivateKey, peer: X25519PublicKey) -> bytes:

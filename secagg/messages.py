@@ -2,10 +2,10 @@
 
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
-:class:`RelayedShares` and :class:`Survivors`, or an :class:`Abort`. Every message names
-the fleet, the round and one device (the sender of a device's message, the recipient of
-the coordinator's), and carries an optional ``auth`` trailer so that
-:func:`protocol.auth.sign` can sign it unchanged.
+:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`.
+Every message names the fleet, the round and one device (the sender of a device's
+message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
+that :func:`protocol.auth.sign` can sign it unchanged.
 
 Each validates itself on construction, so :meth:`from_wire` raises a
 :class:`~protocol.errors.ProtocolError` for any malformed payload. Collections keyed by a
@@ -36,6 +36,9 @@ from secagg.shamir import P521
 
 #: An X25519 public key.
 KEY_BYTES = 32
+#: A SHA-256 digest: of the ``[secure_aggregation]`` table (secagg/fleet.py), or the
+#: commitment to a self-mask seed (secagg/masks.py).
+DIGEST_BYTES = 32
 #: One Shamir share's value in GF(2^521 - 1), big-endian.
 SHARE_BYTES = (P521.bit_length() + 7) // 8
 #: ChaCha20-Poly1305 over a share of ``b_u`` and a share of ``s_u``: two values and a tag.
@@ -100,24 +103,37 @@ class PublicKeys:
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Advertise(SecAggMessage):
-    """Stage 1, device to coordinator: the sender's fresh public keys for this round."""
+    """Stage 1, device to coordinator: the sender's fresh public keys for this round;
+    ``table``, the digest of the ``[secure_aggregation]`` table the sender's settings were
+    made from; and ``commitment``, its commitment to its self-mask seed
+    (:func:`secagg.masks.seed_commitment`). Either may be empty (none): an advertisement
+    from before the field decodes so, and the coordinator excludes it."""
 
     KIND: ClassVar[str] = "secagg_advertise"
 
     keys: PublicKeys
+    table: bytes = b""
+    commitment: bytes = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.keys, PublicKeys):
             raise FieldError("expected PublicKeys", field="keys")
+        for name in ("table", "commitment"):
+            value = getattr(self, name)
+            blob(value, field=name, size=DIGEST_BYTES if value else None)
 
     def _body(self) -> dict[str, Any]:
-        return {**self._head(), "c": self.keys.c, "s": self.keys.s}
+        return {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table,
+                "commitment": self.commitment}  # fmt: skip
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Advertise:
         head = cls._take_head(env)
-        return cls(**head, keys=PublicKeys(c=env.take("c"), s=env.take("s")))
+        keys = PublicKeys(c=env.take("c"), s=env.take("s"))
+        table, commitment = env.take_optional("table"), env.take_optional("commitment")
+        return cls(**head, keys=keys, table=b"" if table is None else table,
+                   commitment=b"" if commitment is None else commitment)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -315,6 +331,29 @@ class Abort(SecAggMessage):
     def _from_envelope(cls, env: f.Envelope) -> Abort:
         head = cls._take_head(env)
         return cls(**head, stage=env.take("stage"), reason=env.take("reason"))
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Close(SecAggMessage):
+    """After the round's sum is unmasked, coordinator to ``client``: whether its input is
+    in the sum (``summed``), as it is once its masked input arrived, unmask answer or
+    not. A device marks its data summed from this, never from its own view of the stages."""
+
+    KIND: ClassVar[str] = "secagg_close"
+
+    summed: bool
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if type(self.summed) is not bool:
+            raise FieldError(f"expected a bool, got {type(self.summed).__name__}", field="summed")
+
+    def _body(self) -> dict[str, Any]:
+        return {**self._head(), "summed": self.summed}
+
+    @classmethod
+    def _from_envelope(cls, env: f.Envelope) -> Close:
+        return cls(**cls._take_head(env), summed=env.take("summed"))
 
 
 def blob(value: object, *, field: str, size: int | None = None) -> bytes:

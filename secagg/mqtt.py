@@ -20,6 +20,11 @@ checked by :mod:`secagg.wire`.
   fewer than ``t`` devices left aborts, and every device that advertised keys (and every
   device the caller expected) is sent an :class:`~secagg.messages.Abort` with the
   reason.
+- **Closing.** Once the sum is unmasked, every device that advertised is sent a
+  :class:`~secagg.messages.Close` saying whether its input is in it, and the broker has
+  taken them (or ``FLUSH_S`` passed) before :meth:`SecAggCoordinatorLink.run` returns:
+  the caller announces the next round after that. A device the server excludes at the
+  first stage is told why in an abort of its own.
 - **Joining.** A device advertises its keys once its link is first up. The coordinator must
   be listening by then: it is the caller's to start it first (later, the round
   announcement will say when).
@@ -46,7 +51,7 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
-from secagg.errors import Refused, RoundAborted
+from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.messages import (
     Abort,
     Advertise,
@@ -138,6 +143,8 @@ class SecAggCoordinatorLink:
             Unmask: server.take_unmask,
         }
         self._ran = False
+        # Devices the server excluded: they have answered, and will not again.
+        self._excluded: set[str] = set()
         self.link = MqttLink(
             settings=mqtt_settings,
             client_id=client_id,
@@ -193,6 +200,9 @@ class SecAggCoordinatorLink:
             server.fleet,
             len(result.survivors),
         )
+        # Before the caller announces the next round: a device marks its data summed
+        # from its close, which it waits for once that announcement reaches it.
+        self._send_flushed(server.close_messages())
         return result
 
     # -- paho's network thread: file the payload, nothing more -------------------------
@@ -218,7 +228,7 @@ class SecAggCoordinatorLink:
             self._on_stage(stage)
         deadline = time.monotonic() + self.deadlines.of(stage)
         answered: set[str] = set()
-        while expected is None or not expected <= answered:
+        while expected is None or not expected <= answered | self._excluded:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -236,6 +246,16 @@ class SecAggCoordinatorLink:
             return None
         try:
             self._takers[type(message)](message)
+        except Excluded as exc:
+            # Dropped, and its sender told why: a device that cannot take part at all
+            # (the wrong table, an unusable key) must learn it from its own log.
+            self.drops.add("excluded", f"a {message.KIND} of {sender}: {exc}")
+            self._excluded.add(sender)
+            server = self.server
+            notice = Abort(fleet=server.fleet, round=server.round, client=sender,
+                           stage=Stage.ADVERTISE, reason=f"this device is refused: {exc.why}")  # fmt: skip
+            self._send({sender: notice})
+            return None
         except Refused as exc:
             self.drops.add("refused", f"a {message.KIND} of {sender}: {exc}")
             return None
@@ -275,8 +295,13 @@ class SecAggCoordinatorLink:
             why,
             len(notices),
         )
+        self._send_flushed(notices)
+
+    def _send_flushed(self, messages: Mapping[str, SecAggMessage]) -> None:
+        """Send ``messages`` and wait (up to ``FLUSH_S`` in all) for the broker to take
+        them: the round's last word must be out before the caller moves on."""
         deadline = time.monotonic() + FLUSH_S
-        for info in self._send(notices):
+        for info in self._send(messages):
             remaining = max(0.0, deadline - time.monotonic())
             wait_acknowledged(
                 info, timeout=remaining, stopping=lambda: not self.link.is_connected()

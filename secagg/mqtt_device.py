@@ -23,6 +23,7 @@ from secagg.device import SecAggDevice
 from secagg.errors import Refused
 from secagg.messages import (
     Abort,
+    Close,
     RelayedShares,
     Roster,
     SecAggMessage,
@@ -48,7 +49,8 @@ class SecAggDeviceLink:
     ``on_answered(stage)`` is told on that thread once each answer is published, before
     anything else is handled (:meth:`close` may be called from it: a device leaving the
     round at a chosen point). :meth:`wait_finished` waits for the unmask answer or an
-    abort; ``drops`` counts what was dropped (unchecked, or refused by the device).
+    abort, :meth:`wait_settled` for the coordinator's close or abort; ``drops`` counts
+    what was dropped (unchecked, refused by the device, or of another round).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class SecAggDeviceLink:
         self._cond = threading.Condition()
         self._answered: list[Stage] = []
         self._abort: Abort | None = None
+        self._close: Close | None = None
         self._advertised = False
         self._closed = False
         self._bytes_out = self._bytes_in = 0
@@ -143,6 +146,24 @@ class SecAggDeviceLink:
         with self._cond:
             return self._abort
 
+    @property
+    def close_notice(self) -> Close | None:
+        """The coordinator's close of the round (whether this device's input is in the
+        sum), once one arrived."""
+        with self._cond:
+            return self._close
+
+    def wait_settled(self, timeout: float | None = None) -> Close | Abort | None:
+        """Wait until the coordinator's close or abort of the round arrives; that notice,
+        or None if ``timeout`` seconds passed first or the link was closed."""
+        with self._cond:
+            # A closed link hears nothing more: no use waiting for it.
+            self._cond.wait_for(
+                lambda: self._closed or self._close is not None or self._abort is not None,
+                timeout,
+            )
+            return self._close or self._abort
+
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Wait until this device has answered the last stage or heard the round abort;
         False if ``timeout`` seconds passed first or the link was closed."""
@@ -192,6 +213,21 @@ class SecAggDeviceLink:
         assert isinstance(item, bytes)
         message = self.wire.decode(item)
         if message is None:
+            return
+        if isinstance(message, Abort | Close) and message.round != self.device.round:
+            # A notice of another round (a persistent session's leftover) says nothing here.
+            self.drops.add("wrong_round", f"a {message.KIND} of round {message.round}")
+            return
+        if isinstance(message, Close):
+            with self._cond:
+                self._close = message
+                self._cond.notify_all()
+            self._log.info(
+                "%s: secure aggregation round %d closed; its input is %sin the sum",
+                self.device.client,
+                message.round,
+                "" if message.summed else "not ",
+            )
             return
         if isinstance(message, Abort):
             with self._cond:

@@ -27,12 +27,20 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.errors import Refused, RoundAborted
+from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.graph import neighbour_graph
-from secagg.masks import MaskContext, pair_secret, ring_add, ring_dtype, unmask_sum
+from secagg.masks import (
+    MaskContext,
+    pair_secret,
+    ring_add,
+    ring_dtype,
+    seed_commitment,
+    unmask_sum,
+)
 from secagg.messages import (
     Abort,
     Advertise,
+    Close,
     MaskedInput,
     PublicKeys,
     RelayedShares,
@@ -43,6 +51,7 @@ from secagg.messages import (
     Survivors,
     Unmask,
 )
+from secagg.points import small_order
 from secagg.quantise import decode
 from secagg.sealing import share_of
 from secagg.settings import SecAggSettings
@@ -73,6 +82,7 @@ class SecAggServer:
         self.aborted: RoundAborted | None = None
         self._context = MaskContext(fleet=fleet, round=round)
         self._keys: dict[str, PublicKeys] = {}
+        self._commitments: dict[str, bytes] = {}
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
@@ -88,13 +98,29 @@ class SecAggServer:
 
     def take_advertise(self, message: Advertise) -> None:
         self._open(Stage.ADVERTISE, message)
-        if self._repeat(self._keys.get(message.client), message.keys, message.client):
+        u = message.client
+        taken = (self._keys[u], self._commitments[u]) if u in self._keys else None
+        if self._repeat(taken, (message.keys, message.commitment), u):
             return
+        if message.table != self.settings.table:
+            # Another table adds other noise, or masks in another ring: its sum is wrong.
+            theirs = message.table.hex()[:8] or "none"
+            raise self._exclude(
+                f"its [secure_aggregation] table differs from the coordinator's (digest "
+                f"{theirs}, not {self.settings.table.hex()[:8] or 'none'})",
+                message.client,
+            )
         published = {key for pair in self._keys.values() for key in (pair.c, pair.s)}
         if {message.keys.c, message.keys.s} & published:
             # A key another device already advertised: a replay under a second name.
             raise self._refuse("advertised a key another device already holds", message.client)
+        if small_order(message.keys.c) or small_order(message.keys.s):
+            # Its neighbours would refuse the roster, and the round abort (secagg/points.py).
+            raise self._exclude("advertised a public key of small order", message.client)
+        if not message.commitment:
+            raise self._exclude("advertised no commitment to its self-mask seed", message.client)
         self._keys[message.client] = message.keys
+        self._commitments[message.client] = message.commitment
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
@@ -216,9 +242,17 @@ class SecAggServer:
         dropped = sorted(set(self._shares) - set(self._digests))
         # Each device's input is hidden by b_u and by s_u; rebuild one or the other, never both.
         assert not set(survivors) & set(dropped)
-        seeds = {
-            self._index[u]: self._rebuild(u, self._seed_shares, "self-mask seed") for u in survivors
-        }
+        seeds = {}
+        for u in survivors:
+            seed = self._rebuild(u, self._seed_shares, "self-mask seed")
+            # With exactly t shares a wrong one still interpolates: only the commitment
+            # tells that the seed is not u's, which would silently spoil the sum.
+            if seed_commitment(seed, client=u, context=self._context) != self._commitments[u]:
+                self._abort(
+                    Stage.UNMASK,
+                    f"the rebuilt self-mask seed of {u} is not the one it committed to",
+                )
+            seeds[self._index[u]] = seed
         dangling: dict[tuple[int, int], bytes] = {}
         for v in dropped:
             partners = sorted(self._graph[v] & set(survivors))
@@ -241,6 +275,16 @@ class SecAggServer:
             survivors=tuple(survivors),
             dropped=MappingProxyType(dict(self._dropped)),
         )
+
+    def close_messages(self) -> dict[str, Close]:
+        """After the sum is unmasked, the close for every device that advertised keys:
+        whether its input is in the sum (its masked input arrived)."""
+        if self.stage is not None or self.aborted is not None:
+            raise ValueError(f"round {self.round} has not closed")
+        return {
+            u: Close(fleet=self.fleet, round=self.round, client=u, summed=u in self._digests)
+            for u in sorted(self._keys)
+        }
 
     def abort_messages(self) -> dict[str, Abort]:
         """After an abort, the notice for every device that advertised keys."""
@@ -317,6 +361,9 @@ class SecAggServer:
     @staticmethod
     def _left(before: Iterable[str], after: Mapping[str, object]) -> tuple[str, ...]:
         return tuple(sorted(set(before) - set(after)))
+
+    def _exclude(self, why: str, client: str) -> Excluded:
+        return Excluded(why, round=self.round, client=client)
 
     def _refuse(self, why: str, client: str) -> Refused:
         return Refused(f"{client} {why}", round=self.round, client=client)

@@ -22,13 +22,17 @@ class SecAggSettings:
     shares its secrets among its neighbours and itself, so ``t <= k + 1``. ``length``:
     the vector's dimension. ``sigma2``: the distributed discrete Gaussian's parameter for
     the whole sum, in quantisation units squared (None: no noise); each device adds its
-    ``sigma2 / t`` part (:mod:`~secagg.noise`). The ring's width is ``spec.bits``."""
+    ``sigma2 / t`` part (:mod:`~secagg.noise`). The ring's width is ``spec.bits``.
+    ``table``: the SHA-256 digest of the fleet's ``[secure_aggregation]`` table these
+    settings were made from (secagg/fleet.py), which every advertisement carries and the
+    coordinator checks against its own; empty when they were made without one."""
 
     threshold: int
     neighbours: int
     spec: QuantiseSpec
     length: int
     sigma2: int | Fraction | None = None
+    table: bytes = b""
 
     def __post_init__(self) -> None:
         if type(self.threshold) is not int or self.threshold < 2:
@@ -43,6 +47,8 @@ class SecAggSettings:
             raise ValueError(f"vector length {self.length} must be a positive integer")
         if self.sigma2 is not None:
             device_sigma2(self.sigma2, threshold=self.threshold)
+        if type(self.table) is not bytes or len(self.table) not in (0, 32):
+            raise ValueError("table must be a 32-byte digest, or empty")
 
     def headroom(self, devices: int) -> int:
         """The integer room the summed noise of ``devices`` devices needs in the ring."""

@@ -35,6 +35,7 @@ from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from secagg.messages import (
     Abort,
     Advertise,
+    Close,
     MaskedInput,
     RelayedShares,
     Roster,
@@ -54,7 +55,7 @@ DEVICE_KINDS: Mapping[str, type[SecAggMessage]] = MappingProxyType(
 )
 #: What the coordinator sends and a device takes, by wire ``type``.
 COORDINATOR_KINDS: Mapping[str, type[SecAggMessage]] = MappingProxyType(
-    {m.KIND: m for m in (Roster, RelayedShares, Survivors, Abort)}
+    {m.KIND: m for m in (Roster, RelayedShares, Survivors, Close, Abort)}
 )
 
 

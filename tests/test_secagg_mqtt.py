@@ -26,7 +26,7 @@ from protocol.topics import secagg_down_topic, secagg_up_topic
 from runtime.transport import MqttSettings
 from secagg.device import SecAggDevice
 from secagg.errors import RoundAborted
-from secagg.messages import Abort, Advertise, PublicKeys, Roster, Stage
+from secagg.messages import Abort, Advertise, Close, PublicKeys, Roster, Stage
 from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
 from secagg.mqtt_device import SecAggDeviceLink
 from secagg.quantise import QuantiseSpec, sum_error_bound
@@ -187,6 +187,9 @@ def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
         assert result.survivors == tuple(CLIENTS)
         assert within_bound(result, f.vectors)
         assert all(link.answered == tuple(Stage) for link in f.devices.values())
+        # Each device hears from the coordinator that its input is in the sum.
+        closes = [link.wait_settled(10) for link in f.devices.values()]
+        assert all(isinstance(c, Close) and c.summed for c in closes)
         assert f.coordinator.drops.counts() == {}
         assert all(link.drops.counts() == {} for link in f.devices.values())
 
@@ -285,6 +288,25 @@ def test_fewer_than_t_survivors_abort_and_every_remaining_device_hears_why(
             )
             assert link.answered == (Stage.ADVERTISE, Stage.SHARE, Stage.MASKED_INPUT)
     assert f"aborted at masked_input: {reason}; telling 20 devices" in "\n".join(lines.lines)
+
+
+@pytest.mark.broker
+def test_a_device_the_coordinator_excludes_hears_why_and_the_round_goes_on(
+    mosquitto: MosquittoBroker, lines: Lines, device_lines: Lines
+) -> None:
+    with fleet(
+        mosquitto.address, SPARSE, logger=lines.logger, device_logger=device_lines.logger
+    ) as f:
+        weak = f.devices["dev-03"].device
+        weak.public = dataclasses.replace(weak.public, s=bytes(32))  # u = 0: small order
+        result = f.run()
+        assert result.survivors == tuple(c for c in CLIENTS if c != "dev-03")
+        link = f.devices["dev-03"]
+        assert link.wait_finished(10) and link.abort is not None
+        why = "this device is refused: advertised a public key of small order"
+        assert (link.abort.stage, link.abort.reason) == (Stage.ADVERTISE, why)
+        device_lines.wait(f"dev-03: secure aggregation round 5 aborted at advertise: {why}")
+        assert f.coordinator.drops.counts() == {"excluded": 1}
 
 
 @pytest.mark.broker

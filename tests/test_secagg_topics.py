@@ -25,6 +25,7 @@ from secagg.messages import (
     SHARE_BYTES,
     Abort,
     Advertise,
+    Close,
     MaskedInput,
     PublicKeys,
     RelayedShares,
@@ -119,6 +120,7 @@ def _stage_messages() -> list[SecAggMessage]:
         Unmask(
             **head, seed_shares={"d1": bytes(SHARE_BYTES)}, key_shares={"d2": bytes(SHARE_BYTES)}
         ),
+        Close(**head, summed=True),
         Abort(**head, stage=Stage.SHARE, reason="too few"),
     ]
 

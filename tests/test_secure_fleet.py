@@ -353,6 +353,26 @@ def test_a_device_pays_for_the_sums_noise_before_it_joins_and_joins_once_per_dat
     assert not agent.state.load_summed(exact.size + 1).any()
 
 
+def test_a_device_joins_a_new_runs_sum_with_all_of_its_statistics(
+    small_zoo: Path, tmp_path: Path
+) -> None:
+    # Issue 51: a device kept "summed" across runs, so a new run's empty sum never got it.
+    agent = _secure_agent(tmp_path, small_zoo, budget=5.0, epsilon=1.0)
+    bundle = agent.bundle_id
+    first = agent.handle(announcement(bundle, 0, "lda", dim=K))
+    assert first.secure is not None
+    agent.summed(first.secure)
+    assert agent.handle(announcement(bundle, 1, "lda", dim=K)).reason == "nothing_new"
+    # The coordinator's database is lost: a later run, whose sum holds nothing of it.
+    fresh = dataclasses.replace(announcement(bundle, 0, "lda", dim=K), run="fedcba9876543210",
+                                run_started=announcement(bundle, 0).run_started + 60)  # fmt: skip
+    again = agent.handle(fresh)
+    assert again.reason == "secure" and again.secure is not None
+    np.testing.assert_array_equal(again.secure.vector, first.secure.vector)
+    agent.summed(again.secure)
+    assert agent.handle(dataclasses.replace(fresh, round=1)).reason == "nothing_new"
+
+
 def test_a_device_whose_budget_would_be_exceeded_does_not_join(
     small_zoo: Path, tmp_path: Path
 ) -> None:
@@ -457,7 +477,9 @@ def test_a_secure_fedproto_fleet_announces_the_holders_mean_of_the_summed_rows(
     assert np.abs(outcome.total - exact).max() < sum_error_bound(
         3, spec=manager.secure.settings.spec
     )
-    rows, has = global_prototypes(outcome.total, dim=dim, classes=len(CLASSES))
+    rows, has = global_prototypes(
+        outcome.total, dim=dim, classes=len(CLASSES), threshold=table.threshold
+    )
     announced = manager.announcement
     assert announced.global_classes == tuple(int(c) for c in np.flatnonzero(has))
     np.testing.assert_allclose(

@@ -9,7 +9,8 @@ each coordinator round is closed by the outcome of its secure-aggregation round
   coordinator/rounds/secure_checks.py: a round whose sum fails is left out, and the last
   head is announced again (coordinator/rounds/head_guard.py), naming the round.
 - FedProto: each class's summed rows over its holder count, the round's global
-  prototypes; an aborted round announces the last ones again.
+  prototypes, for the classes at least ``t`` devices hold (secagg/fleet.py); an aborted
+  round announces the last ones again.
 
 No device's statistics are ever stored here, so none are summed update by update.
 """
@@ -219,8 +220,10 @@ class SecureSum(Tally):
                 global_classes=last.global_classes,
                 global_prototypes=np.asarray(last.global_prototypes, dtype=np.float64),
             )
+        # Only classes at least t devices hold are announced (secagg/fleet.py).
         rows, has = global_prototypes(outcome.total, dim=self.release.k,
-                                      classes=self.release.classes)  # fmt: skip
+                                      classes=self.release.classes,
+                                      threshold=self.release.settings.threshold)  # fmt: skip
         return Aggregate(
             global_classes=tuple(int(c) for c in np.flatnonzero(has)), global_prototypes=rows[has]
         )

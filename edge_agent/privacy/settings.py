@@ -53,6 +53,13 @@ class PrivacySettings:
             raise ValueError(f"privacy.mechanism must be one of {', '.join(MECHANISMS)}")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}")
+        if self.aggregation == "secure" and self.accountant == "prv":
+            # The sum of discrete Gaussian shares is bounded in Renyi DP (secagg/plan.py);
+            # PRV would price a continuous Gaussian the bound does not cover.
+            raise ValueError(
+                'privacy.accountant = "prv" cannot price a secure fleet\'s distributed '
+                'noise, whose bound is proven for RDP only: set accountant = "rdp"'
+            )
         if self.epsilon <= 0 or not 0 < self.delta < 1:
             raise ValueError("privacy.epsilon must be positive and privacy.delta in (0, 1)")
         if min(self.sgd_noise_multiplier, self.max_grad_norm, self.release_noise_multiplier) <= 0:
