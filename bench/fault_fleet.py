@@ -125,11 +125,16 @@ class AgentFleet:
 
     def start(self) -> None:
         layout = self.spec.layout
+        # One BLAS thread per host, as the host gives torch one: with OpenBLAS's default
+        # (a thread per core) every agent thread's small matrix product waited in
+        # OpenBLAS's spinning hand-off, and 300 agents held the load average over 100
+        # with rounds left unanswered. Read when numpy loads, so set for the process.
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         for index in range(len(self.groups)):
             with layout.worker_log(index).open("wb") as log:
                 self.hosts.append(subprocess.Popen(
                     [sys.executable, "-m", "fleet.transports.worker", str(layout.worker_spec(index))],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 ))  # fmt: skip
 
     def alive(self) -> None:
