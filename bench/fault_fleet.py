@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from edge_agent.state import StateDir
 from export import bundle as bundle_mod
 from fleet.data.partition import digits5
 from fleet.transports.configs import merged_tables, workers_refusal, write_config
+from fleet.transports.hosts import host_command
 from fleet.transports.mqtt import AGENTS_PER_WORKER
 from fleet.transports.progress import progress_bar
 from fleet.transports.runner import fleet_tables
@@ -125,16 +125,11 @@ class AgentFleet:
 
     def start(self) -> None:
         layout = self.spec.layout
-        # One BLAS thread per host, as the host gives torch one: with OpenBLAS's default
-        # (a thread per core) every agent thread's small matrix product waited in
-        # OpenBLAS's spinning hand-off, and 300 agents held the load average over 100
-        # with rounds left unanswered. Read when numpy loads, so set for the process.
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         for index in range(len(self.groups)):
+            argv, env = host_command(layout.worker_spec(index))
             with layout.worker_log(index).open("wb") as log:
                 self.hosts.append(subprocess.Popen(
-                    [sys.executable, "-m", "fleet.transports.worker", str(layout.worker_spec(index))],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 ))  # fmt: skip
 
     def alive(self) -> None:

@@ -26,6 +26,7 @@ from fleet.transports import tether
 from fleet.transports.amqtt_broker import AmqttBroker
 from fleet.transports.broker import BrokerError, MosquittoBroker, find_mosquitto
 from fleet.transports.configs import workers_refusal, write_config
+from fleet.transports.hosts import host_command
 from fleet.transports.layout import RunLayout
 from fleet.transports.procmem import FleetMemory
 from fleet.transports.progress import log_round, progress_bar
@@ -175,8 +176,10 @@ def _run_mqtt_fleet(
     # What to call each process -> (process, its log), for the liveness check and the end.
     named: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
 
-    def start(what: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        proc = _spawn(argv, log_path)
+    def start(
+        what: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        proc = _spawn(argv, log_path, env=env)
         procs.append(proc)
         named[what] = (proc, log_path)
         return proc
@@ -233,11 +236,8 @@ def _run_mqtt_fleet(
                         }
                     )
                 )
-                start(
-                    f"worker {w}",
-                    [sys.executable, "-m", "fleet.transports.worker", str(spec_file)],
-                    layout.worker_log(w),
-                )
+                argv, env = host_command(spec_file)
+                start(f"worker {w}", argv, layout.worker_log(w), env=env)
             memory.pids += [p.pid for p in procs]
             alive = _liveness(named, memory.sample, stop.check)
             with progress_bar(spec, len(configs), f"{spec.method}: agents online", "agent") as bar:
@@ -265,10 +265,12 @@ def _run_mqtt_fleet(
     return memory.peak_mb
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], log_path: Path, *, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as handle:
         return subprocess.Popen(
-            argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
 
 
