@@ -68,8 +68,9 @@ class SecureJoin:
         runs on the link's own thread and MQTT client, beside the service's loop."""
         cfg, keys = self.cfg, self.keys
         device = SecAggDevice(
-            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings
-        )
+            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings,
+            enrolment=keys.enrolment(cfg.agent_id, run=secure.run),
+        )  # fmt: skip
         wire = DeviceWire(
             fleet=cfg.fleet, client=cfg.agent_id, run=secure.run, signer=keys.signer,
             coordinator=keys.coordinator, max_bytes=cfg.mqtt.max_payload_bytes, logger=log,

@@ -13,7 +13,10 @@ and :class:`~secagg.server.SecAggServer`, exchanging the messages of
    shares it sends (an AEAD under an HKDF-derived key) and one for pairwise masks, none of
    small order (:mod:`~secagg.points`); the digest of its ``[secure_aggregation]`` table;
    and a commitment to the 32-byte self-mask seed ``b_u`` it draws
-   (:func:`~secagg.masks.seed_commitment`).
+   (:func:`~secagg.masks.seed_commitment`). In a signed fleet it signs the advertisement
+   with its enrolled key and sends its certificate from the fleet CA; the roster relays
+   each neighbour's signed advertisement, and a device takes a neighbour's keys only under
+   that CA's certificate for the neighbour's id (:mod:`~secagg.enrolled`).
 2. Share keys: each device splits ``b_u`` and its mask private key into Shamir shares for
    its neighbours, threshold ``t`` (:mod:`~secagg.shamir`).
 3. Masked input: each device clips, scales and rounds its vector

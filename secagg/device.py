@@ -7,7 +7,11 @@ gives (:mod:`~secagg.graph`); every relayed ciphertext must come from a neighbou
 and open under the pair's key; and it reveals, for each neighbour, the share of its
 self-mask seed or the share of its masking key, never both, even across two requests.
 Asked the same question twice (a redelivered message), it gives the same answer; asked a
-different question for a stage it already answered, it refuses.
+different question for a stage it already answered, it refuses. In a signed fleet
+(``enrolment``) every neighbour's keys must also come in that neighbour's advertisement,
+signed by the key the fleet CA bound to its id (:mod:`~secagg.enrolled`): keys the
+coordinator substituted, or a neighbour it invented, make the device refuse the roster
+before any share leaves it.
 
 Devices are numbered ``1..n`` by their place in the roster's sorted list: that number is
 each one's Shamir x-coordinate and its id in the masks' key derivation.
@@ -26,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
+from secagg.enrolled import Enrolment
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
 from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
@@ -55,7 +60,9 @@ M = TypeVar("M", bound=SecAggMessage)
 class SecAggDevice:
     """Device ``client``'s part in round ``round`` of ``fleet``. ``rng`` is the secret
     source of its keys, seed, Shamir coefficients, rounding coins and noise: the
-    operating system's unless a test injects a seeded one."""
+    operating system's unless a test injects a seeded one. ``enrolment``: in a signed
+    fleet, its enrolled key, certificate and pinned fleet CA, with which it signs its
+    advertisement and checks its neighbours'; None in an insecure fleet."""
 
     def __init__(
         self,
@@ -65,8 +72,12 @@ class SecAggDevice:
         round: int,
         settings: SecAggSettings,
         rng: Random | None = None,
+        enrolment: Enrolment | None = None,
     ) -> None:
         self.client = validate_id(client, field="client")
+        if enrolment is not None and enrolment.client != self.client:
+            raise ValueError(f"the enrolment is {enrolment.client}'s, not {self.client}'s")
+        self._enrolment = enrolment
         self.fleet = validate_id(fleet, field="fleet")
         self.round = f.integer(round, field="round")
         if not isinstance(settings, SecAggSettings):
@@ -94,18 +105,17 @@ class SecAggDevice:
         cached = self._begin(Stage.ADVERTISE, None, Advertise)
         if cached is not None:
             return cached
-        return self._answer(
-            Stage.ADVERTISE,
-            None,
-            Advertise(
-                fleet=self.fleet,
-                round=self.round,
-                client=self.client,
-                keys=self.public,
-                table=self.settings.table,
-                commitment=seed_commitment(self._seed, client=self.client, context=self._context),
-            ),
+        advert = Advertise(
+            fleet=self.fleet,
+            round=self.round,
+            client=self.client,
+            keys=self.public,
+            table=self.settings.table,
+            commitment=seed_commitment(self._seed, client=self.client, context=self._context),
         )
+        if self._enrolment is not None:
+            advert = self._enrolment.sign(advert)
+        return self._answer(Stage.ADVERTISE, None, advert)
 
     def share(self, roster: Roster) -> ShareKeys:
         """Stage 2: check the roster and seal each neighbour's Shamir shares of the
@@ -125,6 +135,7 @@ class SecAggDevice:
         neighbours = graph[self.client]
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
+        self._check_enrolled(roster, neighbours)
         published = [key for pair in roster.keys.values() for key in (pair.c, pair.s)]
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.
@@ -247,6 +258,19 @@ class SecAggDevice:
             key_shares={v: share_value(self._held[v][1]) for v in keys},
         )
         return self._answer(Stage.UNMASK, survivors, answer)
+
+    def _check_enrolled(self, roster: Roster, neighbours: frozenset[str]) -> None:
+        """In a signed fleet, refuses unless every neighbour's keys come in its own
+        advertisement, signed under a certificate of the pinned fleet CA."""
+        if self._enrolment is None:
+            return
+        for v in sorted(neighbours):
+            why = self._enrolment.problem(
+                roster.adverts.get(v), client=v, fleet=self.fleet, round=self.round,
+                keys=roster.keys[v],
+            )  # fmt: skip
+            if why is not None:
+                raise self._refuse(f"a neighbour's advertisement {why}", blame=v)
 
     def _revealed(self) -> dict[str, str]:
         """Which share of each device this one has already given: "seed" or "key"."""

@@ -83,6 +83,7 @@ class SecAggServer:
         self._context = MaskContext(fleet=fleet, round=round)
         self._keys: dict[str, PublicKeys] = {}
         self._commitments: dict[str, bytes] = {}
+        self._signed: dict[str, bytes] = {}
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
@@ -121,10 +122,13 @@ class SecAggServer:
             raise self._exclude("advertised no commitment to its self-mask seed", message.client)
         self._keys[message.client] = message.keys
         self._commitments[message.client] = message.commitment
+        if message.auth is not None:
+            # Relayed as signed: the neighbours check it, not this server (secagg/enrolled.py).
+            self._signed[message.client] = message.to_wire()
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
-        its neighbours."""
+        its neighbours, with the neighbours' signed advertisements."""
         self._open(Stage.ADVERTISE)
         clients = tuple(sorted(self._keys))
         self._enough(Stage.ADVERTISE, len(clients), "devices advertised keys")
@@ -146,6 +150,7 @@ class SecAggServer:
                 client=u,
                 clients=clients,
                 keys={v: self._keys[v] for v in self._graph[u] | {u}},
+                adverts={v: self._signed[v] for v in self._graph[u] if v in self._signed},
             )
             for u in clients
         }

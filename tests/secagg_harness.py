@@ -16,7 +16,9 @@ sent next. A device that refuses a message leaves the round, as it does over MQT
 (secagg/mqtt_device.py drops what it refuses), and the transcript keeps its refusal; so
 does the honest server's refusal of a device's message (secagg/mqtt.py drops it). A lying
 coordinator may run devices of its own under any id (:func:`puppet`): it holds their
-private keys, as a coordinator that invents neighbours or substitutes keys would.
+private keys, as a coordinator that invents neighbours or substitutes keys would. Devices
+of a signed fleet (:func:`devices` with ``ca``) sign their advertisements under
+certificates of the fleet CA (tests/fleet_ca.py), which the coordinator does not hold.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from secagg.messages import (
 from secagg.quantise import QuantiseSpec
 from secagg.server import SecAggResult, SecAggServer
 from secagg.settings import SecAggSettings
+from tests.fleet_ca import TestCA
 
 M = TypeVar("M", bound=SecAggMessage)
-FLEET, ROUND = "lab", 5
+FLEET, ROUND, RUN = "lab", 5, "run-1"
 SPEC = QuantiseSpec(clip=1.0, scale=2.0**16, bits=32)
 
 
@@ -73,8 +76,21 @@ def puppet(client: str, settings: SecAggSettings, *, seed: int) -> SecAggDevice:
                         rng=Random(seed))  # fmt: skip
 
 
-def devices(settings: SecAggSettings, names: Sequence[str]) -> list[SecAggDevice]:
-    return [puppet(c, settings, seed=100 + i) for i, c in enumerate(names)]
+def devices(
+    settings: SecAggSettings, names: Sequence[str], *, ca: TestCA | None = None
+) -> list[SecAggDevice]:
+    """Honest devices; with ``ca``, of a signed fleet whose CA that is."""
+    return [
+        SecAggDevice(
+            client=c,
+            fleet=FLEET,
+            round=ROUND,
+            settings=settings,
+            rng=Random(100 + i),
+            enrolment=None if ca is None else ca.enrol(c, run=RUN),
+        )
+        for i, c in enumerate(names)
+    ]
 
 
 def inputs(names: Sequence[str], *, length: int = 6, seed: int = 1) -> dict[str, np.ndarray]:

@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from protocol.auth import Signer, sign
 from secagg.device import SecAggDevice
-from secagg.errors import Excluded
+from secagg.errors import Excluded, RoundAborted
 from secagg.graph import neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
@@ -38,9 +40,11 @@ from secagg.sealing import share_of
 from secagg.server import SecAggResult
 from secagg.settings import SecAggSettings
 from secagg.shamir import combine
+from tests.fleet_ca import TestCA
 from tests.secagg_harness import (
     FLEET,
     ROUND,
+    RUN,
     SPEC,
     Coordinator,
     Transcript,
@@ -58,6 +62,7 @@ COMPLETE = settings(n=N, threshold=7)
 SPARSE = settings(n=N, threshold=4, neighbours=8)
 GRAPHS = pytest.mark.parametrize("graph", [COMPLETE, SPARSE], ids=["complete", "sparse"])
 VICTIM = "dev-00"
+CA = TestCA()
 
 
 def unmasked_alone(transcript: Transcript, vectors: Mapping[str, np.ndarray]) -> bool:
@@ -82,22 +87,41 @@ class Sybils(Coordinator):
     """Keeps one real device, ``victim``, and surrounds it with puppets of its own named
     ``names``: the real devices' ids with its keys in place of theirs, or ids it invents.
     It runs an honest round among them, so the sum it unmasks is the victim's input plus
-    the puppets' zeros, whatever ``t`` is."""
+    the puppets' zeros, whatever ``t`` is. In a signed fleet it must forge each puppet's
+    advertisement (``forge``): ``unsigned``, as they come; ``rogue-ca``, signed under
+    certificates of a CA of its own with the fleet CA's name; ``stolen-certificate``,
+    signed with its key under a real device's certificate (the one of that id, or of
+    ``dev-01`` for an invented id): certificates travel in the clear."""
 
-    def __init__(self, *, settings: SecAggSettings, victim: str, names: Sequence[str]) -> None:
+    def __init__(self, *, settings: SecAggSettings, victim: str, names: Sequence[str],
+                 forge: str = "unsigned") -> None:  # fmt: skip
         super().__init__(settings=settings)
-        self.victim = victim
+        self.victim, self.forge = victim, forge
         self.puppets = {n: puppet(n, settings, seed=900 + i) for i, n in enumerate(names)}
         self._asked: Mapping[str, Any] = {}
+        self._rogue = TestCA()
+
+    def _signed(self, advert: Advertise, real: Mapping[str, Any]) -> Advertise:
+        if self.forge == "unsigned":
+            return advert
+        key = Ed25519PrivateKey.generate()
+        if self.forge == "rogue-ca":
+            certificate = self._rogue.issue(advert.client, key)
+        else:
+            certificate = real.get(advert.client, real["dev-01"]).certificate
+        return sign(replace(advert, certificate=certificate), Signer(key), run=RUN)
 
     def _with_puppets(self, answers: Mapping[str, SecAggMessage], stage: str) -> dict[str, Any]:
         zero = np.zeros(self.settings.length)
         respond = {
-            "advertise": lambda p, _: p.advertise(),
+            "advertise": lambda p, _: self._signed(p.advertise(), answers),
             "share": lambda p, m: p.share(m),
             "masked_input": lambda p, m: p.masked_input(m, zero),
             "unmask": lambda p, m: p.unmask(m),
         }[stage]
+        if self.victim not in answers:
+            # The victim left the round: there is nothing left to learn.
+            raise RoundAborted(f"{self.victim} left", round=ROUND, stage=stage)
         mine = {c: respond(p, self._asked.get(c)) for c, p in self.puppets.items()}
         return {self.victim: answers[self.victim], **mine}
 
@@ -118,20 +142,58 @@ class Sybils(Coordinator):
         return super().result(self._with_puppets(unmasks, "unmask"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="neighbours' keys are not signed by the neighbours (issue 51, What to build 1)",
-)
-@pytest.mark.parametrize("names", [NAMES[1:], [f"ghost-{i:02d}" for i in range(1, N)]],
-                         ids=["substituted-keys", "invented-ids"])  # fmt: skip
-def test_a_coordinator_that_plays_every_neighbour_cannot_unmask_one_input(
-    names: list[str],
-) -> None:
+SUBSTITUTED, INVENTED = NAMES[1:], [f"ghost-{i:02d}" for i in range(1, N)]
+
+
+def test_on_an_insecure_fleet_a_coordinator_playing_every_neighbour_unmasks_one_input() -> None:
+    # What a fleet without the fleet CA's enrolment gives up (docs/privacy.md): the
+    # coordinator's word is all a device has for its neighbours' keys.
     vectors = inputs(NAMES)
-    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=names)
+    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=SUBSTITUTED)
     transcript = run_round(coordinator, devices(COMPLETE, NAMES), vectors)
+    assert unmasked_alone(transcript, vectors)
+
+
+#: Why the victim refuses each forgery of dev-01's advertisement.
+WHY = {
+    "unsigned": "is not relayed",
+    "rogue-ca": "carries a certificate the fleet CA did not issue",
+    "stolen-certificate": "is not signed by its enrolled key (bad_signature)",
+}
+
+
+@pytest.mark.parametrize("forge", list(WHY))
+@pytest.mark.parametrize("names", [SUBSTITUTED, INVENTED], ids=["substituted", "invented"])
+def test_a_coordinator_that_plays_every_neighbour_cannot_unmask_one_input(
+    names: list[str], forge: str
+) -> None:
+    # Before issue 51's enrolment the victim took any keys the roster named, and its input
+    # was unmasked alone under every forgery here (as on the insecure fleet above).
+    vectors = inputs(NAMES)
+    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=names, forge=forge)
+    transcript = run_round(coordinator, devices(COMPLETE, NAMES, ca=CA), vectors)
     assert not unmasked_alone(transcript, vectors), f"{VICTIM}'s input was unmasked alone"
+    assert VICTIM not in transcript.answers[Stage.SHARE], "a share left the victim"
+    refusal = str(transcript.refused[VICTIM])
+    assert f"{VICTIM} refuses: a neighbour's advertisement " in refusal
+    if names is SUBSTITUTED:
+        assert refusal.endswith(f"{WHY[forge]} (dev-01)")
+    elif forge == "stolen-certificate":
+        assert refusal.endswith("carries a certificate issued to another device (ghost-01)")
+    else:
+        assert refusal.endswith(f"{WHY[forge]} (ghost-01)")
+
+
+@GRAPHS
+def test_a_signed_fleet_of_honest_devices_unmasks_the_plain_sum(graph: SecAggSettings) -> None:
+    vectors = inputs(NAMES)
+    transcript = run_round(Coordinator(settings=graph), devices(graph, NAMES, ca=CA), vectors)
+    assert transcript.refused == {} and transcript.result is not None
+    rosters = transcript.requests[Stage.SHARE]
+    assert all(isinstance(r, Roster) and set(r.adverts) == set(r.keys) - {c}
+               for c, r in rosters.items())  # fmt: skip
+    plain = np.sum([np.clip(v, -1.0, 1.0) for v in vectors.values()], axis=0)
+    assert np.abs(transcript.result.total - plain).max() < sum_error_bound(N, spec=SPEC)
 
 
 class Equivocator(Coordinator):

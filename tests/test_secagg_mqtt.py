@@ -1,5 +1,6 @@
 """Secure aggregation over a real Mosquitto: 20 device links (threads of this process, each
-with its own connection and Ed25519 key) and the coordinator's link run whole rounds.
+with its own connection, Ed25519 key and certificate of a fleet CA) and the coordinator's
+link run whole rounds.
 
 The unmasked sum equals the plain sum within the quantisation bound, with a third of the
 devices leaving after each stage, and at every stage in turn; too few survivors abort the
@@ -25,6 +26,7 @@ from protocol.auth import Signer, sign
 from protocol.topics import secagg_down_topic, secagg_up_topic
 from runtime.transport import MqttSettings
 from secagg.device import SecAggDevice
+from secagg.enrolled import Enrolment
 from secagg.errors import RoundAborted
 from secagg.messages import Abort, Advertise, Close, PublicKeys, Roster, Stage
 from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
@@ -33,6 +35,7 @@ from secagg.quantise import QuantiseSpec, sum_error_bound
 from secagg.server import SecAggResult, SecAggServer
 from secagg.settings import SecAggSettings
 from secagg.wire import CoordinatorWire, DeviceWire
+from tests.fleet_ca import NOW, TestCA
 from tests.mqtt_helpers import connected
 from tests.test_mqtt_link import Lines, attached_lines
 
@@ -52,11 +55,28 @@ STAGE_S = 3.0
 
 
 def ed25519(seed: int) -> Signer:
-    return Signer(Ed25519PrivateKey.from_private_bytes(Random(seed).randbytes(32)))
+    return Signer(_key(seed))
+
+
+def _key(seed: int) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(Random(seed).randbytes(32))
 
 
 COORDINATOR_KEY = ed25519(1000)
 DEVICE_KEYS = {c: ed25519(i) for i, c in enumerate(CLIENTS)}
+#: The fleet CA's certificate for each device's key: the devices check each other's.
+CA = TestCA()
+ENROLMENTS = {
+    c: Enrolment(
+        client=c,
+        signer=DEVICE_KEYS[c],
+        certificate=CA.issue(c, _key(i)),
+        ca=CA.certificate,
+        run=RUN,
+        clock=NOW,
+    )
+    for i, c in enumerate(CLIENTS)
+}
 
 
 def inputs(seed: int = 1) -> dict[str, np.ndarray]:
@@ -129,9 +149,8 @@ def fleet(
     )
     devices: dict[str, SecAggDeviceLink] = {}
     for i, c in enumerate(CLIENTS):
-        device = SecAggDevice(
-            client=c, fleet=FLEET, round=ROUND, settings=settings, rng=Random(100 + i)
-        )
+        device = SecAggDevice(client=c, fleet=FLEET, round=ROUND, settings=settings,
+                              rng=Random(100 + i), enrolment=ENROLMENTS[c])  # fmt: skip
         devices[c] = SecAggDeviceLink(
             device=device,
             vector=vectors[c],
@@ -191,6 +210,7 @@ def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
         closes = [link.wait_settled(10) for link in f.devices.values()]
         assert all(isinstance(c, Close) and c.summed for c in closes)
         assert f.coordinator.drops.counts() == {}
+        # No device refused: each took its neighbours' keys from their signed adverts.
         assert all(link.drops.counts() == {} for link in f.devices.values())
 
 

@@ -71,7 +71,8 @@ def _table(**overrides: object) -> SecureAggregation:
 
 def _keys(tmp_path: Path) -> FleetKeys:
     """The fleet's Ed25519 keys: signed, its coordinator expects the enrolled devices, so
-    each stage closes as soon as they have answered instead of at its deadline."""
+    each stage closes as soon as they have answered instead of at its deadline; and the
+    fleet CA's certificates, with which the devices check each other's keys."""
     return fleet_keys(tmp_path / "keys", [f"dev-{i}" for i in range(len(DOMAINS))])
 
 
@@ -79,8 +80,11 @@ def _signed(cfg: AgentConfig, tmp_path: Path) -> AgentConfig:
     keys = _keys(tmp_path)
     return dataclasses.replace(
         cfg,
-        security=AgentSecurity(key=keys.agent_key(cfg.agent_id), coordinator=keys.coordinator_pub),
-    )
+        security=AgentSecurity(
+            key=keys.agent_key(cfg.agent_id), coordinator=keys.coordinator_pub, ca=keys.ca_cert,
+            certificate=keys.agent_certificate(cfg.agent_id),
+        ),
+    )  # fmt: skip
 
 
 def _coordinator(
@@ -396,6 +400,7 @@ def test_a_device_whose_budget_would_be_exceeded_does_not_join(
         ({"privacy": AgentPrivacy(aggregation="secure", mechanism="dp-features")}, "set it to"),
         ({"secure_aggregation": SecureAggregation(dataset_size=20)}, "threshold must be set"),
         ({"secure_aggregation": SecureAggregation(threshold=3)}, "dataset_size must be set"),
+        ({"security": AgentSecurity(key=Path("k"), coordinator=Path("c"))}, "needs security.ca"),
     ],
 )
 def test_a_device_configuration_that_cannot_sum_securely_is_refused_in_one_line(
