@@ -136,6 +136,16 @@ class SecAggDevice:
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
         self._check_enrolled(roster, neighbours)
+        h, c = len(neighbours) + 1, self.settings.colluding
+        if self._enrolment is not None and 2 * t <= h + c:
+            # Each honest holder gives one share of this device's (its seed's or its
+            # key's), a colluder both: under this bound a coordinator that tells holders
+            # different survivor lists gets t of each and unmasks this input alone.
+            # (Unsigned, a coordinator that plays every neighbour does that anyway.)
+            raise self._refuse(
+                f"t = {t} is not more than half of the {h} holders of its secrets "
+                f"plus c = {c}: survivor lists that differ could rebuild both its secrets"
+            )
         published = [key for pair in roster.keys.values() for key in (pair.c, pair.s)]
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.

@@ -193,6 +193,7 @@ def _protocol(
         length=length,
         sigma2=sigma2,
         table=table.digest(),
+        colluding=table.colluding,
     )
 
 

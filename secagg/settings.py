@@ -25,7 +25,9 @@ class SecAggSettings:
     ``sigma2 / t`` part (:mod:`~secagg.noise`). The ring's width is ``spec.bits``.
     ``table``: the SHA-256 digest of the fleet's ``[secure_aggregation]`` table these
     settings were made from (secagg/fleet.py), which every advertisement carries and the
-    coordinator checks against its own; empty when they were made without one."""
+    coordinator checks against its own; empty when they were made without one.
+    ``colluding`` (c): how many devices may side with the coordinator; a signed device
+    requires ``2t > h + c`` of the ``h`` holders of its secrets (docs/privacy.md)."""
 
     threshold: int
     neighbours: int
@@ -33,6 +35,7 @@ class SecAggSettings:
     length: int
     sigma2: int | Fraction | None = None
     table: bytes = b""
+    colluding: int = 0
 
     def __post_init__(self) -> None:
         if type(self.threshold) is not int or self.threshold < 2:
@@ -43,6 +46,8 @@ class SecAggSettings:
                 f"{self.neighbours} neighbours hold {self.neighbours + 1} shares of each "
                 f"secret (with the device's own), fewer than the threshold {self.threshold}"
             )
+        if type(self.colluding) is not int or not 0 <= self.colluding < self.threshold:
+            raise ValueError(f"colluding {self.colluding} must be in 0..threshold - 1")
         if type(self.length) is not int or self.length < 1:
             raise ValueError(f"vector length {self.length} must be a positive integer")
         if self.sigma2 is not None:

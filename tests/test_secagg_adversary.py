@@ -2,9 +2,10 @@
 adversarial-coordinator harness of tests/secagg_harness.py: each attack is a subclass of
 its honest :class:`~tests.secagg_harness.Coordinator` that lies at one stage.
 
-Attacks the protocol does not stop yet are marked ``xfail(strict=True)`` with what would
-stop them: each asserts the property the protocol owes, so the day a fix lands the test
-passes, strict xfail reports it, and the marker comes off."""
+Each attack test asserts the property the protocol owes and failed before the fix that
+stops it (an attack the protocol does not stop yet would be an ``xfail(strict=True)``
+naming what would). Beside the signed fleet's tests, the same attacks on an insecure fleet
+still succeed: what a fleet without the fleet CA gives up (docs/privacy.md)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ NAMES = clients(N)
 COMPLETE = settings(n=N, threshold=7)
 SPARSE = settings(n=N, threshold=4, neighbours=8)
 GRAPHS = pytest.mark.parametrize("graph", [COMPLETE, SPARSE], ids=["complete", "sparse"])
+#: What a signed fleet's devices accept: 2t > h + c for the h holders of each secret.
+SIGNED = pytest.mark.parametrize(
+    "graph",
+    [settings(n=N, threshold=11), settings(n=N, threshold=5, neighbours=8)],
+    ids=["complete", "sparse"],
+)
 VICTIM = "dev-00"
 CA = TestCA()
 
@@ -184,7 +191,7 @@ def test_a_coordinator_that_plays_every_neighbour_cannot_unmask_one_input(
         assert refusal.endswith(f"{WHY[forge]} (ghost-01)")
 
 
-@GRAPHS
+@SIGNED
 def test_a_signed_fleet_of_honest_devices_unmasks_the_plain_sum(graph: SecAggSettings) -> None:
     vectors = inputs(NAMES)
     transcript = run_round(Coordinator(settings=graph), devices(graph, NAMES, ca=CA), vectors)
@@ -245,22 +252,51 @@ class Equivocator(Coordinator):
         return {}  # its server never closed the round: it tells the devices nothing
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="no consistency round: survivor lists are not signed (issue 51, What to build 2)",
-)
-@GRAPHS
-def test_equivocating_survivor_lists_do_not_unmask_one_input(graph: SecAggSettings) -> None:
+def equivocate(graph: SecAggSettings, *, ca: TestCA | None) -> Transcript:
     # t neighbours hear the victim dropped; the victim and its other neighbours (at least
     # t of them on both graphs here) hear it survived.
     neighbours = neighbour_graph(NAMES, k=graph.neighbours, fleet=FLEET, round=ROUND)[VICTIM]
     told = set(sorted(neighbours)[: graph.threshold])
     assert len(neighbours - told) + 1 >= graph.threshold
-    vectors = inputs(NAMES)
     coordinator = Equivocator(settings=graph, victim=VICTIM, told_dropped=told)
-    transcript = run_round(coordinator, devices(graph, NAMES), vectors)
-    assert not unmasked_alone(transcript, vectors), f"{VICTIM}'s input was unmasked alone"
+    return run_round(coordinator, devices(graph, NAMES, ca=ca), inputs(NAMES))
+
+
+@GRAPHS
+def test_on_an_insecure_fleet_equivocating_survivor_lists_unmask_one_input(
+    graph: SecAggSettings,
+) -> None:
+    # What an unsigned fleet gives up: its devices take any t (it would gain nothing to
+    # refuse, since its coordinator can play every neighbour anyway).
+    assert unmasked_alone(equivocate(graph, ca=None), inputs(NAMES))
+
+
+@GRAPHS
+def test_equivocating_survivor_lists_do_not_unmask_one_input(graph: SecAggSettings) -> None:
+    # A signed device refuses, before any share leaves it, a t under which t shares of
+    # its seed and t of its key can come from its h holders (c colluders give both):
+    # 2t <= h + c. Before, both graphs here (t 7 of 20; t 4 of 9 holders) were taken and
+    # the victim's input unmasked alone (the insecure fleet's test above).
+    transcript = equivocate(graph, ca=CA)
+    assert not unmasked_alone(transcript, inputs(NAMES)), f"{VICTIM}'s input was unmasked alone"
+    assert transcript.answers[Stage.SHARE] == {}
+    assert "survivor lists that differ could rebuild both its secrets" in str(
+        transcript.refused[VICTIM]
+    )
+
+
+@pytest.mark.parametrize(
+    ("threshold", "colluding", "taken"),
+    [(10, 0, False), (11, 0, True), (11, 1, True), (11, 2, False), (12, 3, True)],
+)
+def test_a_signed_device_takes_t_only_above_half_its_holders_and_the_colluders(
+    threshold: int, colluding: int, taken: bool
+) -> None:
+    graph = replace(settings(n=N, threshold=threshold), colluding=colluding)
+    transcript = run_round(Coordinator(settings=graph), devices(graph, NAMES, ca=CA),
+                           inputs(NAMES))  # fmt: skip
+    assert (transcript.result is not None) is taken
+    assert (VICTIM in transcript.refused) is not taken
 
 
 def test_the_harness_drops_who_it_is_told_to_and_keeps_each_refusal() -> None:

@@ -46,6 +46,8 @@ LENGTH = 6
 SPEC = QuantiseSpec(clip=1.0, scale=2.0**16, bits=32)
 COMPLETE = SecAggSettings(threshold=5, neighbours=N - 1, spec=SPEC, length=LENGTH)
 SPARSE = SecAggSettings(threshold=4, neighbours=8, spec=SPEC, length=LENGTH)
+#: A signed fleet's devices need 2t > (holders) + c: t 11 of the 20 on the complete graph.
+SIGNED = SecAggSettings(threshold=11, neighbours=N - 1, spec=SPEC, length=LENGTH)
 CLIENTS = [f"dev-{i:02d}" for i in range(N)]
 #: A third of the fleet: every third device, which the seeded shuffle scatters over the graph.
 THIRD = CLIENTS[::3]
@@ -131,9 +133,11 @@ def fleet(
     logger: logging.Logger,
     device_logger: logging.Logger | None = None,
     seed: int = 1,
+    enrolled: bool = False,
 ) -> Iterator[Fleet]:
     """A listening coordinator link and 20 device links not yet started; ``leave[c]``:
-    device ``c`` disconnects once it has answered that stage."""
+    device ``c`` disconnects once it has answered that stage; ``enrolled``: the devices
+    check each other's keys under the fleet CA (secagg/enrolled.py)."""
     mqtt = MqttSettings(host=address.host, port=address.port)
     vectors = inputs(seed)
     coordinator = SecAggCoordinatorLink(
@@ -150,7 +154,8 @@ def fleet(
     devices: dict[str, SecAggDeviceLink] = {}
     for i, c in enumerate(CLIENTS):
         device = SecAggDevice(client=c, fleet=FLEET, round=ROUND, settings=settings,
-                              rng=Random(100 + i), enrolment=ENROLMENTS[c])  # fmt: skip
+                              rng=Random(100 + i),
+                              enrolment=ENROLMENTS[c] if enrolled else None)  # fmt: skip
         devices[c] = SecAggDeviceLink(
             device=device,
             vector=vectors[c],
@@ -197,10 +202,12 @@ def within_bound(result: SecAggResult, vectors: Mapping[str, np.ndarray]) -> boo
 
 
 @pytest.mark.broker
+@pytest.mark.parametrize("enrolled", [False, True], ids=["sparse", "complete-enrolled"])
 def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
-    mosquitto: MosquittoBroker, lines: Lines
+    mosquitto: MosquittoBroker, lines: Lines, enrolled: bool
 ) -> None:
-    with fleet(mosquitto.address, SPARSE, logger=lines.logger) as f:
+    settings = SIGNED if enrolled else SPARSE
+    with fleet(mosquitto.address, settings, logger=lines.logger, enrolled=enrolled) as f:
         result = f.run()
         assert all(link.wait_finished(10) for link in f.devices.values())
         assert result.survivors == tuple(CLIENTS)
@@ -210,7 +217,7 @@ def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
         closes = [link.wait_settled(10) for link in f.devices.values()]
         assert all(isinstance(c, Close) and c.summed for c in closes)
         assert f.coordinator.drops.counts() == {}
-        # No device refused: each took its neighbours' keys from their signed adverts.
+        # No device refused (enrolled: each took its neighbours' keys from their adverts).
         assert all(link.drops.counts() == {} for link in f.devices.values())
 
 
