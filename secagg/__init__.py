@@ -37,6 +37,8 @@ numpy, msgpack, ``cryptography``, the standard library and the wire conventions 
 rounds run through :mod:`~secagg.mqtt` (topics ``secagg/up`` and ``secagg/down``,
 docs/protocol.md) with :mod:`~secagg.wire` checking every message; a fleet's
 rounds use them through :mod:`~secagg.fleet` (coordinator/rounds/secure_rounds.py, the
-agent's service). Not built: the signed consistency round against a coordinator that shows
-devices different survivor lists (docs/privacy.md says what that leaves open).
+agent's service). Against a coordinator that shows devices different survivor lists, a
+signed device refuses a threshold under which its holders could give t shares of both of
+its secrets (``2t <= h + c``, :mod:`~secagg.device`). Not built: the signed consistency
+round (docs/privacy.md says what that leaves open).
 """

@@ -84,6 +84,7 @@ class SecAggServer:
         self._keys: dict[str, PublicKeys] = {}
         self._commitments: dict[str, bytes] = {}
         self._signed: dict[str, bytes] = {}
+        self._certified = False
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
@@ -125,6 +126,7 @@ class SecAggServer:
         if message.auth is not None:
             # Relayed as signed: the neighbours check it, not this server (secagg/enrolled.py).
             self._signed[message.client] = message.to_wire()
+        self._certified |= bool(message.certificate)
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
@@ -142,6 +144,9 @@ class SecAggServer:
         self._graph = neighbour_graph(
             clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round
         )
+        unsafe = self.threshold_problem()
+        if unsafe is not None:
+            self._abort(Stage.ADVERTISE, unsafe)
         self.stage = Stage.SHARE
         return {
             u: Roster(
@@ -352,6 +357,19 @@ class SecAggServer:
         if before == now:
             return True
         raise self._refuse("sent a second, different message for this stage", client)
+
+    def threshold_problem(self) -> str | None:
+        """Why enrolled devices (their advertisements carry certificates) would each
+        refuse this round's rosters, if they would: ``2t <= h + c`` (secagg/device.py).
+        Said here, the coordinator's log and every device's abort carry the reason."""
+        t, c = self.settings.threshold, self.settings.colluding
+        h = max(map(len, self._graph.values())) + 1
+        if not self._certified or 2 * t > h + c:
+            return None
+        return (
+            f"t = {t} is not more than half of the {h} holders of a device's secrets plus "
+            f"c = {c}: enrolled devices refuse it"
+        )
 
     def _enough(self, stage: Stage, count: int, what: str) -> None:
         t = self.settings.threshold

@@ -98,13 +98,24 @@ def inputs(names: Sequence[str], *, length: int = 6, seed: int = 1) -> dict[str,
     return dict(zip(names, rows, strict=True))
 
 
+class LaxServer(SecAggServer):
+    """The honest server less its check of the threshold against what enrolled devices
+    take (:meth:`~secagg.server.SecAggServer.threshold_problem`): a lying coordinator
+    need not abort a round its victims would refuse."""
+
+    def threshold_problem(self) -> str | None:
+        return None
+
+
 class Coordinator:
     """The honest coordinator: each stage hands the devices' answers to the server and
-    closes the stage. ``refused``: the server's refusals, by device."""
+    closes the stage. ``refused``: the server's refusals, by device. ``lax``: its server
+    is a :class:`LaxServer`."""
 
-    def __init__(self, *, settings: SecAggSettings) -> None:
+    def __init__(self, *, settings: SecAggSettings, lax: bool = False) -> None:
         self.settings = settings
-        self.server = SecAggServer(fleet=FLEET, round=ROUND, settings=settings)
+        server = LaxServer if lax else SecAggServer
+        self.server = server(fleet=FLEET, round=ROUND, settings=settings)
         self.refused: dict[str, Refused] = {}
 
     def rosters(self, adverts: Mapping[str, Advertise]) -> Mapping[str, Roster]:
