@@ -2,7 +2,7 @@
 and stages): the server learns the fleet's noised sum, never a device's input.
 
 The protocol (Bonawitz et al., CCS 2017; SecAgg+ of Bell et al., CCS 2020 when each device
-pairs with a sparse set of neighbours rather than all) runs in four stages per round, each
+pairs with a sparse set of neighbours rather than all) runs in five stages per round, each
 over MQTT once it is wired in. This package holds the pure pieces they are built of and
 the two sides' state machines, transport-free: :class:`~secagg.device.SecAggDevice`
 and :class:`~secagg.server.SecAggServer`, exchanging the messages of
@@ -23,7 +23,10 @@ and :class:`~secagg.server.SecAggServer`, exchanging the messages of
    (:mod:`~secagg.quantise`), adds its share of the distributed discrete Gaussian
    noise in the integer domain (:mod:`~secagg.noise`), maps it into ``Z_{2^k}``
    and adds its self mask and pairwise masks (:mod:`~secagg.masks`).
-4. Unmasking: the survivors send, for every neighbour, the share of its seed ``b_u`` if it
+4. Consistency: each survivor signs the survivor list it was sent, and no device
+   releases a share before ``t`` survivors signed the very list it holds
+   (:mod:`~secagg.consistency`).
+5. Unmasking: the survivors send, for every neighbour, the share of its seed ``b_u`` if it
    survived or of its mask key if it dropped; the server rebuilds them
    (:func:`~secagg.shamir.combine`), checks them against the advertised commitment and
    public key, removes the masks that did not cancel
@@ -39,6 +42,7 @@ docs/protocol.md) with :mod:`~secagg.wire` checking every message; a fleet's
 rounds use them through :mod:`~secagg.fleet` (coordinator/rounds/secure_rounds.py, the
 agent's service). Against a coordinator that shows devices different survivor lists, a
 signed device refuses a threshold under which its holders could give t shares of both of
-its secrets (``2t <= h + c``, :mod:`~secagg.device`). Not built: the signed consistency
-round (docs/privacy.md says what that leaves open).
+its secrets (``2t <= h + c``, :mod:`~secagg.device`), and the consistency stage makes
+every device that releases a share hold the list ``t`` survivors signed (docs/privacy.md
+says what is left open on a sparse graph).
 """

@@ -1,4 +1,4 @@
-"""One device's side of a secure-aggregation round: a state machine over four stages.
+"""One device's side of a secure-aggregation round: a state machine over five stages.
 
 Each method takes the coordinator's message for a stage and returns the device's answer;
 the transport calls them in order. The device trusts the coordinator with nothing it can
@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
+from secagg.consistency import Consistency, Signatures, unsigned_problem
 from secagg.enrolled import Enrolment
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
@@ -136,16 +137,10 @@ class SecAggDevice:
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
         self._check_enrolled(roster, neighbours)
-        h, c = len(neighbours) + 1, self.settings.colluding
-        if self._enrolment is not None and 2 * t <= h + c:
-            # Each honest holder gives one share of this device's (its seed's or its
-            # key's), a colluder both: under this bound a coordinator that tells holders
-            # different survivor lists gets t of each and unmasks this input alone.
-            # (Unsigned, a coordinator that plays every neighbour does that anyway.)
-            raise self._refuse(
-                f"t = {t} is not more than half of the {h} holders of its secrets "
-                f"plus c = {c}: survivor lists that differ could rebuild both its secrets"
-            )
+        unsafe = self.settings.unsafe_for(len(neighbours) + 1)
+        if self._enrolment is not None and unsafe is not None:
+            # Unsigned, a coordinator that plays every neighbour unmasks it anyway.
+            raise self._refuse(unsafe)
         published = [key for pair in roster.keys.values() for key in (pair.c, pair.s)]
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.
@@ -234,18 +229,16 @@ class SecAggDevice:
         )
         return self._answer(Stage.MASKED_INPUT, request, answer)
 
-    def unmask(self, survivors: Survivors) -> Unmask:
-        """Stage 4: the share of ``b_v`` for each neighbour ``v`` (and itself) whose input
-        is in the sum, the share of ``s_v`` for each that shared keys and then dropped."""
+    def consistency(self, survivors: Survivors) -> Consistency:
+        """Stage 4: check the survivor list and sign it; no share leaves yet."""
         listed = frozenset(survivors.survivors)
-        seeds = sorted((self._senders & listed) | {self.client})
-        keys = sorted(self._senders - listed)
+        keys = self._senders - listed
         flipped = sorted(
             v for v, kind in self._revealed().items() if (v in keys) != (kind == "key")
         )
         if flipped:
             raise self._refuse("asked for both shares of a device", blame=flipped[0])
-        cached = self._begin(Stage.UNMASK, survivors, Unmask)
+        cached = self._begin(Stage.CONSISTENCY, survivors, Consistency)
         if cached is not None:
             return cached
         self._addressed(survivors)
@@ -260,6 +253,31 @@ class SecAggDevice:
         silent = sorted((listed & self._neighbours) - self._senders)
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
+        answer = Consistency(fleet=self.fleet, round=self.round, client=self.client,
+                             survivors=survivors.survivors)  # fmt: skip
+        if self._enrolment is not None:
+            answer = self._enrolment.sign(answer)
+        return self._answer(Stage.CONSISTENCY, survivors, answer)
+
+    def unmask(self, signatures: Signatures) -> Unmask:
+        """Stage 5, once ``t`` survivors signed the list this device holds: the share of
+        ``b_v`` for each neighbour ``v`` (and itself) whose input is in the sum, the share
+        of ``s_v`` for each that shared keys and then dropped."""
+        cached = self._begin(Stage.UNMASK, signatures, Unmask)
+        if cached is not None:
+            return cached
+        self._addressed(signatures)
+        held = self._answers[Stage.CONSISTENCY][0]
+        assert isinstance(held, Survivors)
+        problem = unsigned_problem(
+            signatures, survivors=held.survivors, fleet=self.fleet, round=self.round,
+            threshold=self.settings.threshold, enrolment=self._enrolment,
+        )  # fmt: skip
+        if problem is not None:
+            raise self._refuse(problem[0], blame=problem[1])
+        listed = frozenset(held.survivors)
+        seeds = sorted((self._senders & listed) | {self.client})
+        keys = sorted(self._senders - listed)
         answer = Unmask(
             fleet=self.fleet,
             round=self.round,
@@ -267,7 +285,7 @@ class SecAggDevice:
             seed_shares={v: share_value(self._held[v][0]) for v in seeds},
             key_shares={v: share_value(self._held[v][1]) for v in keys},
         )
-        return self._answer(Stage.UNMASK, survivors, answer)
+        return self._answer(Stage.UNMASK, signatures, answer)
 
     def _check_enrolled(self, roster: Roster, neighbours: frozenset[str]) -> None:
         """In a signed fleet, refuses unless every neighbour's keys come in its own

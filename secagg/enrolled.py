@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -32,6 +33,8 @@ from protocol.auth import Signer, Verifier, sign, signature_problem
 from protocol.errors import ProtocolError
 from protocol.ids import validate_id
 from secagg.messages import MAX_ADVERT_BYTES, Advertise, PublicKeys
+
+M = TypeVar("M")
 
 
 def authority(pem: bytes) -> x509.Certificate:
@@ -101,9 +104,20 @@ class Enrolment:
     def now(self) -> datetime.datetime:
         return self.clock or datetime.datetime.now(datetime.timezone.utc)
 
-    def sign(self, advert: Advertise) -> Advertise:
-        """``advert`` with this device's certificate, signed for the run."""
-        return sign(replace(advert, certificate=self.certificate), self.signer, run=self.run)
+    def sign(self, message: M) -> M:
+        """``message`` (an advertisement, a signed survivor list) with this device's
+        certificate, signed for the run."""
+        certified = replace(message, certificate=self.certificate)  # type: ignore[type-var]
+        return sign(certified, self.signer, run=self.run)
+
+    def vouches(self, message: Any) -> str | None:
+        """Why ``message`` (with ``client``, ``certificate`` and ``auth``) is not signed,
+        for this run, by the key the pinned CA bound to its ``client``; None if it is."""
+        key = enrolled_key(message.certificate, client=message.client, ca=self.ca, now=self.now())
+        if isinstance(key, str):
+            return key
+        why = signature_problem(message, key, run=self.run)
+        return None if why is None else f"is not signed by its enrolled key ({why})"
 
     def problem(
         self, payload: bytes | None, *, client: str, fleet: str, round: int, keys: PublicKeys
@@ -121,8 +135,4 @@ class Enrolment:
             return "is another device's or another round's"
         if advert.keys != keys:
             return "is for other keys than the roster's"
-        key = enrolled_key(advert.certificate, client=client, ca=self.ca, now=self.now())
-        if isinstance(key, str):
-            return key
-        why = signature_problem(advert, key, run=self.run)
-        return None if why is None else f"is not signed by its enrolled key ({why})"
+        return self.vouches(advert)

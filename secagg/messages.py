@@ -2,7 +2,9 @@
 
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
-:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`.
+:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`;
+the consistency stage's two, between the survivors and the shares, are in
+:mod:`~secagg.consistency`.
 Every message names the fleet, the round and one device (the sender of a device's
 message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
 that :func:`protocol.auth.sign` can sign it unchanged.
@@ -56,6 +58,7 @@ class Stage(str, Enum):
     ADVERTISE = "advertise"
     SHARE = "share"
     MASKED_INPUT = "masked_input"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
 
 
@@ -299,7 +302,7 @@ class Survivors(SecAggMessage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Unmask(SecAggMessage):
-    """Stage 4, device to coordinator: Shamir share values (big-endian, ``SHARE_BYTES``)
+    """Stage 5, device to coordinator: Shamir share values (big-endian, ``SHARE_BYTES``)
     of ``b_v`` for each surviving ``v`` (``seed_shares``) and of ``s_v`` for each dropped
     one (``key_shares``). Both for one device would unmask its input: refused."""
 

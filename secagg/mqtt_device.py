@@ -19,6 +19,7 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
+from secagg.consistency import Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Refused
 from secagg.messages import (
@@ -246,8 +247,10 @@ class SecAggDeviceLink:
                 answer: SecAggMessage = self.device.share(message)
             elif isinstance(message, RelayedShares):
                 answer = self.device.masked_input(message, self._vector)
+            elif isinstance(message, Survivors):
+                answer = self.device.consistency(message)
             else:
-                assert isinstance(message, Survivors)
+                assert isinstance(message, Signatures)
                 answer = self.device.unmask(message)
         except Refused as exc:
             self.drops.add("refused", f"a {message.KIND} for {self.device.client}: {exc}")

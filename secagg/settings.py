@@ -55,6 +55,19 @@ class SecAggSettings:
         if type(self.table) is not bytes or len(self.table) not in (0, 32):
             raise ValueError("table must be a 32-byte digest, or empty")
 
+    def unsafe_for(self, holders: int) -> str | None:
+        """Why a signed device refuses this ``t`` when ``holders`` devices (its
+        neighbours and itself) hold its secrets, if it does: ``2t <= holders + c``. Each
+        honest holder gives one share of the device's (its seed's or its key's), a
+        colluder both, so below the bound survivor lists that differ rebuild both."""
+        t, c = self.threshold, self.colluding
+        if 2 * t > holders + c:
+            return None
+        return (
+            f"t = {t} is not more than half of the {holders} holders of a device's secrets "
+            f"plus c = {c}: survivor lists that differ could rebuild both"
+        )
+
     def headroom(self, devices: int) -> int:
         """The integer room the summed noise of ``devices`` devices needs in the ring."""
         if self.sigma2 is None:

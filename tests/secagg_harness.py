@@ -7,6 +7,8 @@ overrides the stage it wants to lie at:
 - :meth:`Coordinator.rosters`: substitute neighbours' keys, invent ids;
 - :meth:`Coordinator.relay`: withhold, redirect or forge ciphertexts;
 - :meth:`Coordinator.survivors`: equivocate (a different list for each device);
+- :meth:`Coordinator.signatures`: relay the survivors' signed lists, or withhold or
+  forge them;
 - :meth:`Coordinator.result`: drop unmask answers, or bypass the server and combine the
   shares itself;
 - :meth:`Coordinator.closes`: tell devices their input is, or is not, in the sum.
@@ -30,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from secagg.consistency import Consistency, Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.messages import (
@@ -130,6 +133,10 @@ class Coordinator:
         self.take(self.server.take_masked_input, masked)
         return self.server.close_masked_input()
 
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        self.take(self.server.take_consistency, signed)
+        return self.server.close_consistency()
+
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         self.take(self.server.take_unmask, unmasks)
         return self.server.close_unmask()
@@ -199,7 +206,9 @@ def run_round(
         masked = answer(Stage.MASKED_INPUT, relayed,
                         lambda d, m: d.masked_input(m, vectors[d.client]))  # fmt: skip
         survivors = coordinator.survivors(masked)
-        unmasks = answer(Stage.UNMASK, survivors, lambda d, m: d.unmask(m))
+        signed = answer(Stage.CONSISTENCY, survivors, lambda d, m: d.consistency(m))
+        signatures = coordinator.signatures(signed)
+        unmasks = answer(Stage.UNMASK, signatures, lambda d, m: d.unmask(m))
         transcript.result = coordinator.result(unmasks)
         transcript.closes = {c: wire(m) for c, m in coordinator.closes().items()}
     except RoundAborted as exc:

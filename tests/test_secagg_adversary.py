@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from protocol.auth import Signer, sign
+from secagg.consistency import Consistency, Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Excluded, RoundAborted
 from secagg.graph import neighbour_graph
@@ -124,6 +125,7 @@ class Sybils(Coordinator):
             "advertise": lambda p, _: self._signed(p.advertise(), answers),
             "share": lambda p, m: p.share(m),
             "masked_input": lambda p, m: p.masked_input(m, zero),
+            "consistency": lambda p, m: p.consistency(m),
             "unmask": lambda p, m: p.unmask(m),
         }[stage]
         if self.victim not in answers:
@@ -144,6 +146,9 @@ class Sybils(Coordinator):
 
     def survivors(self, masked: Mapping[str, MaskedInput]) -> Mapping[str, Survivors]:
         return self._to_victim(super().survivors(self._with_puppets(masked, "masked_input")))
+
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        return self._to_victim(super().signatures(self._with_puppets(signed, "consistency")))
 
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         return super().result(self._with_puppets(unmasks, "unmask"))
@@ -228,6 +233,17 @@ class Equivocator(Coordinator):
             for c, m in honest.items()
         }
 
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        # Each device gets the signed lists of those told what it was told: the most it
+        # can be shown that it would take.
+        payload = {c: m.to_wire() for c, m in signed.items()}
+        return {
+            c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
+                v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
+            })
+            for c, m in signed.items()
+        }  # fmt: skip
+
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         u, t = self.victim, self.settings.threshold
         index = {c: i + 1 for i, c in enumerate(sorted(self._adverts))}
@@ -280,9 +296,7 @@ def test_equivocating_survivor_lists_do_not_unmask_one_input(graph: SecAggSettin
     transcript = equivocate(graph, ca=CA)
     assert not unmasked_alone(transcript, inputs(NAMES)), f"{VICTIM}'s input was unmasked alone"
     assert transcript.answers[Stage.SHARE] == {}
-    assert "survivor lists that differ could rebuild both its secrets" in str(
-        transcript.refused[VICTIM]
-    )
+    assert "survivor lists that differ could rebuild both" in str(transcript.refused[VICTIM])
 
 
 @pytest.mark.parametrize(
@@ -304,7 +318,7 @@ def test_a_signed_device_takes_t_only_above_half_its_holders_and_the_colluders(
         assert honest.aborted is not None and honest.aborted.stage == Stage.ADVERTISE.value
         assert honest.aborted.why == (
             f"t = {threshold} is not more than half of the {N} holders of a device's secrets "
-            f"plus c = {colluding}: enrolled devices refuse it"
+            f"plus c = {colluding}: survivor lists that differ could rebuild both"
         )
         assert lax.answers[Stage.SHARE] == {}
 
@@ -438,8 +452,8 @@ class LyingHolder(SecAggDevice):
 
     about = "dev-04"
 
-    def unmask(self, survivors: Survivors) -> Unmask:
-        honest = super().unmask(survivors)
+    def unmask(self, signatures: Signatures) -> Unmask:
+        honest = super().unmask(signatures)
         wrong = int.from_bytes(honest.seed_shares[self.about], "big") + 1
         shares = {**honest.seed_shares, self.about: wrong.to_bytes(SHARE_BYTES, "big")}
         return replace(honest, seed_shares=shares)

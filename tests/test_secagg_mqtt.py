@@ -146,7 +146,11 @@ def fleet(
         mqtt_settings=mqtt,
         client_id="coordinator",
         deadlines=StageDeadlines(
-            advertise=30.0, share=STAGE_S, masked_input=STAGE_S, unmask=STAGE_S
+            advertise=30.0,
+            share=STAGE_S,
+            masked_input=STAGE_S,
+            consistency=STAGE_S,
+            unmask=STAGE_S,
         ),
         expected=CLIENTS,
         logger=logger,
@@ -252,7 +256,7 @@ def test_the_coordinator_side_neither_logs_nor_holds_a_device_input(
     [
         (Stage.ADVERTISE, Stage.SHARE),
         (Stage.SHARE, Stage.MASKED_INPUT),
-        (Stage.MASKED_INPUT, Stage.UNMASK),
+        (Stage.MASKED_INPUT, Stage.CONSISTENCY),
     ],
 )
 def test_a_third_leaving_after_one_stage_still_recovers_the_survivors_sum(
@@ -274,7 +278,8 @@ def test_a_third_leaving_after_one_stage_still_recovers_the_survivors_sum(
 def test_a_third_leaving_at_every_stage_in_turn_still_recovers(
     mosquitto: MosquittoBroker, lines: Lines
 ) -> None:
-    # 20 advertise; 7 leave (13 share); 5 of those leave (8 mask); 3 of those leave (5 unmask).
+    # 20 advertise; 7 leave (13 share); 5 of those leave (8 mask); 3 of those leave (5 sign
+    # the survivors and unmask).
     rest = [c for c in CLIENTS if c not in THIRD]
     masked = [c for c in rest if c not in rest[::3]]
     leave = {
@@ -288,7 +293,8 @@ def test_a_third_leaving_at_every_stage_in_turn_still_recovers(
     assert result.dropped == {
         Stage.SHARE: tuple(THIRD),
         Stage.MASKED_INPUT: tuple(rest[::3]),
-        Stage.UNMASK: tuple(masked[::3]),
+        Stage.CONSISTENCY: tuple(masked[::3]),
+        Stage.UNMASK: (),
     }
     assert within_bound(result, f.vectors)
 
@@ -470,4 +476,4 @@ def test_a_flood_of_one_reason_is_logged_at_powers_of_two(lines: Lines) -> None:
 
 def test_stage_deadlines_must_be_positive() -> None:
     with pytest.raises(ValueError, match="the share deadline must be positive"):
-        StageDeadlines(advertise=1.0, share=0.0, masked_input=1.0, unmask=1.0)
+        StageDeadlines(advertise=1.0, share=0.0, masked_input=1.0, consistency=1.0, unmask=1.0)
