@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.consistency import Consistency, Signatures, unsigned_problem
+from secagg.consistency import Consistency, Signatures, roster_digest, unsigned_problem
 from secagg.enrolled import Enrolment
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
@@ -96,6 +96,7 @@ class SecAggDevice:
         self._seed = self._rng.randbytes(SEED_BYTES)
         self._answers: dict[Stage, tuple[object, SecAggMessage]] = {}
         self._index: dict[str, int] = {}
+        self._roster = b""
         self._neighbours: frozenset[str] = frozenset()
         self._keys: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[Share, Share]] = {}
@@ -152,6 +153,7 @@ class SecAggDevice:
             # Shares sealed to such a key, or masks agreed with it, are public (secagg/points.py).
             raise self._refuse("a neighbour's public key is of small order", blame=weak[0])
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
+        self._roster = roster_digest(roster.clients)
         self._neighbours = neighbours
         self._keys = roster.keys
         holders = sorted(self._index[v] for v in neighbours | {self.client})
@@ -254,7 +256,7 @@ class SecAggDevice:
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
         answer = Consistency(fleet=self.fleet, round=self.round, client=self.client,
-                             survivors=survivors.survivors)  # fmt: skip
+                             survivors=survivors.survivors, roster=self._roster)  # fmt: skip
         if self._enrolment is not None:
             answer = self._enrolment.sign(answer)
         return self._answer(Stage.CONSISTENCY, survivors, answer)
@@ -270,7 +272,8 @@ class SecAggDevice:
         held = self._answers[Stage.CONSISTENCY][0]
         assert isinstance(held, Survivors)
         problem = unsigned_problem(
-            signatures, survivors=held.survivors, fleet=self.fleet, round=self.round,
+            signatures, survivors=held.survivors, roster=self._roster, fleet=self.fleet,
+            round=self.round,
             threshold=self.settings.threshold, enrolment=self._enrolment,
         )  # fmt: skip
         if problem is not None:

@@ -12,7 +12,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.auth import Signer, sign
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, roster_digest
+from secagg.device import SecAggDevice
 from secagg.errors import RoundAborted
 from secagg.messages import Stage, Survivors, Unmask
 from secagg.server import SecAggResult
@@ -97,6 +98,9 @@ class Forger(Coordinator):
             fake = sign(real, Signer(KEY), run=RUN)
         elif self.forge == "another-round":
             fake = replace(real, round=ROUND + 1)
+        elif self.forge == "another-roster":
+            # What dev-01 signs when it was shown another roster: its own signature.
+            fake = DEV01.sign(replace(real, roster=roster_digest(NAMES[:-1])))
         else:
             fake = replace(real, auth=None)
         forged = {**honest[VICTIM].signed, "dev-01": fake.to_wire()}
@@ -104,7 +108,9 @@ class Forger(Coordinator):
 
 
 KEY = Ed25519PrivateKey.generate()
+DEV01 = CA.enrol("dev-01", run=RUN)
 FORGED = {
+    "another-roster": "a survivor was sent another roster than this device (dev-01)",
     "another-list": "a survivor signed another survivor list than this device's (dev-01)",
     "own-key": "a survivor's signed list is not signed by its enrolled key (bad_signature)",
     "another-round": "a survivor's signed list is another device's or another round's",
@@ -114,7 +120,10 @@ FORGED = {
 
 @pytest.mark.parametrize("forge", list(FORGED))
 def test_a_signed_device_releases_no_share_on_a_forged_signed_list(forge: str) -> None:
-    transcript = run_round(Forger(forge=forge), devices(GRAPH, NAMES, ca=CA), inputs(NAMES))
+    fleet = devices(GRAPH, NAMES, ca=CA)
+    fleet[1] = SecAggDevice(client="dev-01", fleet=FLEET, round=ROUND, settings=GRAPH,
+                            enrolment=DEV01)  # fmt: skip
+    transcript = run_round(Forger(forge=forge), fleet, inputs(NAMES))
     assert VICTIM not in transcript.answers[Stage.UNMASK]
     assert FORGED[forge] in str(transcript.refused[VICTIM])
     assert set(transcript.refused) == {VICTIM}
