@@ -278,6 +278,8 @@ class SecAggDevice:
         )  # fmt: skip
         if problem is not None:
             raise self._refuse(problem[0], blame=problem[1])
+        if self.client not in signatures.signed:
+            raise self._refuse("its own signed survivor list is not among the signatures")
         listed = frozenset(held.survivors)
         seeds = sorted((self._senders & listed) | {self.client})
         keys = sorted(self._senders - listed)

@@ -98,6 +98,9 @@ class Forger(Coordinator):
             fake = sign(real, Signer(KEY), run=RUN)
         elif self.forge == "another-round":
             fake = replace(real, round=ROUND + 1)
+        elif self.forge == "without-its-own":
+            signed = {v: p for v, p in honest[VICTIM].signed.items() if v != VICTIM}
+            return {**honest, VICTIM: replace(honest[VICTIM], signed=signed)}
         elif self.forge == "another-roster":
             # What dev-01 signs when it was shown another roster: its own signature.
             fake = DEV01.sign(replace(real, roster=roster_digest(NAMES[:-1])))
@@ -110,6 +113,7 @@ class Forger(Coordinator):
 KEY = Ed25519PrivateKey.generate()
 DEV01 = CA.enrol("dev-01", run=RUN)
 FORGED = {
+    "without-its-own": "its own signed survivor list is not among the signatures",
     "another-roster": "a survivor was sent another roster than this device (dev-01)",
     "another-list": "a survivor signed another survivor list than this device's (dev-01)",
     "own-key": "a survivor's signed list is not signed by its enrolled key (bad_signature)",
