@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +46,9 @@ class SecureInput:
     #: The statistics the fleet's sum holds of this device once ``vector`` is added
     #: (None for a prototype method, whose sums are the round's alone).
     statistics: np.ndarray | None
+    #: Charges the privacy ledger for the sum's noise, just before the masked input
+    #: leaves (False: the budget refuses, and it does not leave); None: nothing to pay.
+    release: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 def summed(state: StateDir, secure: SecureInput) -> None:
@@ -77,7 +81,7 @@ class SecureJoin:
         )  # fmt: skip
         link = SecAggDeviceLink(
             device=device, vector=secure.vector, wire=wire, mqtt_settings=cfg.mqtt,
-            client_id=f"{cfg.agent_id}-secagg", logger=log,
+            client_id=f"{cfg.agent_id}-secagg", logger=log, release=secure.release,
         )  # fmt: skip
         link.start()
         self._joined = (secure, link, time.monotonic())

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from random import Random
 
 import numpy as np
@@ -134,10 +135,12 @@ def fleet(
     device_logger: logging.Logger | None = None,
     seed: int = 1,
     enrolled: bool = False,
+    release: Callable[[str], bool] | None = None,
 ) -> Iterator[Fleet]:
     """A listening coordinator link and 20 device links not yet started; ``leave[c]``:
     device ``c`` disconnects once it has answered that stage; ``enrolled``: the devices
-    check each other's keys under the fleet CA (secagg/enrolled.py)."""
+    check each other's keys under the fleet CA (secagg/enrolled.py); ``release(c)``: what
+    device ``c``'s link calls before its masked input leaves (a ledger's charge)."""
     mqtt = MqttSettings(host=address.host, port=address.port)
     vectors = inputs(seed)
     coordinator = SecAggCoordinatorLink(
@@ -166,6 +169,7 @@ def fleet(
             wire=device_wire(c, logger=device_logger or logger),
             mqtt_settings=mqtt,
             on_answered=_leaving(devices, c, (leave or {}).get(c)),
+            release=None if release is None else partial(release, c),
             logger=device_logger or logger,
         )
     with ExitStack() as stack:
