@@ -99,8 +99,8 @@ class Forger(Coordinator):
         elif self.forge == "another-round":
             fake = replace(real, round=ROUND + 1)
         elif self.forge == "without-its-own":
-            signed = {v: p for v, p in honest[VICTIM].signed.items() if v != VICTIM}
-            return {**honest, VICTIM: replace(honest[VICTIM], signed=signed)}
+            kept = {v: p for v, p in honest[VICTIM].signed.items() if v != VICTIM}
+            return {**honest, VICTIM: replace(honest[VICTIM], signed=kept)}
         elif self.forge == "another-roster":
             # What dev-01 signs when it was shown another roster: its own signature.
             fake = DEV01.sign(replace(real, roster=roster_digest(NAMES[:-1])))
