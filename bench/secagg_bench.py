@@ -260,7 +260,10 @@ def _protocol_round(settings: SecAggSettings, vectors: list[np.ndarray]) -> np.n
         server.take_masked_input(wire(d.masked_input(wire(relayed[d.client]), v)))  # type: ignore[arg-type]
     survivors = server.close_masked_input()
     for d in devices:
-        server.take_unmask(wire(d.unmask(wire(survivors[d.client]))))  # type: ignore[arg-type]
+        server.take_consistency(wire(d.consistency(wire(survivors[d.client]))))  # type: ignore[arg-type]
+    signatures = server.close_consistency()
+    for d in devices:
+        server.take_unmask(wire(d.unmask(wire(signatures[d.client]))))  # type: ignore[arg-type]
     return server.close_unmask().total
 
 

@@ -250,7 +250,12 @@ def in_memory(n: int, neighbours: int = 0) -> dict[str, float]:
     survivors = timed("server", server.close_masked_input)
     for i, d in enumerate(devices):
         told = through(survivors[d.client], first=i == 0, way="down")  # type: ignore[index]
-        msg = timed("device", d.unmask, told) if i == 0 else d.unmask(told)  # type: ignore[arg-type]
+        msg = timed("device", d.consistency, told) if i == 0 else d.consistency(told)  # type: ignore[arg-type]
+        timed("server", server.take_consistency, through(msg, first=i == 0, way="up"))
+    signatures = timed("server", server.close_consistency)
+    for i, d in enumerate(devices):
+        signed = through(signatures[d.client], first=i == 0, way="down")  # type: ignore[index]
+        msg = timed("device", d.unmask, signed) if i == 0 else d.unmask(signed)  # type: ignore[arg-type]
         timed("server", server.take_unmask, through(msg, first=i == 0, way="up"))
     timed("server", server.close_unmask)
     return {"bytes": float(sizes["up"] + sizes["down"]), **clock}

@@ -139,7 +139,7 @@ class Metrics:
         self.secure_stage = Gauge(
             "protofleet_secure_stage",
             "The stage the open secure-aggregation round waits in: 0 none, 1 advertise, "
-            "2 share, 3 masked input, 4 unmask",
+            "2 share, 3 masked input, 4 consistency, 5 unmask",
             registry=self.registry,
         )
         self.secure_survivors = Gauge(

@@ -70,7 +70,7 @@ class Agent:
         self.state = StateDir(cfg.state_dir, agent_id=cfg.agent_id, history=cfg.history)
         # Announcements ignored as implausible, by reason (edge-agent status shows them).
         self.ignored = IgnoredAnnouncements(self.state)
-        self.keys = AgentKeys.load(cfg.security)
+        self.keys = AgentKeys.load(cfg.security, client=cfg.agent_id)
         # A simulated fleet hands every agent of a worker the same runtime: one set of
         # ONNX Runtime sessions per process instead of one per agent.
         self.runtime = open_runtime(cfg, self.state) if runtime is None else runtime

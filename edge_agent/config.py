@@ -140,6 +140,14 @@ class AgentConfig:
         problem = self.secure_aggregation.problem()
         if problem is not None:
             raise ValueError(problem)
+        if not self.security.insecure and self.security.ca is None:
+            # Without the fleet CA a device could check its neighbours' keys against
+            # nothing but the coordinator's word (secagg/enrolled.py).
+            raise ValueError(
+                'privacy.aggregation = "secure" in a signed fleet needs security.ca (the '
+                "fleet CA's certificate) and security.certificate (the one it issued this "
+                "device): they vouch for its neighbours' keys"
+            )
 
 
 def load(path: Path) -> AgentConfig:

@@ -4,8 +4,10 @@ a round's release goes into the fleet's secure sum, never into an update.
 - :class:`SecureSumInputs` (the agent's side, transport-free): lda and ridge add their
   statistics once per data version and coordinator run, and after new data only the
   difference from what the run's sum holds of them; FedProto adds each round's prototypes (rows of the classes held and a
-  holder count each). The privacy mode prices the sum's noise in the ledger before the
-  first stage message leaves (:meth:`~edge_agent.privacy.modes.PrivacyMode.admit_secure_sum`).
+  holder count each). The privacy mode admits the sum's noise against the budget when
+  the round is joined, and charges the ledger just before the masked input leaves
+  (:meth:`~edge_agent.privacy.modes.PrivacyMode.charge_secure_sum`): a round that aborts
+  before costs nothing.
 - edge_agent/secure_join.py (the MQTT service's side): runs the protocol for the round on
   a link of its own beside the service's loop, and settles it when a later announcement
   says the coordinator closed the round.
@@ -54,8 +56,8 @@ class SecureSumInputs(Delivery):
         self, agent: Agent, announcement: RoundAnnouncement, *, closed: ClosedFormDevice,
         version: str,
     ) -> Sent | None:  # fmt: skip
-        """Once per data version; a round this device joins but that aborts is paid for
-        all the same."""
+        """Once per data version; paid for when the masked input leaves, so a round that
+        aborts before costs nothing, and one after (the noised input is out) stays paid."""
         round_, run = announcement.round, _run(announcement)
         # A secure round's record has no announcement size: the protocol's traffic is
         # amended into it when the round settles (SecureJoin.settle).
@@ -80,8 +82,10 @@ class SecureSumInputs(Delivery):
         # summed before (the same sensitivity to one example as the statistics).
         held = agent.state.load_summed(statistics.size) if in_this_run else 0.0
         vector = statistics - held
+        plan, mode = release.plan, agent.mode
         secure = SecureInput(round=round_, run=run, vector=vector,
                              settings=release.settings, version=version,
-                             statistics=statistics)  # fmt: skip
+                             statistics=statistics,
+                             release=lambda: mode.charge_secure_sum(round_, plan))  # fmt: skip
         return Sent("secure", secure=secure, record=record | {"statistics_sent": True},
                     published=True)  # fmt: skip

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +46,9 @@ class SecureInput:
     #: The statistics the fleet's sum holds of this device once ``vector`` is added
     #: (None for a prototype method, whose sums are the round's alone).
     statistics: np.ndarray | None
+    #: Charges the privacy ledger for the sum's noise, just before the masked input
+    #: leaves (False: the budget refuses, and it does not leave); None: nothing to pay.
+    release: Callable[[], bool] | None = field(default=None, compare=False)
 
 
 def summed(state: StateDir, secure: SecureInput) -> None:
@@ -68,15 +72,16 @@ class SecureJoin:
         runs on the link's own thread and MQTT client, beside the service's loop."""
         cfg, keys = self.cfg, self.keys
         device = SecAggDevice(
-            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings
-        )
+            client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings,
+            enrolment=keys.enrolment(cfg.agent_id, run=secure.run),
+        )  # fmt: skip
         wire = DeviceWire(
             fleet=cfg.fleet, client=cfg.agent_id, run=secure.run, signer=keys.signer,
             coordinator=keys.coordinator, max_bytes=cfg.mqtt.max_payload_bytes, logger=log,
         )  # fmt: skip
         link = SecAggDeviceLink(
             device=device, vector=secure.vector, wire=wire, mqtt_settings=cfg.mqtt,
-            client_id=f"{cfg.agent_id}-secagg", logger=log,
+            client_id=f"{cfg.agent_id}-secagg", logger=log, release=secure.release,
         )  # fmt: skip
         link.start()
         self._joined = (secure, link, time.monotonic())

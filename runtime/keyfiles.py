@@ -78,6 +78,21 @@ def _public(path: Path, *, setting: str) -> tuple[Verifier, x509.Certificate | N
         raise KeyFileError(f"{setting} {path}: {why}") from exc
 
 
+def load_certificate(path: Path, *, setting: str) -> bytes:
+    """The PEM certificate in ``path``, as DER (how it travels in a secure-aggregation
+    advertisement)."""
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    data = _read(path, setting)
+    try:
+        certificate = _certificate(data)
+    except ValueError as exc:
+        raise KeyFileError(f"{setting} {path}: not a PEM certificate") from exc
+    if certificate is None:
+        raise KeyFileError(f"{setting} {path}: not a PEM certificate")
+    return certificate.public_bytes(Encoding.DER)
+
+
 def load_verifier(path: Path, *, setting: str) -> Verifier:
     """A PEM public key, or the key of a PEM certificate."""
     return _public(path, setting=setting)[0]

@@ -27,12 +27,21 @@ class AgentSecurity:
     2^31-1 would otherwise be recorded as answered and make the device refuse every real
     round after it, across restarts. A device offline for a long time may need it raised
     (rounds every 5 minutes make 10,000 in five weeks).
+
+    ``ca``: the fleet CA's certificate (make-certs.sh's ``ca.crt``), pinned; ``certificate``:
+    the one it issued this device for ``key`` (``clients/<agent_id>.crt``). A signed
+    device needs both for secure aggregation: it sends its certificate with its signed
+    advertisement, and takes its neighbours' keys only in advertisements their
+    certificates from that CA vouch for (secagg/enrolled.py), never on the coordinator's
+    word.
     """
 
     insecure: bool = False
     key: Path | None = None
     coordinator: Path | None = None
     max_round_jump: int = 10_000
+    ca: Path | None = None
+    certificate: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_round_jump < 1:
@@ -42,6 +51,11 @@ class AgentSecurity:
                 "security.key (this device's private key) and security.coordinator (the "
                 "coordinator's public key or certificate) are required; or set "
                 "security.insecure = true to run unsigned"
+            )
+        if (self.ca is None) != (self.certificate is None):
+            raise ValueError(
+                "security.ca (the fleet CA's certificate) and security.certificate (the one "
+                "it issued this device) go together"
             )
 
 

@@ -1,4 +1,4 @@
-"""One device's side of a secure-aggregation round: a state machine over four stages.
+"""One device's side of a secure-aggregation round: a state machine over five stages.
 
 Each method takes the coordinator's message for a stage and returns the device's answer;
 the transport calls them in order. The device trusts the coordinator with nothing it can
@@ -7,7 +7,11 @@ gives (:mod:`~secagg.graph`); every relayed ciphertext must come from a neighbou
 and open under the pair's key; and it reveals, for each neighbour, the share of its
 self-mask seed or the share of its masking key, never both, even across two requests.
 Asked the same question twice (a redelivered message), it gives the same answer; asked a
-different question for a stage it already answered, it refuses.
+different question for a stage it already answered, it refuses. In a signed fleet
+(``enrolment``) every neighbour's keys must also come in that neighbour's advertisement,
+signed by the key the fleet CA bound to its id (:mod:`~secagg.enrolled`): keys the
+coordinator substituted, or a neighbour it invented, make the device refuse the roster
+before any share leaves it.
 
 Devices are numbered ``1..n`` by their place in the roster's sorted list: that number is
 each one's Shamir x-coordinate and its id in the masks' key derivation.
@@ -26,6 +30,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
+from secagg.consistency import Consistency, Signatures, roster_digest, unsigned_problem
+from secagg.enrolled import Enrolment
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
 from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
@@ -55,7 +61,9 @@ M = TypeVar("M", bound=SecAggMessage)
 class SecAggDevice:
     """Device ``client``'s part in round ``round`` of ``fleet``. ``rng`` is the secret
     source of its keys, seed, Shamir coefficients, rounding coins and noise: the
-    operating system's unless a test injects a seeded one."""
+    operating system's unless a test injects a seeded one. ``enrolment``: in a signed
+    fleet, its enrolled key, certificate and pinned fleet CA, with which it signs its
+    advertisement and checks its neighbours'; None in an insecure fleet."""
 
     def __init__(
         self,
@@ -65,8 +73,12 @@ class SecAggDevice:
         round: int,
         settings: SecAggSettings,
         rng: Random | None = None,
+        enrolment: Enrolment | None = None,
     ) -> None:
         self.client = validate_id(client, field="client")
+        if enrolment is not None and enrolment.client != self.client:
+            raise ValueError(f"the enrolment is {enrolment.client}'s, not {self.client}'s")
+        self._enrolment = enrolment
         self.fleet = validate_id(fleet, field="fleet")
         self.round = f.integer(round, field="round")
         if not isinstance(settings, SecAggSettings):
@@ -84,6 +96,7 @@ class SecAggDevice:
         self._seed = self._rng.randbytes(SEED_BYTES)
         self._answers: dict[Stage, tuple[object, SecAggMessage]] = {}
         self._index: dict[str, int] = {}
+        self._roster = b""
         self._neighbours: frozenset[str] = frozenset()
         self._keys: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[Share, Share]] = {}
@@ -94,18 +107,17 @@ class SecAggDevice:
         cached = self._begin(Stage.ADVERTISE, None, Advertise)
         if cached is not None:
             return cached
-        return self._answer(
-            Stage.ADVERTISE,
-            None,
-            Advertise(
-                fleet=self.fleet,
-                round=self.round,
-                client=self.client,
-                keys=self.public,
-                table=self.settings.table,
-                commitment=seed_commitment(self._seed, client=self.client, context=self._context),
-            ),
+        advert = Advertise(
+            fleet=self.fleet,
+            round=self.round,
+            client=self.client,
+            keys=self.public,
+            table=self.settings.table,
+            commitment=seed_commitment(self._seed, client=self.client, context=self._context),
         )
+        if self._enrolment is not None:
+            advert = self._enrolment.sign(advert)
+        return self._answer(Stage.ADVERTISE, None, advert)
 
     def share(self, roster: Roster) -> ShareKeys:
         """Stage 2: check the roster and seal each neighbour's Shamir shares of the
@@ -125,6 +137,11 @@ class SecAggDevice:
         neighbours = graph[self.client]
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
+        self._check_enrolled(roster, neighbours)
+        unsafe = self.settings.unsafe_for(len(neighbours) + 1)
+        if self._enrolment is not None and unsafe is not None:
+            # Unsigned, a coordinator that plays every neighbour unmasks it anyway.
+            raise self._refuse(unsafe)
         published = [key for pair in roster.keys.values() for key in (pair.c, pair.s)]
         if len(set(published)) != len(published):
             # Another device advertising this one's key (or a neighbour's) is a replay.
@@ -136,6 +153,7 @@ class SecAggDevice:
             # Shares sealed to such a key, or masks agreed with it, are public (secagg/points.py).
             raise self._refuse("a neighbour's public key is of small order", blame=weak[0])
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
+        self._roster = roster_digest(roster.clients)
         self._neighbours = neighbours
         self._keys = roster.keys
         holders = sorted(self._index[v] for v in neighbours | {self.client})
@@ -213,18 +231,16 @@ class SecAggDevice:
         )
         return self._answer(Stage.MASKED_INPUT, request, answer)
 
-    def unmask(self, survivors: Survivors) -> Unmask:
-        """Stage 4: the share of ``b_v`` for each neighbour ``v`` (and itself) whose input
-        is in the sum, the share of ``s_v`` for each that shared keys and then dropped."""
+    def consistency(self, survivors: Survivors) -> Consistency:
+        """Stage 4: check the survivor list and sign it; no share leaves yet."""
         listed = frozenset(survivors.survivors)
-        seeds = sorted((self._senders & listed) | {self.client})
-        keys = sorted(self._senders - listed)
+        keys = self._senders - listed
         flipped = sorted(
             v for v, kind in self._revealed().items() if (v in keys) != (kind == "key")
         )
         if flipped:
             raise self._refuse("asked for both shares of a device", blame=flipped[0])
-        cached = self._begin(Stage.UNMASK, survivors, Unmask)
+        cached = self._begin(Stage.CONSISTENCY, survivors, Consistency)
         if cached is not None:
             return cached
         self._addressed(survivors)
@@ -239,6 +255,34 @@ class SecAggDevice:
         silent = sorted((listed & self._neighbours) - self._senders)
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
+        answer = Consistency(fleet=self.fleet, round=self.round, client=self.client,
+                             survivors=survivors.survivors, roster=self._roster)  # fmt: skip
+        if self._enrolment is not None:
+            answer = self._enrolment.sign(answer)
+        return self._answer(Stage.CONSISTENCY, survivors, answer)
+
+    def unmask(self, signatures: Signatures) -> Unmask:
+        """Stage 5, once ``t`` survivors signed the list this device holds: the share of
+        ``b_v`` for each neighbour ``v`` (and itself) whose input is in the sum, the share
+        of ``s_v`` for each that shared keys and then dropped."""
+        cached = self._begin(Stage.UNMASK, signatures, Unmask)
+        if cached is not None:
+            return cached
+        self._addressed(signatures)
+        held = self._answers[Stage.CONSISTENCY][0]
+        assert isinstance(held, Survivors)
+        problem = unsigned_problem(
+            signatures, survivors=held.survivors, roster=self._roster, fleet=self.fleet,
+            round=self.round,
+            threshold=self.settings.threshold, enrolment=self._enrolment,
+        )  # fmt: skip
+        if problem is not None:
+            raise self._refuse(problem[0], blame=problem[1])
+        if self.client not in signatures.signed:
+            raise self._refuse("its own signed survivor list is not among the signatures")
+        listed = frozenset(held.survivors)
+        seeds = sorted((self._senders & listed) | {self.client})
+        keys = sorted(self._senders - listed)
         answer = Unmask(
             fleet=self.fleet,
             round=self.round,
@@ -246,7 +290,20 @@ class SecAggDevice:
             seed_shares={v: share_value(self._held[v][0]) for v in seeds},
             key_shares={v: share_value(self._held[v][1]) for v in keys},
         )
-        return self._answer(Stage.UNMASK, survivors, answer)
+        return self._answer(Stage.UNMASK, signatures, answer)
+
+    def _check_enrolled(self, roster: Roster, neighbours: frozenset[str]) -> None:
+        """In a signed fleet, refuses unless every neighbour's keys come in its own
+        advertisement, signed under a certificate of the pinned fleet CA."""
+        if self._enrolment is None:
+            return
+        for v in sorted(neighbours):
+            why = self._enrolment.problem(
+                roster.adverts.get(v), client=v, fleet=self.fleet, round=self.round,
+                keys=roster.keys[v],
+            )  # fmt: skip
+            if why is not None:
+                raise self._refuse(f"a neighbour's advertisement {why}", blame=v)
 
     def _revealed(self) -> dict[str, str]:
         """Which share of each device this one has already given: "seed" or "key"."""

@@ -64,7 +64,7 @@ class SecureAggregation:
     width. ``epsilon`` and ``delta``: what one round's sum spends (0: no noise, the exact
     sum). ``dataset_size``: the public bound on a device's training samples, which bounds
     each coordinate (the clip). ``stage_timeout_s``: how long the coordinator keeps each
-    of the four stages open; who has not answered by then has dropped."""
+    of the five stages open; who has not answered by then has dropped."""
 
     threshold: int = 0
     neighbours: int = 0
@@ -193,6 +193,7 @@ def _protocol(
         length=length,
         sigma2=sigma2,
         table=table.digest(),
+        colluding=table.colluding,
     )
 
 

@@ -2,7 +2,9 @@
 
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
-:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`.
+:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`;
+the consistency stage's two, between the survivors and the shares, are in
+:mod:`~secagg.consistency`.
 Every message names the fleet, the round and one device (the sender of a device's
 message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
 that :func:`protocol.auth.sign` can sign it unchanged.
@@ -18,9 +20,8 @@ right neighbours) is for :mod:`~secagg.device` and :mod:`~secagg.server`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -29,9 +30,9 @@ from protocol import fields as f
 from protocol.auth import Auth
 from protocol.errors import FieldError
 from protocol.ids import validate_id
-from protocol.limits import MAX_CLIENTS
 from protocol.message_base import WireMessage, check_auth, freeze, take_auth
 from secagg.masks import RING_DTYPES
+from secagg.rows import blob, id_map, ids, table
 from secagg.shamir import P521
 
 #: An X25519 public key.
@@ -41,6 +42,10 @@ KEY_BYTES = 32
 DIGEST_BYTES = 32
 #: One Shamir share's value in GF(2^521 - 1), big-endian.
 SHARE_BYTES = (P521.bit_length() + 7) // 8
+#: The most a device's certificate (DER) may take: make-certs.sh's are about 450 bytes.
+MAX_CERTIFICATE_BYTES = 4096
+#: The most a neighbour's signed advertisement, relayed in a roster, may take.
+MAX_ADVERT_BYTES = MAX_CERTIFICATE_BYTES + 1024
 #: ChaCha20-Poly1305 over a share of ``b_u`` and a share of ``s_u``: two values and a tag.
 CIPHERTEXT_BYTES = 2 * SHARE_BYTES + 16
 
@@ -53,6 +58,7 @@ class Stage(str, Enum):
     ADVERTISE = "advertise"
     SHARE = "share"
     MASKED_INPUT = "masked_input"
+    CONSISTENCY = "consistency"
     UNMASK = "unmask"
 
 
@@ -107,13 +113,17 @@ class Advertise(SecAggMessage):
     ``table``, the digest of the ``[secure_aggregation]`` table the sender's settings were
     made from; and ``commitment``, its commitment to its self-mask seed
     (:func:`secagg.masks.seed_commitment`). Either may be empty (none): an advertisement
-    from before the field decodes so, and the coordinator excludes it."""
+    from before the field decodes so, and the coordinator excludes it. ``certificate``:
+    in a signed fleet, the sender's certificate from the fleet CA (DER), which binds its
+    id to the key that signs this advertisement, so that its neighbours can check the
+    keys are its own (:mod:`secagg.enrolled`); empty (absent from the wire) otherwise."""
 
     KIND: ClassVar[str] = "secagg_advertise"
 
     keys: PublicKeys
     table: bytes = b""
     commitment: bytes = b""
+    certificate: bytes = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,30 +132,39 @@ class Advertise(SecAggMessage):
         for name in ("table", "commitment"):
             value = getattr(self, name)
             blob(value, field=name, size=DIGEST_BYTES if value else None)
+        blob(self.certificate, field="certificate")
+        if len(self.certificate) > MAX_CERTIFICATE_BYTES:
+            raise FieldError(f"more than {MAX_CERTIFICATE_BYTES} bytes", field="certificate")
 
     def _body(self) -> dict[str, Any]:
-        return {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table,
+        body = {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table,
                 "commitment": self.commitment}  # fmt: skip
+        return {**body, "certificate": self.certificate} if self.certificate else body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Advertise:
         head = cls._take_head(env)
         keys = PublicKeys(c=env.take("c"), s=env.take("s"))
         table, commitment = env.take_optional("table"), env.take_optional("commitment")
+        certificate = env.take_optional("certificate")
         return cls(**head, keys=keys, table=b"" if table is None else table,
-                   commitment=b"" if commitment is None else commitment)  # fmt: skip
+                   commitment=b"" if commitment is None else commitment,
+                   certificate=b"" if certificate is None else certificate)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Roster(SecAggMessage):
     """Stage 1's answer, coordinator to ``client``: every device that advertised
     (``clients``, sorted: the graph's public seed) and the keys of ``client`` and its
-    neighbours (``keys``)."""
+    neighbours (``keys``). ``adverts``: in a signed fleet, each neighbour's advertisement
+    as it signed it (its wire payload, id -> bytes), for ``client`` to check the keys
+    against the neighbour's certificate and signature; empty otherwise."""
 
     KIND: ClassVar[str] = "secagg_roster"
 
     clients: tuple[str, ...]
     keys: Mapping[str, PublicKeys]
+    adverts: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -164,17 +183,28 @@ class Roster(SecAggMessage):
         if self.client not in keys:
             raise FieldError(f"has no keys for the recipient {self.client}", field="keys")
         freeze(self, "keys", keys)
+        adverts = id_map(self.adverts, field="adverts")
+        for name, payload in adverts.items():
+            if name not in keys:
+                raise FieldError(f"{name} has no keys in the roster", field="adverts")
+            if len(blob(payload, field=f"adverts.{name}")) > MAX_ADVERT_BYTES:
+                raise FieldError(f"more than {MAX_ADVERT_BYTES} bytes", field=f"adverts.{name}")
+        freeze(self, "adverts", adverts)
 
     def _body(self) -> dict[str, Any]:
         rows = [[name, pair.c, pair.s] for name, pair in self.keys.items()]
-        return {**self._head(), "clients": list(self.clients), "keys": rows}
+        body = {**self._head(), "clients": list(self.clients), "keys": rows}
+        signed = [[name, payload] for name, payload in self.adverts.items()]
+        return {**body, "adverts": signed} if signed else body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Roster:
         head = cls._take_head(env)
         rows = table(env.take("keys"), field="keys", width=3)
         keys = {row[0]: PublicKeys(c=row[1], s=row[2]) for row in rows}
-        return cls(**head, clients=env.take("clients"), keys=keys)
+        signed = env.take_optional("adverts")
+        adverts = {} if signed is None else dict(table(signed, field="adverts", width=2))
+        return cls(**head, clients=env.take("clients"), keys=keys, adverts=adverts)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -272,7 +302,7 @@ class Survivors(SecAggMessage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Unmask(SecAggMessage):
-    """Stage 4, device to coordinator: Shamir share values (big-endian, ``SHARE_BYTES``)
+    """Stage 5, device to coordinator: Shamir share values (big-endian, ``SHARE_BYTES``)
     of ``b_v`` for each surviving ``v`` (``seed_shares``) and of ``s_v`` for each dropped
     one (``key_shares``). Both for one device would unmask its input: refused."""
 
@@ -354,41 +384,3 @@ class Close(SecAggMessage):
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Close:
         return cls(**cls._take_head(env), summed=env.take("summed"))
-
-
-def blob(value: object, *, field: str, size: int | None = None) -> bytes:
-    """``value`` if it is a byte string (of exactly ``size`` bytes when given)."""
-    if type(value) is not bytes:
-        raise FieldError(f"expected bytes, got {type(value).__name__}", field=field)
-    if size is not None and len(value) != size:
-        raise FieldError(f"expected {size} bytes, got {len(value)}", field=field)
-    return value
-
-
-def ids(value: object, *, field: str) -> tuple[str, ...]:
-    """A non-empty list of distinct device ids."""
-    items = f.sequence(value, field=field, max_length=MAX_CLIENTS)
-    if not items:
-        raise FieldError("must not be empty", field=field)
-    return f.unique(tuple(validate_id(c, field=field) for c in items), field=field)
-
-
-def id_map(value: object, *, field: str) -> Mapping[str, Any]:
-    """A read-only map from device ids, sorted by id so that equal maps encode alike."""
-    items = f.mapping(value, field=field, max_length=MAX_CLIENTS)
-    for key in items:
-        validate_id(key, field=f"{field}.key")
-    return MappingProxyType(dict(sorted(items.items())))
-
-
-def table(value: object, *, field: str, width: int) -> list[tuple[Any, ...]]:
-    """Rows ``[id, ...]`` of ``width`` entries, no id twice."""
-    rows = f.sequence(value, field=field, max_length=MAX_CLIENTS)
-    out = []
-    for row in rows:
-        cells = f.sequence(row, field=field, max_length=width)
-        if len(cells) != width:
-            raise FieldError(f"expected rows of {width} entries", field=field)
-        out.append(cells)
-    f.unique(tuple(validate_id(row[0], field=f"{field}.key") for row in out), field=field)
-    return out

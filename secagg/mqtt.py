@@ -51,6 +51,7 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
+from secagg.consistency import Consistency
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.messages import (
     Abort,
@@ -78,6 +79,7 @@ ANSWERS: Mapping[type[SecAggMessage], Stage] = {
     Advertise: Stage.ADVERTISE,
     ShareKeys: Stage.SHARE,
     MaskedInput: Stage.MASKED_INPUT,
+    Consistency: Stage.CONSISTENCY,
     Unmask: Stage.UNMASK,
 }
 
@@ -90,6 +92,7 @@ class StageDeadlines:
     advertise: float
     share: float
     masked_input: float
+    consistency: float
     unmask: float
 
     def __post_init__(self) -> None:
@@ -140,6 +143,7 @@ class SecAggCoordinatorLink:
             Advertise: server.take_advertise,
             ShareKeys: server.take_share,
             MaskedInput: server.take_masked_input,
+            Consistency: server.take_consistency,
             Unmask: server.take_unmask,
         }
         self._ran = False
@@ -171,7 +175,7 @@ class SecAggCoordinatorLink:
         self.link.close()
 
     def run(self) -> SecAggResult:
-        """The round's four stages; once only."""
+        """The round's five stages; once only."""
         if self._ran:
             raise RuntimeError(f"round {self.server.round} has run already")
         self._ran = True
@@ -189,7 +193,11 @@ class SecAggCoordinatorLink:
             survivors = server.close_masked_input()
             self._stage_closed(Stage.MASKED_INPUT, len(survivors))
             self._send(survivors)
-            self._collect(Stage.UNMASK, frozenset(survivors))
+            self._collect(Stage.CONSISTENCY, frozenset(survivors))
+            signatures = server.close_consistency()
+            self._stage_closed(Stage.CONSISTENCY, len(signatures))
+            self._send(signatures)
+            self._collect(Stage.UNMASK, frozenset(signatures))
             result = server.close_unmask()
         except RoundAborted as exc:
             self._abort(exc)

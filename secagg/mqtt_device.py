@@ -19,11 +19,13 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
+from secagg.consistency import Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Refused
 from secagg.messages import (
     Abort,
     Close,
+    MaskedInput,
     RelayedShares,
     Roster,
     SecAggMessage,
@@ -51,6 +53,9 @@ class SecAggDeviceLink:
     round at a chosen point). :meth:`wait_finished` waits for the unmask answer or an
     abort, :meth:`wait_settled` for the coordinator's close or abort; ``drops`` counts
     what was dropped (unchecked, refused by the device, or of another round).
+    ``release()`` is called once, before the masked input (the device's noised input)
+    is first published, and must return True for it to leave: the caller charges its
+    privacy ledger there (None: nothing to charge).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class SecAggDeviceLink:
         mqtt_settings: MqttSettings,
         client_id: str | None = None,
         on_answered: Callable[[Stage], None] | None = None,
+        release: Callable[[], bool] | None = None,
         logger: logging.Logger = log,
     ) -> None:
         if (wire.fleet, wire.client) != (device.fleet, device.client):
@@ -77,6 +83,8 @@ class SecAggDeviceLink:
         self.drops = wire.drops
         self._vector = values
         self._on_answered = on_answered
+        self._release = release
+        self._released = release is None
         self._log = logger
         self._up_topic = secagg_up_topic(device.fleet, device.client)
         self._inbox: queue.Queue[bytes | _Signal] = queue.Queue()
@@ -246,12 +254,21 @@ class SecAggDeviceLink:
                 answer: SecAggMessage = self.device.share(message)
             elif isinstance(message, RelayedShares):
                 answer = self.device.masked_input(message, self._vector)
+            elif isinstance(message, Survivors):
+                answer = self.device.consistency(message)
             else:
-                assert isinstance(message, Survivors)
+                assert isinstance(message, Signatures)
                 answer = self.device.unmask(message)
         except Refused as exc:
             self.drops.add("refused", f"a {message.KIND} for {self.device.client}: {exc}")
             return
+        if isinstance(answer, MaskedInput) and not self._released:
+            # The noised input is about to leave: the privacy ledger is charged first
+            # (durably), or the device leaves the round having released nothing.
+            self._released = self._release is not None and self._release()
+            if not self._released:
+                self.drops.add("budget", f"a {message.KIND} for {self.device.client}")
+                return
         self._publish(answer)
 
     def _publish(self, answer: SecAggMessage) -> None:

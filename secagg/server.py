@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NoReturn
 
@@ -27,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
+from secagg.consistency import Consistency, Signatures
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.graph import neighbour_graph
 from secagg.masks import (
@@ -53,20 +53,10 @@ from secagg.messages import (
 )
 from secagg.points import small_order
 from secagg.quantise import decode
+from secagg.result import SecAggResult
 from secagg.sealing import share_of
 from secagg.settings import SecAggSettings
 from secagg.shamir import Share, combine
-
-
-@dataclass(frozen=True, eq=False, kw_only=True)
-class SecAggResult:
-    """The round's outcome: ``total`` (float64, ``(length,)``) is the decoded sum of the
-    inputs of ``survivors``, noise included; ``dropped`` names who failed to answer each
-    stage (advertising is joining, so nobody drops from it)."""
-
-    total: np.ndarray
-    survivors: tuple[str, ...]
-    dropped: Mapping[Stage, tuple[str, ...]] = field(default_factory=dict)
 
 
 class SecAggServer:
@@ -83,12 +73,15 @@ class SecAggServer:
         self._context = MaskContext(fleet=fleet, round=round)
         self._keys: dict[str, PublicKeys] = {}
         self._commitments: dict[str, bytes] = {}
+        self._signed: dict[str, bytes] = {}
+        self._certified = False
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
         self._shares: dict[str, ShareKeys] = {}
         self._digests: dict[str, bytes] = {}
         self._sum = np.zeros(settings.length, dtype=ring_dtype(settings.spec.bits))
+        self._consistent: dict[str, bytes] = {}
         self._unmasks: dict[str, Unmask] = {}
         self._seed_shares: dict[str, list[Share]] = {}
         self._key_shares: dict[str, list[Share]] = {}
@@ -121,10 +114,14 @@ class SecAggServer:
             raise self._exclude("advertised no commitment to its self-mask seed", message.client)
         self._keys[message.client] = message.keys
         self._commitments[message.client] = message.commitment
+        if message.auth is not None:
+            # Relayed as signed: the neighbours check it, not this server (secagg/enrolled.py).
+            self._signed[message.client] = message.to_wire()
+        self._certified |= bool(message.certificate)
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
-        its neighbours."""
+        its neighbours, with the neighbours' signed advertisements."""
         self._open(Stage.ADVERTISE)
         clients = tuple(sorted(self._keys))
         self._enough(Stage.ADVERTISE, len(clients), "devices advertised keys")
@@ -138,6 +135,9 @@ class SecAggServer:
         self._graph = neighbour_graph(
             clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round
         )
+        unsafe = self.threshold_problem()
+        if unsafe is not None:
+            self._abort(Stage.ADVERTISE, unsafe)
         self.stage = Stage.SHARE
         return {
             u: Roster(
@@ -146,6 +146,7 @@ class SecAggServer:
                 client=u,
                 clients=clients,
                 keys={v: self._keys[v] for v in self._graph[u] | {u}},
+                adverts={v: self._signed[v] for v in self._graph[u] if v in self._signed},
             )
             for u in clients
         }
@@ -200,18 +201,42 @@ class SecAggServer:
         self._open(Stage.MASKED_INPUT)
         self._dropped[Stage.MASKED_INPUT] = self._left(self._shares, self._digests)
         self._enough(Stage.MASKED_INPUT, len(self._digests), "devices sent masked inputs")
-        self.stage = Stage.UNMASK
+        self.stage = Stage.CONSISTENCY
         survivors = tuple(sorted(self._digests))
         return {
             u: Survivors(fleet=self.fleet, round=self.round, client=u, survivors=survivors)
             for u in survivors
         }
 
-    # Stage 4: unmasking.
+    # Stage 4: the survivors sign the list (secagg/consistency.py).
+
+    def take_consistency(self, message: Consistency) -> None:
+        u = message.client
+        self._open(Stage.CONSISTENCY, message, among=self._digests)
+        payload = message.to_wire()
+        if self._repeat(self._consistent.get(u), payload, u):
+            return
+        if message.survivors != tuple(sorted(self._digests)):
+            raise self._refuse("signed another survivor list than it was sent", u)
+        self._consistent[u] = payload
+
+    def close_consistency(self) -> dict[str, Signatures]:
+        """For each survivor that signed the list, every survivor's signed list."""
+        self._open(Stage.CONSISTENCY)
+        self._dropped[Stage.CONSISTENCY] = self._left(self._digests, self._consistent)
+        self._enough(Stage.CONSISTENCY, len(self._consistent), "devices signed the survivors")
+        self.stage = Stage.UNMASK
+        signed = dict(self._consistent)
+        return {
+            u: Signatures(fleet=self.fleet, round=self.round, client=u, signed=signed)
+            for u in sorted(signed)
+        }
+
+    # Stage 5: unmasking.
 
     def take_unmask(self, message: Unmask) -> None:
         u = message.client
-        self._open(Stage.UNMASK, message, among=self._digests)
+        self._open(Stage.UNMASK, message, among=self._consistent)
         if self._repeat(self._unmasks.get(u), message, u):
             return
         shared = {v for v in self._graph[u] if v in self._shares}
@@ -236,7 +261,7 @@ class SecAggServer:
         """Rebuild the survivors' seeds and the dropped devices' masking keys, remove what
         did not cancel, and decode the survivors' sum."""
         self._open(Stage.UNMASK)
-        self._dropped[Stage.UNMASK] = self._left(self._digests, self._unmasks)
+        self._dropped[Stage.UNMASK] = self._left(self._consistent, self._unmasks)
         self._enough(Stage.UNMASK, len(self._unmasks), "devices sent their shares")
         survivors = sorted(self._digests)
         dropped = sorted(set(self._shares) - set(self._digests))
@@ -347,6 +372,12 @@ class SecAggServer:
         if before == now:
             return True
         raise self._refuse("sent a second, different message for this stage", client)
+
+    def threshold_problem(self) -> str | None:
+        """Why enrolled devices (their advertisements carry certificates) would each
+        refuse this round's rosters (secagg/device.py), if they would."""
+        h = max(map(len, self._graph.values())) + 1
+        return self.settings.unsafe_for(h) if self._certified else None
 
     def _enough(self, stage: Stage, count: int, what: str) -> None:
         t = self.settings.threshold

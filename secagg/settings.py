@@ -25,7 +25,9 @@ class SecAggSettings:
     ``sigma2 / t`` part (:mod:`~secagg.noise`). The ring's width is ``spec.bits``.
     ``table``: the SHA-256 digest of the fleet's ``[secure_aggregation]`` table these
     settings were made from (secagg/fleet.py), which every advertisement carries and the
-    coordinator checks against its own; empty when they were made without one."""
+    coordinator checks against its own; empty when they were made without one.
+    ``colluding`` (c): how many devices may side with the coordinator; a signed device
+    requires ``2t > h + c`` of the ``h`` holders of its secrets (docs/privacy.md)."""
 
     threshold: int
     neighbours: int
@@ -33,6 +35,7 @@ class SecAggSettings:
     length: int
     sigma2: int | Fraction | None = None
     table: bytes = b""
+    colluding: int = 0
 
     def __post_init__(self) -> None:
         if type(self.threshold) is not int or self.threshold < 2:
@@ -43,12 +46,27 @@ class SecAggSettings:
                 f"{self.neighbours} neighbours hold {self.neighbours + 1} shares of each "
                 f"secret (with the device's own), fewer than the threshold {self.threshold}"
             )
+        if type(self.colluding) is not int or not 0 <= self.colluding < self.threshold:
+            raise ValueError(f"colluding {self.colluding} must be in 0..threshold - 1")
         if type(self.length) is not int or self.length < 1:
             raise ValueError(f"vector length {self.length} must be a positive integer")
         if self.sigma2 is not None:
             device_sigma2(self.sigma2, threshold=self.threshold)
         if type(self.table) is not bytes or len(self.table) not in (0, 32):
             raise ValueError("table must be a 32-byte digest, or empty")
+
+    def unsafe_for(self, holders: int) -> str | None:
+        """Why a signed device refuses this ``t`` when ``holders`` devices (its
+        neighbours and itself) hold its secrets, if it does: ``2t <= holders + c``. Each
+        honest holder gives one share of the device's (its seed's or its key's), a
+        colluder both, so below the bound survivor lists that differ rebuild both."""
+        t, c = self.threshold, self.colluding
+        if 2 * t > holders + c:
+            return None
+        return (
+            f"t = {t} is not more than half of the {holders} holders of a device's secrets "
+            f"plus c = {c}: survivor lists that differ could rebuild both"
+        )
 
     def headroom(self, devices: int) -> int:
         """The integer room the summed noise of ``devices`` devices needs in the ring."""

@@ -32,6 +32,7 @@ from protocol.codec import unpack
 from protocol.errors import ProtocolError
 from protocol.ids import validate_id
 from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES
+from secagg.consistency import Consistency, Signatures
 from secagg.messages import (
     Abort,
     Advertise,
@@ -51,11 +52,11 @@ M = TypeVar("M", bound=SecAggMessage)
 
 #: What a device sends and the coordinator takes, by wire ``type``.
 DEVICE_KINDS: Mapping[str, type[SecAggMessage]] = MappingProxyType(
-    {m.KIND: m for m in (Advertise, ShareKeys, MaskedInput, Unmask)}
+    {m.KIND: m for m in (Advertise, ShareKeys, MaskedInput, Consistency, Unmask)}
 )
 #: What the coordinator sends and a device takes, by wire ``type``.
 COORDINATOR_KINDS: Mapping[str, type[SecAggMessage]] = MappingProxyType(
-    {m.KIND: m for m in (Roster, RelayedShares, Survivors, Close, Abort)}
+    {m.KIND: m for m in (Roster, RelayedShares, Survivors, Signatures, Close, Abort)}
 )
 
 

@@ -7,6 +7,8 @@ overrides the stage it wants to lie at:
 - :meth:`Coordinator.rosters`: substitute neighbours' keys, invent ids;
 - :meth:`Coordinator.relay`: withhold, redirect or forge ciphertexts;
 - :meth:`Coordinator.survivors`: equivocate (a different list for each device);
+- :meth:`Coordinator.signatures`: relay the survivors' signed lists, or withhold or
+  forge them;
 - :meth:`Coordinator.result`: drop unmask answers, or bypass the server and combine the
   shares itself;
 - :meth:`Coordinator.closes`: tell devices their input is, or is not, in the sum.
@@ -16,7 +18,9 @@ sent next. A device that refuses a message leaves the round, as it does over MQT
 (secagg/mqtt_device.py drops what it refuses), and the transcript keeps its refusal; so
 does the honest server's refusal of a device's message (secagg/mqtt.py drops it). A lying
 coordinator may run devices of its own under any id (:func:`puppet`): it holds their
-private keys, as a coordinator that invents neighbours or substitutes keys would.
+private keys, as a coordinator that invents neighbours or substitutes keys would. Devices
+of a signed fleet (:func:`devices` with ``ca``) sign their advertisements under
+certificates of the fleet CA (tests/fleet_ca.py), which the coordinator does not hold.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from secagg.consistency import Consistency, Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.messages import (
@@ -45,9 +50,10 @@ from secagg.messages import (
 from secagg.quantise import QuantiseSpec
 from secagg.server import SecAggResult, SecAggServer
 from secagg.settings import SecAggSettings
+from tests.fleet_ca import TestCA
 
 M = TypeVar("M", bound=SecAggMessage)
-FLEET, ROUND = "lab", 5
+FLEET, ROUND, RUN = "lab", 5, "run-1"
 SPEC = QuantiseSpec(clip=1.0, scale=2.0**16, bits=32)
 
 
@@ -73,8 +79,21 @@ def puppet(client: str, settings: SecAggSettings, *, seed: int) -> SecAggDevice:
                         rng=Random(seed))  # fmt: skip
 
 
-def devices(settings: SecAggSettings, names: Sequence[str]) -> list[SecAggDevice]:
-    return [puppet(c, settings, seed=100 + i) for i, c in enumerate(names)]
+def devices(
+    settings: SecAggSettings, names: Sequence[str], *, ca: TestCA | None = None
+) -> list[SecAggDevice]:
+    """Honest devices; with ``ca``, of a signed fleet whose CA that is."""
+    return [
+        SecAggDevice(
+            client=c,
+            fleet=FLEET,
+            round=ROUND,
+            settings=settings,
+            rng=Random(100 + i),
+            enrolment=None if ca is None else ca.enrol(c, run=RUN),
+        )
+        for i, c in enumerate(names)
+    ]
 
 
 def inputs(names: Sequence[str], *, length: int = 6, seed: int = 1) -> dict[str, np.ndarray]:
@@ -82,13 +101,24 @@ def inputs(names: Sequence[str], *, length: int = 6, seed: int = 1) -> dict[str,
     return dict(zip(names, rows, strict=True))
 
 
+class LaxServer(SecAggServer):
+    """The honest server less its check of the threshold against what enrolled devices
+    take (:meth:`~secagg.server.SecAggServer.threshold_problem`): a lying coordinator
+    need not abort a round its victims would refuse."""
+
+    def threshold_problem(self) -> str | None:
+        return None
+
+
 class Coordinator:
     """The honest coordinator: each stage hands the devices' answers to the server and
-    closes the stage. ``refused``: the server's refusals, by device."""
+    closes the stage. ``refused``: the server's refusals, by device. ``lax``: its server
+    is a :class:`LaxServer`."""
 
-    def __init__(self, *, settings: SecAggSettings) -> None:
+    def __init__(self, *, settings: SecAggSettings, lax: bool = False) -> None:
         self.settings = settings
-        self.server = SecAggServer(fleet=FLEET, round=ROUND, settings=settings)
+        server = LaxServer if lax else SecAggServer
+        self.server = server(fleet=FLEET, round=ROUND, settings=settings)
         self.refused: dict[str, Refused] = {}
 
     def rosters(self, adverts: Mapping[str, Advertise]) -> Mapping[str, Roster]:
@@ -102,6 +132,10 @@ class Coordinator:
     def survivors(self, masked: Mapping[str, MaskedInput]) -> Mapping[str, Survivors]:
         self.take(self.server.take_masked_input, masked)
         return self.server.close_masked_input()
+
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        self.take(self.server.take_consistency, signed)
+        return self.server.close_consistency()
 
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         self.take(self.server.take_unmask, unmasks)
@@ -172,7 +206,9 @@ def run_round(
         masked = answer(Stage.MASKED_INPUT, relayed,
                         lambda d, m: d.masked_input(m, vectors[d.client]))  # fmt: skip
         survivors = coordinator.survivors(masked)
-        unmasks = answer(Stage.UNMASK, survivors, lambda d, m: d.unmask(m))
+        signed = answer(Stage.CONSISTENCY, survivors, lambda d, m: d.consistency(m))
+        signatures = coordinator.signatures(signed)
+        unmasks = answer(Stage.UNMASK, signatures, lambda d, m: d.unmask(m))
         transcript.result = coordinator.result(unmasks)
         transcript.closes = {c: wire(m) for c, m in coordinator.closes().items()}
     except RoundAborted as exc:

@@ -2,9 +2,10 @@
 adversarial-coordinator harness of tests/secagg_harness.py: each attack is a subclass of
 its honest :class:`~tests.secagg_harness.Coordinator` that lies at one stage.
 
-Attacks the protocol does not stop yet are marked ``xfail(strict=True)`` with what would
-stop them: each asserts the property the protocol owes, so the day a fix lands the test
-passes, strict xfail reports it, and the marker comes off."""
+Each attack test asserts the property the protocol owes and failed before the fix that
+stops it (an attack the protocol does not stop yet would be an ``xfail(strict=True)``
+naming what would). Beside the signed fleet's tests, the same attacks on an insecure fleet
+still succeed: what a fleet without the fleet CA gives up (docs/privacy.md)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from protocol.auth import Signer, sign
+from secagg.consistency import Consistency, Signatures
 from secagg.device import SecAggDevice
-from secagg.errors import Excluded
+from secagg.errors import Excluded, RoundAborted
 from secagg.graph import neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
@@ -38,9 +42,11 @@ from secagg.sealing import share_of
 from secagg.server import SecAggResult
 from secagg.settings import SecAggSettings
 from secagg.shamir import combine
+from tests.fleet_ca import TestCA
 from tests.secagg_harness import (
     FLEET,
     ROUND,
+    RUN,
     SPEC,
     Coordinator,
     Transcript,
@@ -57,7 +63,14 @@ NAMES = clients(N)
 COMPLETE = settings(n=N, threshold=7)
 SPARSE = settings(n=N, threshold=4, neighbours=8)
 GRAPHS = pytest.mark.parametrize("graph", [COMPLETE, SPARSE], ids=["complete", "sparse"])
+#: What a signed fleet's devices accept: 2t > h + c for the h holders of each secret.
+SIGNED = pytest.mark.parametrize(
+    "graph",
+    [settings(n=N, threshold=11), settings(n=N, threshold=5, neighbours=8)],
+    ids=["complete", "sparse"],
+)
 VICTIM = "dev-00"
+CA = TestCA()
 
 
 def unmasked_alone(transcript: Transcript, vectors: Mapping[str, np.ndarray]) -> bool:
@@ -82,22 +95,42 @@ class Sybils(Coordinator):
     """Keeps one real device, ``victim``, and surrounds it with puppets of its own named
     ``names``: the real devices' ids with its keys in place of theirs, or ids it invents.
     It runs an honest round among them, so the sum it unmasks is the victim's input plus
-    the puppets' zeros, whatever ``t`` is."""
+    the puppets' zeros, whatever ``t`` is. In a signed fleet it must forge each puppet's
+    advertisement (``forge``): ``unsigned``, as they come; ``rogue-ca``, signed under
+    certificates of a CA of its own with the fleet CA's name; ``stolen-certificate``,
+    signed with its key under a real device's certificate (the one of that id, or of
+    ``dev-01`` for an invented id): certificates travel in the clear."""
 
-    def __init__(self, *, settings: SecAggSettings, victim: str, names: Sequence[str]) -> None:
-        super().__init__(settings=settings)
-        self.victim = victim
+    def __init__(self, *, settings: SecAggSettings, victim: str, names: Sequence[str],
+                 forge: str = "unsigned") -> None:  # fmt: skip
+        super().__init__(settings=settings, lax=True)
+        self.victim, self.forge = victim, forge
         self.puppets = {n: puppet(n, settings, seed=900 + i) for i, n in enumerate(names)}
         self._asked: Mapping[str, Any] = {}
+        self._rogue = TestCA()
+
+    def _signed(self, advert: Advertise, real: Mapping[str, Any]) -> Advertise:
+        if self.forge == "unsigned":
+            return advert
+        key = Ed25519PrivateKey.generate()
+        if self.forge == "rogue-ca":
+            certificate = self._rogue.issue(advert.client, key)
+        else:
+            certificate = real.get(advert.client, real["dev-01"]).certificate
+        return sign(replace(advert, certificate=certificate), Signer(key), run=RUN)
 
     def _with_puppets(self, answers: Mapping[str, SecAggMessage], stage: str) -> dict[str, Any]:
         zero = np.zeros(self.settings.length)
         respond = {
-            "advertise": lambda p, _: p.advertise(),
+            "advertise": lambda p, _: self._signed(p.advertise(), answers),
             "share": lambda p, m: p.share(m),
             "masked_input": lambda p, m: p.masked_input(m, zero),
+            "consistency": lambda p, m: p.consistency(m),
             "unmask": lambda p, m: p.unmask(m),
         }[stage]
+        if self.victim not in answers:
+            # The victim left the round: there is nothing left to learn.
+            raise RoundAborted(f"{self.victim} left", round=ROUND, stage=stage)
         mine = {c: respond(p, self._asked.get(c)) for c, p in self.puppets.items()}
         return {self.victim: answers[self.victim], **mine}
 
@@ -114,24 +147,65 @@ class Sybils(Coordinator):
     def survivors(self, masked: Mapping[str, MaskedInput]) -> Mapping[str, Survivors]:
         return self._to_victim(super().survivors(self._with_puppets(masked, "masked_input")))
 
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        return self._to_victim(super().signatures(self._with_puppets(signed, "consistency")))
+
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         return super().result(self._with_puppets(unmasks, "unmask"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="neighbours' keys are not signed by the neighbours (issue 51, What to build 1)",
-)
-@pytest.mark.parametrize("names", [NAMES[1:], [f"ghost-{i:02d}" for i in range(1, N)]],
-                         ids=["substituted-keys", "invented-ids"])  # fmt: skip
-def test_a_coordinator_that_plays_every_neighbour_cannot_unmask_one_input(
-    names: list[str],
-) -> None:
+SUBSTITUTED, INVENTED = NAMES[1:], [f"ghost-{i:02d}" for i in range(1, N)]
+
+
+def test_on_an_insecure_fleet_a_coordinator_playing_every_neighbour_unmasks_one_input() -> None:
+    # What a fleet without the fleet CA's enrolment gives up (docs/privacy.md): the
+    # coordinator's word is all a device has for its neighbours' keys.
     vectors = inputs(NAMES)
-    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=names)
+    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=SUBSTITUTED)
     transcript = run_round(coordinator, devices(COMPLETE, NAMES), vectors)
+    assert unmasked_alone(transcript, vectors)
+
+
+#: Why the victim refuses each forgery of dev-01's advertisement.
+WHY = {
+    "unsigned": "is not relayed",
+    "rogue-ca": "carries a certificate the fleet CA did not issue",
+    "stolen-certificate": "is not signed by its enrolled key (bad_signature)",
+}
+
+
+@pytest.mark.parametrize("forge", list(WHY))
+@pytest.mark.parametrize("names", [SUBSTITUTED, INVENTED], ids=["substituted", "invented"])
+def test_a_coordinator_that_plays_every_neighbour_cannot_unmask_one_input(
+    names: list[str], forge: str
+) -> None:
+    # Before issue 51's enrolment the victim took any keys the roster named, and its input
+    # was unmasked alone under every forgery here (as on the insecure fleet above).
+    vectors = inputs(NAMES)
+    coordinator = Sybils(settings=COMPLETE, victim=VICTIM, names=names, forge=forge)
+    transcript = run_round(coordinator, devices(COMPLETE, NAMES, ca=CA), vectors)
     assert not unmasked_alone(transcript, vectors), f"{VICTIM}'s input was unmasked alone"
+    assert VICTIM not in transcript.answers[Stage.SHARE], "a share left the victim"
+    refusal = str(transcript.refused[VICTIM])
+    assert f"{VICTIM} refuses: a neighbour's advertisement " in refusal
+    if names is SUBSTITUTED:
+        assert refusal.endswith(f"{WHY[forge]} (dev-01)")
+    elif forge == "stolen-certificate":
+        assert refusal.endswith("carries a certificate issued to another device (ghost-01)")
+    else:
+        assert refusal.endswith(f"{WHY[forge]} (ghost-01)")
+
+
+@SIGNED
+def test_a_signed_fleet_of_honest_devices_unmasks_the_plain_sum(graph: SecAggSettings) -> None:
+    vectors = inputs(NAMES)
+    transcript = run_round(Coordinator(settings=graph), devices(graph, NAMES, ca=CA), vectors)
+    assert transcript.refused == {} and transcript.result is not None
+    rosters = transcript.requests[Stage.SHARE]
+    assert all(isinstance(r, Roster) and set(r.adverts) == set(r.keys) - {c}
+               for c, r in rosters.items())  # fmt: skip
+    plain = np.sum([np.clip(v, -1.0, 1.0) for v in vectors.values()], axis=0)
+    assert np.abs(transcript.result.total - plain).max() < sum_error_bound(N, spec=SPEC)
 
 
 class Equivocator(Coordinator):
@@ -141,7 +215,7 @@ class Equivocator(Coordinator):
     masked input alone, bypassing the server's checks."""
 
     def __init__(self, *, settings: SecAggSettings, victim: str, told_dropped: set[str]) -> None:
-        super().__init__(settings=settings)
+        super().__init__(settings=settings, lax=True)
         self.victim, self.told_dropped = victim, told_dropped
         self._adverts: dict[str, Advertise] = {}
         self._masked: dict[str, MaskedInput] = {}
@@ -158,6 +232,17 @@ class Equivocator(Coordinator):
             c: replace(m, survivors=without) if c in self.told_dropped else m
             for c, m in honest.items()
         }
+
+    def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+        # Each device gets the signed lists of those told what it was told: the most it
+        # can be shown that it would take.
+        payload = {c: m.to_wire() for c, m in signed.items()}
+        return {
+            c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
+                v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
+            })
+            for c, m in signed.items()
+        }  # fmt: skip
 
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         u, t = self.victim, self.settings.threshold
@@ -183,22 +268,59 @@ class Equivocator(Coordinator):
         return {}  # its server never closed the round: it tells the devices nothing
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="no consistency round: survivor lists are not signed (issue 51, What to build 2)",
-)
-@GRAPHS
-def test_equivocating_survivor_lists_do_not_unmask_one_input(graph: SecAggSettings) -> None:
+def equivocate(graph: SecAggSettings, *, ca: TestCA | None) -> Transcript:
     # t neighbours hear the victim dropped; the victim and its other neighbours (at least
     # t of them on both graphs here) hear it survived.
     neighbours = neighbour_graph(NAMES, k=graph.neighbours, fleet=FLEET, round=ROUND)[VICTIM]
     told = set(sorted(neighbours)[: graph.threshold])
     assert len(neighbours - told) + 1 >= graph.threshold
-    vectors = inputs(NAMES)
     coordinator = Equivocator(settings=graph, victim=VICTIM, told_dropped=told)
-    transcript = run_round(coordinator, devices(graph, NAMES), vectors)
-    assert not unmasked_alone(transcript, vectors), f"{VICTIM}'s input was unmasked alone"
+    return run_round(coordinator, devices(graph, NAMES, ca=ca), inputs(NAMES))
+
+
+@GRAPHS
+def test_on_an_insecure_fleet_equivocating_survivor_lists_unmask_one_input(
+    graph: SecAggSettings,
+) -> None:
+    # What an unsigned fleet gives up: its devices take any t (it would gain nothing to
+    # refuse, since its coordinator can play every neighbour anyway).
+    assert unmasked_alone(equivocate(graph, ca=None), inputs(NAMES))
+
+
+@GRAPHS
+def test_equivocating_survivor_lists_do_not_unmask_one_input(graph: SecAggSettings) -> None:
+    # A signed device refuses, before any share leaves it, a t under which t shares of
+    # its seed and t of its key can come from its h holders (c colluders give both):
+    # 2t <= h + c. Before, both graphs here (t 7 of 20; t 4 of 9 holders) were taken and
+    # the victim's input unmasked alone (the insecure fleet's test above).
+    transcript = equivocate(graph, ca=CA)
+    assert not unmasked_alone(transcript, inputs(NAMES)), f"{VICTIM}'s input was unmasked alone"
+    assert transcript.answers[Stage.SHARE] == {}
+    assert "survivor lists that differ could rebuild both" in str(transcript.refused[VICTIM])
+
+
+@pytest.mark.parametrize(
+    ("threshold", "colluding", "taken"),
+    [(10, 0, False), (11, 0, True), (11, 1, True), (11, 2, False), (12, 3, True)],
+)
+def test_a_signed_device_takes_t_only_above_half_its_holders_and_the_colluders(
+    threshold: int, colluding: int, taken: bool
+) -> None:
+    # The honest coordinator aborts such a round at once, saying why; one that does not
+    # (lax) finds every device refusing it before any share leaves.
+    graph = replace(settings(n=N, threshold=threshold), colluding=colluding)
+    honest = run_round(Coordinator(settings=graph), devices(graph, NAMES, ca=CA), inputs(NAMES))
+    lax = run_round(Coordinator(settings=graph, lax=True), devices(graph, NAMES, ca=CA),
+                    inputs(NAMES))  # fmt: skip
+    assert (honest.result is not None) is (lax.result is not None) is taken
+    assert (VICTIM in lax.refused) is not taken
+    if not taken:
+        assert honest.aborted is not None and honest.aborted.stage == Stage.ADVERTISE.value
+        assert honest.aborted.why == (
+            f"t = {threshold} is not more than half of the {N} holders of a device's secrets "
+            f"plus c = {colluding}: survivor lists that differ could rebuild both"
+        )
+        assert lax.answers[Stage.SHARE] == {}
 
 
 def test_the_harness_drops_who_it_is_told_to_and_keeps_each_refusal() -> None:
@@ -330,8 +452,8 @@ class LyingHolder(SecAggDevice):
 
     about = "dev-04"
 
-    def unmask(self, survivors: Survivors) -> Unmask:
-        honest = super().unmask(survivors)
+    def unmask(self, signatures: Signatures) -> Unmask:
+        honest = super().unmask(signatures)
         wrong = int.from_bytes(honest.seed_shares[self.about], "big") + 1
         shares = {**honest.seed_shares, self.about: wrong.to_bytes(SHARE_BYTES, "big")}
         return replace(honest, seed_shares=shares)

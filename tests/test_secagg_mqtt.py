@@ -1,5 +1,6 @@
 """Secure aggregation over a real Mosquitto: 20 device links (threads of this process, each
-with its own connection and Ed25519 key) and the coordinator's link run whole rounds.
+with its own connection, Ed25519 key and certificate of a fleet CA) and the coordinator's
+link run whole rounds.
 
 The unmasked sum equals the plain sum within the quantisation bound, with a third of the
 devices leaving after each stage, and at every stage in turn; too few survivors abort the
@@ -14,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from random import Random
 
 import numpy as np
@@ -25,6 +27,7 @@ from protocol.auth import Signer, sign
 from protocol.topics import secagg_down_topic, secagg_up_topic
 from runtime.transport import MqttSettings
 from secagg.device import SecAggDevice
+from secagg.enrolled import Enrolment
 from secagg.errors import RoundAborted
 from secagg.messages import Abort, Advertise, Close, PublicKeys, Roster, Stage
 from secagg.mqtt import SecAggCoordinatorLink, StageDeadlines
@@ -33,6 +36,7 @@ from secagg.quantise import QuantiseSpec, sum_error_bound
 from secagg.server import SecAggResult, SecAggServer
 from secagg.settings import SecAggSettings
 from secagg.wire import CoordinatorWire, DeviceWire
+from tests.fleet_ca import NOW, TestCA
 from tests.mqtt_helpers import connected
 from tests.test_mqtt_link import Lines, attached_lines
 
@@ -43,6 +47,8 @@ LENGTH = 6
 SPEC = QuantiseSpec(clip=1.0, scale=2.0**16, bits=32)
 COMPLETE = SecAggSettings(threshold=5, neighbours=N - 1, spec=SPEC, length=LENGTH)
 SPARSE = SecAggSettings(threshold=4, neighbours=8, spec=SPEC, length=LENGTH)
+#: A signed fleet's devices need 2t > (holders) + c: t 11 of the 20 on the complete graph.
+SIGNED = SecAggSettings(threshold=11, neighbours=N - 1, spec=SPEC, length=LENGTH)
 CLIENTS = [f"dev-{i:02d}" for i in range(N)]
 #: A third of the fleet: every third device, which the seeded shuffle scatters over the graph.
 THIRD = CLIENTS[::3]
@@ -52,11 +58,28 @@ STAGE_S = 3.0
 
 
 def ed25519(seed: int) -> Signer:
-    return Signer(Ed25519PrivateKey.from_private_bytes(Random(seed).randbytes(32)))
+    return Signer(_key(seed))
+
+
+def _key(seed: int) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(Random(seed).randbytes(32))
 
 
 COORDINATOR_KEY = ed25519(1000)
 DEVICE_KEYS = {c: ed25519(i) for i, c in enumerate(CLIENTS)}
+#: The fleet CA's certificate for each device's key: the devices check each other's.
+CA = TestCA()
+ENROLMENTS = {
+    c: Enrolment(
+        client=c,
+        signer=DEVICE_KEYS[c],
+        certificate=CA.issue(c, _key(i)),
+        ca=CA.certificate,
+        run=RUN,
+        clock=NOW,
+    )
+    for i, c in enumerate(CLIENTS)
+}
 
 
 def inputs(seed: int = 1) -> dict[str, np.ndarray]:
@@ -111,9 +134,13 @@ def fleet(
     logger: logging.Logger,
     device_logger: logging.Logger | None = None,
     seed: int = 1,
+    enrolled: bool = False,
+    release: Callable[[str], bool] | None = None,
 ) -> Iterator[Fleet]:
     """A listening coordinator link and 20 device links not yet started; ``leave[c]``:
-    device ``c`` disconnects once it has answered that stage."""
+    device ``c`` disconnects once it has answered that stage; ``enrolled``: the devices
+    check each other's keys under the fleet CA (secagg/enrolled.py); ``release(c)``: what
+    device ``c``'s link calls before its masked input leaves (a ledger's charge)."""
     mqtt = MqttSettings(host=address.host, port=address.port)
     vectors = inputs(seed)
     coordinator = SecAggCoordinatorLink(
@@ -122,22 +149,27 @@ def fleet(
         mqtt_settings=mqtt,
         client_id="coordinator",
         deadlines=StageDeadlines(
-            advertise=30.0, share=STAGE_S, masked_input=STAGE_S, unmask=STAGE_S
+            advertise=30.0,
+            share=STAGE_S,
+            masked_input=STAGE_S,
+            consistency=STAGE_S,
+            unmask=STAGE_S,
         ),
         expected=CLIENTS,
         logger=logger,
     )
     devices: dict[str, SecAggDeviceLink] = {}
     for i, c in enumerate(CLIENTS):
-        device = SecAggDevice(
-            client=c, fleet=FLEET, round=ROUND, settings=settings, rng=Random(100 + i)
-        )
+        device = SecAggDevice(client=c, fleet=FLEET, round=ROUND, settings=settings,
+                              rng=Random(100 + i),
+                              enrolment=ENROLMENTS[c] if enrolled else None)  # fmt: skip
         devices[c] = SecAggDeviceLink(
             device=device,
             vector=vectors[c],
             wire=device_wire(c, logger=device_logger or logger),
             mqtt_settings=mqtt,
             on_answered=_leaving(devices, c, (leave or {}).get(c)),
+            release=None if release is None else partial(release, c),
             logger=device_logger or logger,
         )
     with ExitStack() as stack:
@@ -178,10 +210,12 @@ def within_bound(result: SecAggResult, vectors: Mapping[str, np.ndarray]) -> boo
 
 
 @pytest.mark.broker
+@pytest.mark.parametrize("enrolled", [False, True], ids=["sparse", "complete-enrolled"])
 def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
-    mosquitto: MosquittoBroker, lines: Lines
+    mosquitto: MosquittoBroker, lines: Lines, enrolled: bool
 ) -> None:
-    with fleet(mosquitto.address, SPARSE, logger=lines.logger) as f:
+    settings = SIGNED if enrolled else SPARSE
+    with fleet(mosquitto.address, settings, logger=lines.logger, enrolled=enrolled) as f:
         result = f.run()
         assert all(link.wait_finished(10) for link in f.devices.values())
         assert result.survivors == tuple(CLIENTS)
@@ -191,6 +225,7 @@ def test_over_mosquitto_the_unmasked_sum_is_the_plain_sum(
         closes = [link.wait_settled(10) for link in f.devices.values()]
         assert all(isinstance(c, Close) and c.summed for c in closes)
         assert f.coordinator.drops.counts() == {}
+        # No device refused (enrolled: each took its neighbours' keys from their adverts).
         assert all(link.drops.counts() == {} for link in f.devices.values())
 
 
@@ -225,7 +260,7 @@ def test_the_coordinator_side_neither_logs_nor_holds_a_device_input(
     [
         (Stage.ADVERTISE, Stage.SHARE),
         (Stage.SHARE, Stage.MASKED_INPUT),
-        (Stage.MASKED_INPUT, Stage.UNMASK),
+        (Stage.MASKED_INPUT, Stage.CONSISTENCY),
     ],
 )
 def test_a_third_leaving_after_one_stage_still_recovers_the_survivors_sum(
@@ -247,7 +282,8 @@ def test_a_third_leaving_after_one_stage_still_recovers_the_survivors_sum(
 def test_a_third_leaving_at_every_stage_in_turn_still_recovers(
     mosquitto: MosquittoBroker, lines: Lines
 ) -> None:
-    # 20 advertise; 7 leave (13 share); 5 of those leave (8 mask); 3 of those leave (5 unmask).
+    # 20 advertise; 7 leave (13 share); 5 of those leave (8 mask); 3 of those leave (5 sign
+    # the survivors and unmask).
     rest = [c for c in CLIENTS if c not in THIRD]
     masked = [c for c in rest if c not in rest[::3]]
     leave = {
@@ -261,7 +297,8 @@ def test_a_third_leaving_at_every_stage_in_turn_still_recovers(
     assert result.dropped == {
         Stage.SHARE: tuple(THIRD),
         Stage.MASKED_INPUT: tuple(rest[::3]),
-        Stage.UNMASK: tuple(masked[::3]),
+        Stage.CONSISTENCY: tuple(masked[::3]),
+        Stage.UNMASK: (),
     }
     assert within_bound(result, f.vectors)
 
@@ -443,4 +480,4 @@ def test_a_flood_of_one_reason_is_logged_at_powers_of_two(lines: Lines) -> None:
 
 def test_stage_deadlines_must_be_positive() -> None:
     with pytest.raises(ValueError, match="the share deadline must be positive"):
-        StageDeadlines(advertise=1.0, share=0.0, masked_input=1.0, unmask=1.0)
+        StageDeadlines(advertise=1.0, share=0.0, masked_input=1.0, consistency=1.0, unmask=1.0)

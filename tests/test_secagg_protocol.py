@@ -12,6 +12,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from secagg.consistency import Signatures
 from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.graph import neighbour_graph
@@ -79,9 +80,13 @@ def run_round(
         message = d.masked_input(wire(relayed[d.client]), vectors[d.client])
         server.take_masked_input(wire(message))
     survivors = server.close_masked_input()
+    alive = [d for d in alive if d.client not in gone.get(Stage.CONSISTENCY, set())]
+    for d in alive:
+        server.take_consistency(wire(d.consistency(wire(survivors[d.client]))))
+    signatures = server.close_consistency()
     alive = [d for d in alive if d.client not in gone.get(Stage.UNMASK, set())]
     for d in alive:
-        server.take_unmask(wire(d.unmask(wire(survivors[d.client]))))
+        server.take_unmask(wire(d.unmask(wire(signatures[d.client]))))
     return server.close_unmask()
 
 
@@ -122,7 +127,8 @@ def test_a_third_dropping_at_every_stage_in_turn_still_recovers() -> None:
     # 20 advertise; 7 drop (13 share); 5 of those drop (8 mask); 3 of those drop (5 unmask).
     rest = [c for c in CLIENTS if c not in THIRD]
     counted = [c for c in rest if c not in rest[::3]]
-    drop = {Stage.SHARE: THIRD, Stage.MASKED_INPUT: set(rest[::3]), Stage.UNMASK: set(counted[::3])}
+    drop = {Stage.SHARE: THIRD, Stage.MASKED_INPUT: set(rest[::3]), Stage.CONSISTENCY: set(),
+            Stage.UNMASK: set(counted[::3])}  # fmt: skip
     vectors = inputs(2)
     result = run_round(settings, vectors, drop=drop)
     assert result.survivors == tuple(counted)
@@ -222,22 +228,33 @@ def through_masked_input(
     return fleet, server, server.close_masked_input()
 
 
+def signed_off(
+    fleet: list[SecAggDevice], server: SecAggServer, survivors: Mapping[str, Survivors]
+) -> dict[str, Signatures]:
+    """Every device signs the list it was sent; what the coordinator relays."""
+    for d in fleet:
+        server.take_consistency(d.consistency(survivors[d.client]))
+    return server.close_consistency()
+
+
 def test_a_device_asked_for_both_shares_of_a_neighbour_refuses() -> None:
-    fleet, _, survivors = through_masked_input()
+    fleet, server, survivors = through_masked_input()
+    signatures = signed_off(fleet, server, survivors)
     device = fleet[0]
-    first = device.unmask(survivors[device.client])
+    first = device.unmask(signatures[device.client])
     assert "dev-01" in first.seed_shares
     # The same request again (a redelivery) gets the same answer...
-    assert device.unmask(survivors[device.client]) == first
+    assert device.unmask(signatures[device.client]) == first
     # ...but a coordinator now claiming dev-01 dropped asks for its key share as well.
     claim = replace(survivors[device.client], survivors=tuple(set(CLIENTS) - {"dev-01"}))
     with pytest.raises(Refused, match=r"both shares of a device \(dev-01\)"):
-        device.unmask(claim)
+        device.consistency(claim)
 
 
 def test_shares_that_disagree_abort_the_round_naming_the_device() -> None:
     fleet, server, survivors = through_masked_input()
-    answers = [d.unmask(survivors[d.client]) for d in fleet]
+    signatures = signed_off(fleet, server, survivors)
+    answers = [d.unmask(signatures[d.client]) for d in fleet]
     # One holder lies about its share of dev-05's seed: 20 shares, t = 7, so the extra
     # shares no longer lie on the polynomial of the first seven.
     liar = answers[-1]
@@ -259,7 +276,7 @@ def test_a_device_refuses_to_unmask_with_fewer_than_t_survivors() -> None:
     device.masked_input(relayed[device.client], inputs()[device.client])
     few = Survivors(fleet="lab", round=5, client=device.client, survivors=tuple(CLIENTS[:6]))
     with pytest.raises(Refused, match="6 survivors, fewer than t = 7"):
-        device.unmask(few)
+        device.consistency(few)
 
 
 def test_a_device_refuses_a_roster_without_its_keys_or_with_another_graph() -> None:
@@ -327,7 +344,7 @@ def test_a_device_refuses_stages_out_of_order() -> None:
         fresh.share(rosters[fresh.client])
     survivors = Survivors(fleet="lab", round=5, client=fleet[0].client, survivors=tuple(CLIENTS))
     with pytest.raises(Refused, match="before the previous one ended"):
-        fleet[0].unmask(survivors)
+        fleet[0].consistency(survivors)
 
 
 # The coordinator's refusals.
@@ -359,8 +376,8 @@ def test_the_coordinator_refuses_messages_it_must_not_act_on() -> None:
     vectors = inputs()
     for d in fleet:
         server.take_masked_input(d.masked_input(relayed[d.client], vectors[d.client]))
-    survivors = server.close_masked_input()
-    answer = device.unmask(survivors[device.client])
+    signatures = signed_off(fleet, server, server.close_masked_input())
+    answer = device.unmask(signatures[device.client])
     # A key share of a survivor (with its seed share withheld) would unmask its input.
     greedy = replace(
         answer,
@@ -394,6 +411,7 @@ def test_the_coordinator_holds_only_the_masked_sum_of_the_inputs() -> None:
     # Nor anything the coordinator keeps: its only array is the masked sum, no zero in it.
     held = [v for v in vars(server).values() if isinstance(v, np.ndarray)]
     assert len(held) == 1 and np.count_nonzero(held[0]) == LENGTH
+    signatures = signed_off(fleet, server, survivors)
     for d in fleet:
-        server.take_unmask(d.unmask(survivors[d.client]))
+        server.take_unmask(d.unmask(signatures[d.client]))
     assert np.abs(server.close_unmask().total).max() < sum_error_bound(N, spec=SPEC)

@@ -71,7 +71,8 @@ def _table(**overrides: object) -> SecureAggregation:
 
 def _keys(tmp_path: Path) -> FleetKeys:
     """The fleet's Ed25519 keys: signed, its coordinator expects the enrolled devices, so
-    each stage closes as soon as they have answered instead of at its deadline."""
+    each stage closes as soon as they have answered instead of at its deadline; and the
+    fleet CA's certificates, with which the devices check each other's keys."""
     return fleet_keys(tmp_path / "keys", [f"dev-{i}" for i in range(len(DOMAINS))])
 
 
@@ -79,8 +80,11 @@ def _signed(cfg: AgentConfig, tmp_path: Path) -> AgentConfig:
     keys = _keys(tmp_path)
     return dataclasses.replace(
         cfg,
-        security=AgentSecurity(key=keys.agent_key(cfg.agent_id), coordinator=keys.coordinator_pub),
-    )
+        security=AgentSecurity(
+            key=keys.agent_key(cfg.agent_id), coordinator=keys.coordinator_pub, ca=keys.ca_cert,
+            certificate=keys.agent_certificate(cfg.agent_id),
+        ),
+    )  # fmt: skip
 
 
 def _coordinator(
@@ -323,26 +327,27 @@ def _secure_agent(tmp_path: Path, bundle: Path, *, budget: float, **table: objec
     return Agent(cfg)
 
 
-def test_a_device_pays_for_the_sums_noise_before_it_joins_and_joins_once_per_data(
+def test_a_device_pays_for_the_sums_noise_as_its_input_leaves_and_joins_once_per_data(
     small_zoo: Path, tmp_path: Path
 ) -> None:
     agent = _secure_agent(tmp_path, small_zoo, budget=2.5, epsilon=1.0)
     bundle = agent.bundle_id
     first = agent.handle(announcement(bundle, 0, "lda", dim=K))
     assert first.reason == "secure" and first.secure is not None and first.payload is None
-    spent = agent.epsilon_spent
-    # The ledger's accountant prices the sum's Gaussian at no more than the plan's
-    # (looser) zCDP conversion does: the round's epsilon, 1.
-    assert 0.5 < spent <= 1.0
+    # Joined, not paid (before issue 51 it was): a round that aborts before the masked
+    # input leaves costs nothing. The link charges as it leaves.
+    assert agent.epsilon_spent == 0.0 and first.secure.release is not None
+    assert first.secure.release() and 0.5 < (spent := agent.epsilon_spent) <= 1.0
+    # (The accountant prices the sum's Gaussian at no more than the plan's looser zCDP
+    # conversion does: the round's epsilon, 1.)
     assert agent.mode.ledger.spends[-1].round == 0
     exact = flatten(agent.closed.statistics(), gram=True)  # type: ignore[union-attr]
     np.testing.assert_array_equal(first.secure.vector, exact)  # nothing summed before
-    # Its round ended without it in the sum (it left, or the round aborted): it joins
-    # the next round again, and pays again.
+    # Its round ended without it in the sum (it left after its input): it joins again.
     second = agent.handle(announcement(bundle, 1, "lda", dim=K))
-    assert second.reason == "secure" and agent.epsilon_spent > spent
+    assert second.secure is not None and second.secure.release is not None
+    assert second.secure.release() and agent.epsilon_spent > spent
     # Summed now: the same data does not join again, nor pay.
-    assert second.secure is not None
     agent.summed(second.secure)
     paid = agent.epsilon_spent
     assert agent.handle(announcement(bundle, 2, "lda", dim=K)).reason == "nothing_new"
@@ -378,7 +383,8 @@ def test_a_device_whose_budget_would_be_exceeded_does_not_join(
 ) -> None:
     agent = _secure_agent(tmp_path, small_zoo, budget=1.0, epsilon=1.0)
     bundle = agent.bundle_id
-    assert agent.handle(announcement(bundle, 0, "lda", dim=K)).reason == "secure"
+    joined = agent.handle(announcement(bundle, 0, "lda", dim=K)).secure
+    assert joined is not None and joined.release is not None and joined.release()
     spent = agent.epsilon_spent
     assert agent.handle(announcement(bundle, 1, "lda", dim=K)).reason == "budget_exhausted"
     assert agent.epsilon_spent == spent
@@ -396,6 +402,7 @@ def test_a_device_whose_budget_would_be_exceeded_does_not_join(
         ({"privacy": AgentPrivacy(aggregation="secure", mechanism="dp-features")}, "set it to"),
         ({"secure_aggregation": SecureAggregation(dataset_size=20)}, "threshold must be set"),
         ({"secure_aggregation": SecureAggregation(threshold=3)}, "dataset_size must be set"),
+        ({"security": AgentSecurity(key=Path("k"), coordinator=Path("c"))}, "needs security.ca"),
     ],
 )
 def test_a_device_configuration_that_cannot_sum_securely_is_refused_in_one_line(

@@ -92,7 +92,8 @@ class SecureRounds:
             # Its own MQTT client: the service's link keeps its session and subscriptions.
             client_id=f"{config.coordinator_id}-secagg",
             deadlines=StageDeadlines(
-                advertise=timeout, share=timeout, masked_input=timeout, unmask=timeout
+                advertise=timeout, share=timeout, masked_input=timeout, consistency=timeout,
+                unmask=timeout,
             ),
             # Enrolled devices: once all of them have advertised, the first stage closes
             # without waiting out its deadline. An insecure fleet knows no list.

@@ -14,6 +14,7 @@ one such spend voids the guarantee of the whole ledger, whose ``guarantee`` then
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ class Ledger:
         self.delta = delta
         self.accountant = accountant
         self.spends: list[Spend] = []
+        #: Held while spends are read or appended: a secure fleet's round is charged on
+        #: its protocol's thread (edge_agent/privacy/modes.py), beside the service's.
+        self.lock = threading.RLock()
         if self.path.exists():
             self._load()
 
@@ -86,9 +90,9 @@ class Ledger:
         return [e for s in self.spends for e in s.events]
 
     def spent(self, extra: list[Event] | None = None) -> float:
-        return epsilon(
-            self.history + list(extra or []), delta=self.delta, accountant=self.accountant
-        )
+        with self.lock:
+            history = self.history
+        return epsilon(history + list(extra or []), delta=self.delta, accountant=self.accountant)
 
     def allows(self, events: list[Event]) -> bool:
         """Whether spending ``events`` keeps the total within the budget."""
@@ -96,6 +100,10 @@ class Ledger:
 
     def record(self, round_: int, events: list[Event], *, reproducible: bool = False) -> float:
         """Append and make durable; returns the epsilon spent including these events."""
+        with self.lock:
+            return self._record(round_, events, reproducible=reproducible)
+
+    def _record(self, round_: int, events: list[Event], *, reproducible: bool) -> float:
         self.spends.append(Spend(round_, tuple(events), reproducible))
         total = self.spent()
         document: dict[str, Any] = {

@@ -127,16 +127,27 @@ class PrivacyMode(ABC):
         None if the budget refuses them. ``version``: what they are of."""
 
     def admit_secure_sum(self, round_: int, plan: DistributedPlan | None) -> bool:
-        """A secure fleet's round (edge_agent/secure_delivery.py): the sum's noise, priced
-        as the sum's epsilon for one round (:func:`secagg.fleet.ledger_multiplier`),
-        recorded before the first stage message leaves; False, and nothing recorded, when
-        the budget refuses it. ``plan`` None: the sum carries no noise and claims none."""
+        """Whether the budget allows a secure fleet's round (edge_agent/secure_delivery.py):
+        the sum's noise, priced as the sum's epsilon for one round
+        (:func:`secagg.fleet.ledger_multiplier`). Nothing is recorded yet: a round is paid
+        for when the device's noised input leaves it (:meth:`charge_secure_sum`), so one
+        that aborts before costs nothing. ``plan`` None: no noise, no claim."""
+        if plan is None:
+            return True
+        return self.ledger.allows([gaussian_release(ledger_multiplier(plan))])
+
+    def charge_secure_sum(self, round_: int, plan: DistributedPlan | None) -> bool:
+        """Record round ``round_``'s secure sum in the ledger, durably, just before the
+        device's masked input (its noised input) leaves it: on the protocol's thread, not
+        the service's (the ledger locks). False, and nothing recorded, when the budget no
+        longer allows it (another release was paid for since it was admitted)."""
         if plan is None:
             return True
         event = gaussian_release(ledger_multiplier(plan))
-        if not self.ledger.allows([event]):
-            return False
-        self.ledger.record(round_, [event])
+        with self.ledger.lock:
+            if not self.ledger.allows([event]):
+                return False
+            self.ledger.record(round_, [event])
         return True
 
     @abstractmethod

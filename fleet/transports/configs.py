@@ -17,6 +17,7 @@ from edge_agent.config import ClosedFormSettings
 from edge_agent.privacy.settings import PrivacySettings
 from fleet.data.partition import ClientData
 from fleet.transports import secure as secure_mod
+from fleet.transports.fleet_ca import issue_certificates
 from fleet.transports.spec import FLEET, RunSpec, train_table
 from protocol.auth import Signer
 from protocol.methods import wire_method
@@ -274,7 +275,9 @@ def write_config(path: Path, tables: dict[str, Any]) -> Path:
 class FleetKeys:
     """Ed25519 keys of a simulated fleet, so it runs the signed path a deployment runs:
     ``coordinator.key`` and ``.pub``, ``agents/<name>.key``, ``devices/<name>.pub`` (the
-    coordinator's enrolment folder), under ``root`` (the run's ``keys/``)."""
+    coordinator's enrolment folder), under ``root`` (the run's ``keys/``); and a fleet CA
+    (``ca.key``, ``ca.crt``) with ``agents/<name>.crt`` for each agent, which secure
+    aggregation's devices check each other's keys with (fleet/transports/fleet_ca.py)."""
 
     root: Path
 
@@ -296,8 +299,20 @@ class FleetKeys:
     def device_pub(self, name: str) -> Path:
         return self.devices / f"{name}.pub"
 
+    @property
+    def ca_key(self) -> Path:
+        return self.root / "ca.key"
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.root / "ca.crt"
+
+    def agent_certificate(self, name: str) -> Path:
+        return self.root / "agents" / f"{name}.crt"
+
     def agent_table(self, name: str) -> dict[str, Any]:
-        return {"key": str(self.agent_key(name)), "coordinator": str(self.coordinator_pub)}
+        return {"key": str(self.agent_key(name)), "coordinator": str(self.coordinator_pub),
+                "ca": str(self.ca_cert), "certificate": str(self.agent_certificate(name))}  # fmt: skip
 
     def coordinator_table(self) -> dict[str, Any]:
         return {"key": str(self.coordinator_key), "devices": str(self.devices)}
@@ -312,4 +327,6 @@ def fleet_keys(root: Path, names: list[str]) -> FleetKeys:
     for name in names:
         if not keys.agent_key(name).exists():
             generate_ed25519(keys.agent_key(name), keys.device_pub(name))
+    devices = {n: (keys.device_pub(n), keys.agent_certificate(n)) for n in names}
+    issue_certificates(ca_key=keys.ca_key, ca_cert=keys.ca_cert, devices=devices)
     return keys
