@@ -3,7 +3,9 @@ Mosquitto, and the arithmetic for 1,000 and 10,000 devices.
 
 **Measured.** ``DEVICES`` agents (the agent's own ``Agent`` and ``AgentService``, one
 process, one shared set of ONNX Runtime sessions) and the coordinator's own service, lda
-at k ``K``, every message signed with the fleet's Ed25519 keys, ``[privacy] aggregation =
+at k ``K``, every message signed with the fleet's Ed25519 keys and each device's keys
+vouched for by the fleet CA's certificate (sent with its advertisement, checked by its
+neighbours, and a consistency stage before unmasking), ``[privacy] aggregation =
 "secure"`` with ``t = THRESHOLD``, ``c = COLLUDING``, every device pairing with every
 other (the original protocol's complete graph), noise for epsilon ``EPSILON``. Keys:
 
@@ -111,7 +113,8 @@ def _agents(root: Path, bundle: Path, port: int, keys_root: Path) -> list[Agent]
             method="lda", classes=CLASSES, mqtt=MqttSettings(port=port),
             closed_form=ClosedFormSettings(dim=K),
             privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=_table(),
-            security=AgentSecurity(key=keys.agent_key(name), coordinator=keys.coordinator_pub),
+            security=AgentSecurity(key=keys.agent_key(name), coordinator=keys.coordinator_pub,
+                                   ca=keys.ca_cert, certificate=keys.agent_certificate(name)),
         )  # fmt: skip
         runtime = agents[0].runtime if agents else None
         agents.append(Agent(cfg, runtime=runtime))
