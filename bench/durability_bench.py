@@ -38,7 +38,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 from bench.coordinator_bench import make_updates
-from bench.intake_bench import ReceiptClock, drain
+from bench.intake_drain import ReceiptClock, drain
 from bench.intake_fleet import BIN, FLEET, RUN, Fleet, stop
 from bench.reliability_bench import publish_burst
 from edge_agent.privacy.accounting import Event

@@ -13,6 +13,10 @@ processes behind a real Mosquitto.
   burst (``max_queued_messages`` raised), so the one-worker run loses nothing.
   One and two workers alternate, each on a fresh broker and fresh databases, and each
   figure is the median of its runs; ``coordinator.signed_intake_2_over_1`` is their ratio.
+  Both at the default ``sqlite_synchronous = "GROUP"`` (a receipt only after an fsync'd
+  commit that holds it); ``coordinator.signed_updates_per_s_sync_full`` is one worker at
+  ``"FULL"`` (an fsync per commit), drained in the same alternation, and
+  ``coordinator.signed_group_over_full`` the ratio.
   ``coordinator.signed_intake_cores_1`` and ``_2`` are the CPU cores the workers used
   during the drain (medians): another process on the machine shows there, and the ratio
   is bounded by what they got (the broker and the receipt clock take a little too).
@@ -33,7 +37,6 @@ processes behind a real Mosquitto.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import tempfile
@@ -46,7 +49,8 @@ import numpy as np
 import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from bench.coordinator_bench import BUNDLE, CLASSES, DIM, make_updates
+from bench.coordinator_bench import make_updates
+from bench.intake_drain import Drain, drain
 from bench.intake_fleet import (
     BIN,
     BYSTANDERS,
@@ -55,20 +59,15 @@ from bench.intake_fleet import (
     RUN,
     WORKERS,
     Fleet,
-    cpu_seconds,
-    publish_one,
     start_workers,
     stop,
-    stored_rows,
     wait_ready,
 )
-from bench.reliability_bench import _wait, publish_burst
 from coordinator.service.owner_service import receipt_filter
 from fleet.transports.broker import BrokerAddress, MosquittoBroker
 from protocol import RoundAnnouncement, round_topic, update_topic
 from protocol.auth import Signer, sign, signature_problem
 from protocol.receipts import Receipt, payload_digest
-from runtime.bulkread import client_class
 
 #: Updates per drain: several seconds for one worker.
 BURST = 20_000
@@ -83,105 +82,7 @@ WINDOW = 2_000
 DROPPED = "$SYS/broker/publish/messages/dropped"
 
 
-# -- processes --------------------------------------------------------------------------------
-
-
 # -- the drain --------------------------------------------------------------------------------
-
-
-class ReceiptClock:
-    """Times the receipts of ``expected`` distinct clients: the first and the last.
-
-    It shares the two cores with the workers, so it reads through runtime/bulkread.py
-    rather than paho's one packet per ``select()``, and checks no signature (the tests
-    do: tests/test_worker_intake.py)."""
-
-    def __init__(self, address: BrokerAddress, expected: int) -> None:
-        self.expected = expected
-        self.clients: set[str] = set()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.done = threading.Event()
-        self._client = client_class()(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-clock")
-        self._client.on_message = self._on_message
-        subscribed = threading.Event()
-        self._client.on_subscribe = lambda *_: subscribed.set()
-        self._client.connect(address.host, address.port)
-        self._client.loop_start()
-        self._client.subscribe(receipt_filter(FLEET), qos=1)
-        if not subscribed.wait(10):
-            raise TimeoutError("no SUBACK for the receipt clock")
-
-    def _on_message(self, _c: object, _u: object, message: mqtt.MQTTMessage) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.clients.add(message.topic)
-        if len(self.clients) == self.expected and self.last is None:
-            self.last = now
-            self.done.set()
-
-    def close(self) -> None:
-        self._client.loop_stop()
-        self._client.disconnect()
-
-
-@dataclasses.dataclass(frozen=True)
-class Drain:
-    rate: float  # signed updates per second, from the broker's queue to durable receipts
-    cores: float  # the workers' CPU seconds per second of the drain
-
-
-def drain(
-    fleet: Fleet, workers: int, payloads: list[bytes], topics: list[str], *,
-    synchronous: str | None = None,
-) -> Drain:  # fmt: skip
-    """One drain of ``payloads`` by ``workers`` workers (module text), at
-    ``sqlite_synchronous`` ``synchronous`` (None: the default)."""
-    names = WORKERS[:workers]
-    with tempfile.TemporaryDirectory(dir=fleet.root) as tmp, MosquittoBroker(
-        extra_config=f"max_queued_messages {len(payloads) + 1_000}\n"
-    ) as broker:  # fmt: skip
-        state = Path(tmp) / "state"
-        config = fleet.config(broker.address.port, state, synchronous=synchronous)
-        announcement = RoundAnnouncement(
-            fleet=FLEET, round=1, run=RUN, run_started=1.0, bundle=BUNDLE, method="fedpcl",
-            classes=tuple(str(c) for c in range(CLASSES)), dim=DIM, deadline=2e9,
-        )  # fmt: skip
-        signed = sign(announcement, fleet.coordinator, run=RUN).to_wire()
-        publish_one(broker.address, round_topic(FLEET), signed, retain=True)
-        procs = start_workers(config, names)
-        try:
-            wait_ready(config, names)  # sessions made, the open round heard and stored
-        finally:
-            stop(procs)
-        clock = ReceiptClock(broker.address, len(payloads))
-        try:
-            publish_burst(broker.address, topics, payloads, client_id="bench-devices")
-            time.sleep(1.0)  # the broker settles; nothing else runs during the drain
-            spawned = time.perf_counter()
-            procs = start_workers(config, names)
-            pids = [broker.pid or 0, *(p.pid for p in procs)]
-            try:
-                _wait(lambda: clock.first is not None, timeout=120, what="first receipt")
-                before = [cpu_seconds(pid) for pid in pids]
-                if not clock.done.wait(600):
-                    raise TimeoutError(f"{len(clock.clients)} of {len(payloads)} receipts")
-                used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
-            finally:
-                stop(procs)
-        finally:
-            clock.close()
-        assert clock.first is not None and clock.last is not None
-        rows = stored_rows(state)
-        if rows != len(payloads):
-            raise RuntimeError(f"{rows} rows stored for {len(payloads)} receipted updates")
-        rate = (len(payloads) - 1) / (clock.last - clock.first)
-        busy = ", ".join(f"{u / (clock.last - clock.first):.2f}" for u in used)
-        print(f"  {workers} worker(s): {rate:,.0f} updates/s; first receipt "
-              f"{clock.first - spawned:.2f} s after the start; cores busy (broker, "
-              f"workers): {busy}; load {os.getloadavg()[0]:.2f}", file=sys.stderr)  # fmt: skip
-        return Drain(rate=rate, cores=sum(used[1:]) / (clock.last - clock.first))
 
 
 def drain_rates(fleet: Fleet) -> dict[str, float]:
@@ -190,10 +91,14 @@ def drain_rates(fleet: Fleet) -> dict[str, float]:
     payloads = [fleet.signed(u, c, RUN) for u, c in zip(updates, devices, strict=True)]
     topics = [update_topic(FLEET, c) for c in devices]
     runs: dict[int, list[Drain]] = {1: [], 2: []}
+    full: list[Drain] = []
     for _ in range(REPEATS):
         for workers in (1, 2):
             runs[workers].append(drain(fleet, workers, payloads, topics))
+        # The other durable setting beside the default (GROUP), in the same alternation.
+        full.append(drain(fleet, 1, payloads, topics, synchronous="FULL"))
     one, two = (float(np.median([d.rate for d in runs[w]])) for w in (1, 2))
+    one_full = float(np.median([d.rate for d in full]))
     # How much of the machine the workers had: the ratio can be no better than the cores
     # they got (another process on the machine takes its share).
     cores = {w: float(np.median([d.cores for d in runs[w]])) for w in (1, 2)}
@@ -203,6 +108,8 @@ def drain_rates(fleet: Fleet) -> dict[str, float]:
         "coordinator.signed_intake_2_over_1": two / one,
         "coordinator.signed_intake_cores_1": cores[1],
         "coordinator.signed_intake_cores_2": cores[2],
+        "coordinator.signed_updates_per_s_sync_full": one_full,
+        "coordinator.signed_group_over_full": one / one_full,
     }
 
 
