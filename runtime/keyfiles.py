@@ -83,6 +83,11 @@ def load_certificate(path: Path, *, setting: str) -> bytes:
     advertisement)."""
     from cryptography.hazmat.primitives.serialization import Encoding
 
+    return _pem_certificate(path, setting).public_bytes(Encoding.DER)
+
+
+def _pem_certificate(path: Path, setting: str) -> x509.Certificate:
+    """The PEM certificate in ``path``; :class:`KeyFileError` naming ``setting`` if not one."""
     data = _read(path, setting)
     try:
         certificate = _certificate(data)
@@ -90,7 +95,7 @@ def load_certificate(path: Path, *, setting: str) -> bytes:
         raise KeyFileError(f"{setting} {path}: not a PEM certificate") from exc
     if certificate is None:
         raise KeyFileError(f"{setting} {path}: not a PEM certificate")
-    return certificate.public_bytes(Encoding.DER)
+    return certificate
 
 
 def load_verifier(path: Path, *, setting: str) -> Verifier:
@@ -113,13 +118,7 @@ class FleetCA:
         """Raises :class:`KeyFileError` naming the setting and the file."""
         from cryptography import x509
 
-        data = _read(ca, f"{setting}.ca")
-        try:
-            certificate = _certificate(data)
-        except ValueError as exc:
-            raise KeyFileError(f"{setting}.ca {ca}: not a PEM certificate") from exc
-        if certificate is None:
-            raise KeyFileError(f"{setting}.ca {ca}: not a PEM certificate")
+        certificate = _pem_certificate(ca, f"{setting}.ca")
         try:
             is_ca = certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
         except x509.ExtensionNotFound:

@@ -152,6 +152,18 @@ class Coordinator:
                 self.refused[client] = exc
 
 
+def signatures_as_told(signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
+    """What an equivocating coordinator relays: each device gets the signed lists of
+    those told what it was told, the most it can be shown that it would take."""
+    payload = {c: m.to_wire() for c, m in signed.items()}
+    return {
+        c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
+            v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
+        })
+        for c, m in signed.items()
+    }  # fmt: skip
+
+
 @dataclass
 class Transcript:
     """What a round did: each stage's requests (what the coordinator sent each device)

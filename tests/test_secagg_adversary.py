@@ -56,6 +56,7 @@ from tests.secagg_harness import (
     puppet,
     run_round,
     settings,
+    signatures_as_told,
 )
 
 N = 20
@@ -234,15 +235,7 @@ class Equivocator(Coordinator):
         }
 
     def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
-        # Each device gets the signed lists of those told what it was told: the most it
-        # can be shown that it would take.
-        payload = {c: m.to_wire() for c, m in signed.items()}
-        return {
-            c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
-                v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
-            })
-            for c, m in signed.items()
-        }  # fmt: skip
+        return signatures_as_told(signed)
 
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         u, t = self.victim, self.settings.threshold

@@ -28,6 +28,7 @@ from tests.secagg_harness import (
     inputs,
     run_round,
     settings,
+    signatures_as_told,
 )
 
 N = 20
@@ -53,13 +54,7 @@ class Splitter(Coordinator):
                 for c, m in honest.items()}  # fmt: skip
 
     def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:
-        payload = {c: m.to_wire() for c, m in signed.items()}
-        return {
-            c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
-                v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
-            })
-            for c, m in signed.items()
-        }  # fmt: skip
+        return signatures_as_told(signed)
 
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         # Its server never saw the lists it split: it has nothing but what came back.
