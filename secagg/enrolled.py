@@ -37,19 +37,6 @@ from secagg.messages import MAX_ADVERT_BYTES, Advertise, PublicKeys
 M = TypeVar("M")
 
 
-def authority(pem: bytes) -> x509.Certificate:
-    """The fleet CA's certificate from its PEM file (make-certs.sh's ``ca.crt``); raises
-    ValueError unless it is a CA's."""
-    certificate = x509.load_pem_x509_certificate(pem)
-    try:
-        ca = certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    except x509.ExtensionNotFound:
-        ca = False
-    if not ca:
-        raise ValueError("not a CA certificate (make-certs.sh's ca.crt is the fleet's)")
-    return certificate
-
-
 def enrolled_key(
     certificate: bytes, *, client: str, ca: x509.Certificate, now: datetime.datetime
 ) -> Verifier | str:

@@ -7,20 +7,15 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.x509.oid import NameOID
 
+from fleet.transports.fleet_ca import ca_certificate, device_certificate
 from protocol.auth import Signer
 from secagg.enrolled import Enrolment
 
 NOW = datetime.datetime(2026, 11, 28, tzinfo=datetime.timezone.utc)
 DAY = datetime.timedelta(days=1)
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
 @dataclass
@@ -33,35 +28,16 @@ class TestCA:
     key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
 
     def __post_init__(self) -> None:
-        public = self.key.public_key()
-        self.certificate = (
-            x509.CertificateBuilder()
-            .subject_name(_name(self.name))
-            .issuer_name(_name(self.name))
-            .public_key(public)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(NOW - 365 * DAY)
-            .not_valid_after(NOW + 365 * DAY)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(self.key, None)
-        )
+        self.certificate = ca_certificate(self.key, name=self.name,
+                                          valid=(NOW - 365 * DAY, NOW + 365 * DAY))  # fmt: skip
 
     def issue(
         self, cn: str, key: Ed25519PrivateKey, *, valid: tuple[datetime.datetime, ...] = ()
     ) -> bytes:
         """A certificate (DER) binding ``cn`` to ``key``'s public key."""
         start, end = valid or (NOW - DAY, NOW + 30 * DAY)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(self.certificate.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(self.key, None)
-        )
+        cert = device_certificate(self.key, self.certificate, cn=cn, public=key.public_key(),
+                                  valid=(start, end))  # fmt: skip
         return cert.public_bytes(serialization.Encoding.DER)
 
     def enrol(self, client: str, *, run: str) -> Enrolment:

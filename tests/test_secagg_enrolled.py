@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.keys import AgentKeys
 from protocol.auth import KeyFileError, Signer, sign
-from runtime.keyfiles import load_certificate, load_signer
+from runtime.keyfiles import FleetCA, load_certificate, load_signer
 from runtime.security import AgentSecurity
-from secagg.enrolled import Enrolment, authority
+from secagg.enrolled import Enrolment
 from secagg.messages import Advertise, PublicKeys, Roster
 from tests.fleet_ca import DAY, NOW, TestCA
 from tests.test_deploy import SYSTEMD, sh
@@ -117,7 +117,7 @@ def test_advertisements_and_rosters_carry_certificates_and_signed_adverts_on_the
 def test_make_certs_p256_certificates_enrol_a_device_and_vouch_for_it(tmp_path: Path) -> None:
     out = tmp_path / "fleet"
     sh(str(SYSTEMD / "make-certs.sh"), "--out", str(out), "dev-0", "dev-1")
-    ca = authority((out / "ca.crt").read_bytes())
+    ca = FleetCA.load(out / "ca.crt").certificate
 
     def enrolment(name: str) -> Enrolment:
         cert = load_certificate(out / "clients" / f"{name}.crt", setting="security.certificate")

@@ -29,6 +29,46 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
+Validity = tuple[datetime.datetime, datetime.datetime]
+
+
+def ca_certificate(
+    key: ed25519.Ed25519PrivateKey, *, name: str, valid: Validity
+) -> x509.Certificate:
+    """A self-signed CA certificate for ``key``, named ``name``, valid from ``valid[0]`` to
+    ``valid[1]``; it may issue device certificates only (path length 0)."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(_name(name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
+
+
+def device_certificate(
+    key: ed25519.Ed25519PrivateKey, ca: x509.Certificate, *, cn: str,
+    public: ed25519.Ed25519PublicKey, valid: Validity,
+) -> x509.Certificate:  # fmt: skip
+    """The certificate CA ``ca`` (whose key is ``key``) issues device ``cn`` for its signing
+    key ``public``: the binding a device's neighbours check (secagg/enrolled.py)."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca.subject)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(key, None)
+    )
+
+
 def _ca(key_path: Path, cert_path: Path) -> tuple[ed25519.Ed25519PrivateKey, x509.Certificate]:
     """The CA's key and certificate, made if missing."""
     if key_path.exists() and cert_path.exists():
@@ -37,17 +77,8 @@ def _ca(key_path: Path, cert_path: Path) -> tuple[ed25519.Ed25519PrivateKey, x50
         return key, x509.load_pem_x509_certificate(cert_path.read_bytes())
     key = ed25519.Ed25519PrivateKey.generate()
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name("ProtoFleet simulated fleet CA"))
-        .issuer_name(_name("ProtoFleet simulated fleet CA"))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + 2 * VALID)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, None)
-    )
+    cert = ca_certificate(key, name="ProtoFleet simulated fleet CA",
+                          valid=(now - datetime.timedelta(days=1), now + 2 * VALID))  # fmt: skip
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -71,16 +102,7 @@ def issue_certificates(
             continue
         device_key = serialization.load_pem_public_key(public.read_bytes())
         assert isinstance(device_key, ed25519.Ed25519PublicKey)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(name))
-            .issuer_name(ca.subject)
-            .public_key(device_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + VALID)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(key, None)
-        )
+        cert = device_certificate(key, ca, cn=name, public=device_key,
+                                  valid=(now - datetime.timedelta(days=1), now + VALID))  # fmt: skip
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, cert.public_bytes(serialization.Encoding.PEM))
