@@ -3,8 +3,8 @@ a round's release goes into the fleet's secure sum, never into an update.
 
 - :class:`SecureSumInputs` (the agent's side, transport-free): lda and ridge add their
   statistics once per data version and coordinator run, and after new data only the
-  difference from what the run's sum holds of them; FedProto adds each round's prototypes (rows of the classes held and a
-  holder count each). The privacy mode admits the sum's noise against the budget when
+  difference from what the run's sum holds of them; FedProto adds each round's
+  prototypes (rows of the classes held and a holder count each). The privacy mode admits the sum's noise against the budget when
   the round is joined, and charges the ledger just before the masked input leaves
   (:meth:`~edge_agent.privacy.modes.PrivacyMode.charge_secure_sum`): a round that aborts
   before costs nothing.
