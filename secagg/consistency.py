@@ -1,13 +1,15 @@
 """The consistency stage (Bonawitz et al., CCS 2017, the active-adversary protocol): after
 the masked inputs, each survivor signs the survivor list it was given and a digest of the
-roster it was given, and no device releases a share before at least ``t`` survivors,
-itself among them, have signed the very list and roster it holds.
+roster it was given, and no device releases a share before at least ``T`` survivors (the
+fleet's quorum, ``t`` unless the table sets one), itself among them, have signed the very
+list and roster it holds.
 
-A coordinator that tells holders of a device's shares different lists (that it survived,
-that it dropped) gets each list signed only by those it told; with ``2t > n + c`` no two
-lists both gather ``t`` signatures, so every device that releases a share holds the same
-list as ``t`` others. On a sparse graph (``t <= k + 1``, far below ``n / 2``) two lists
-can each gather ``t``: docs/privacy.md says what is left open there.
+A coordinator that tells devices different lists (that a device survived, that it
+dropped) gets each list signed only by those it told; with ``2T > n + c`` no two lists
+both gather ``T`` signatures, so every device that releases a share holds the same list
+as ``T`` others. On a sparse graph a neighbourhood's ``t`` (``<= k + 1``, far below
+``n / 2``) would let two lists each gather ``t``: hence the quorum (docs/privacy.md,
+"Equivocation across devices").
 
 In a signed fleet each :class:`Consistency` carries its sender's certificate from the
 fleet CA, as an advertisement does (:mod:`~secagg.enrolled`), because a device checks the
@@ -97,12 +99,13 @@ class Signatures(SecAggMessage):
 
 def unsigned_problem(
     signatures: Signatures, *, survivors: tuple[str, ...], roster: bytes, fleet: str,
-    round: int, threshold: int, enrolment: Enrolment | None,
+    round: int, threshold: int, enrolment: Enrolment | None, least: str = "",
 ) -> tuple[str, str | None] | None:  # fmt: skip
     """Why ``signatures`` do not show ``threshold`` survivors signing ``survivors``, with
     the device to blame if one; None if they do. Every entry must be a survivor's
     :class:`Consistency` of this round naming that very list and ``roster``, and, with ``enrolment``,
-    signed under the fleet CA's certificate for its sender."""
+    signed under the fleet CA's certificate for its sender. ``least``: how the refusal
+    names ``threshold`` (``T = 900``; ``t = ...`` by default)."""
     for v, payload in signatures.signed.items():
         try:
             message = Consistency.from_wire(payload, max_bytes=MAX_ADVERT_BYTES)
@@ -121,5 +124,6 @@ def unsigned_problem(
             return f"a survivor's signed list {why}", v
     if len(signatures.signed) < threshold:
         count = len(signatures.signed)
-        return f"{count} survivors signed its survivor list, fewer than t = {threshold}", None
+        least = least or f"t = {threshold}"
+        return f"{count} survivors signed its survivor list, fewer than {least}", None
     return None

@@ -127,8 +127,10 @@ class SecAggDevice:
             return cached
         self._addressed(roster)
         t = self.settings.threshold
-        if len(roster.clients) < t:
-            raise self._refuse(f"{len(roster.clients)} devices advertised, fewer than t = {t}")
+        if len(roster.clients) < self.settings.fewest:
+            raise self._refuse(
+                f"{len(roster.clients)} devices advertised, fewer than {self.settings.least}"
+            )
         if roster.keys.get(self.client) != self.public:
             raise self._refuse("the roster does not carry this device's keys")
         graph = neighbour_graph(
@@ -138,7 +140,7 @@ class SecAggDevice:
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
         self._check_enrolled(roster, neighbours)
-        unsafe = self.settings.unsafe_for(len(neighbours) + 1)
+        unsafe = self.settings.unsafe_for(len(neighbours) + 1, len(roster.clients))
         if self._enrolment is not None and unsafe is not None:
             # Unsigned, a coordinator that plays every neighbour unmasks it anyway.
             raise self._refuse(unsafe)
@@ -249,9 +251,8 @@ class SecAggDevice:
             raise self._refuse("a survivor is not in the roster", blame=strangers[0])
         if self.client not in listed:
             raise self._refuse("this device is not among the survivors")
-        t = self.settings.threshold
-        if len(listed) < t:
-            raise self._refuse(f"{len(listed)} survivors, fewer than t = {t}")
+        if len(listed) < self.settings.fewest:
+            raise self._refuse(f"{len(listed)} survivors, fewer than {self.settings.least}")
         silent = sorted((listed & self._neighbours) - self._senders)
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
@@ -262,7 +263,7 @@ class SecAggDevice:
         return self._answer(Stage.CONSISTENCY, survivors, answer)
 
     def unmask(self, signatures: Signatures) -> Unmask:
-        """Stage 5, once ``t`` survivors signed the list this device holds: the share of
+        """Stage 5, once ``T`` survivors signed the list this device holds: the share of
         ``b_v`` for each neighbour ``v`` (and itself) whose input is in the sum, the share
         of ``s_v`` for each that shared keys and then dropped."""
         cached = self._begin(Stage.UNMASK, signatures, Unmask)
@@ -274,7 +275,8 @@ class SecAggDevice:
         problem = unsigned_problem(
             signatures, survivors=held.survivors, roster=self._roster, fleet=self.fleet,
             round=self.round,
-            threshold=self.settings.threshold, enrolment=self._enrolment,
+            threshold=self.settings.fewest, enrolment=self._enrolment,
+            least=self.settings.least,
         )  # fmt: skip
         if problem is not None:
             raise self._refuse(problem[0], blame=problem[1])
@@ -323,7 +325,7 @@ class SecAggDevice:
             noise = device_noise(
                 q.size,
                 sigma2=self.settings.sigma2,
-                threshold=self.settings.threshold,
+                threshold=self.settings.fewest,
                 rng=self._rng,
             )
             q = q + noise

@@ -45,8 +45,11 @@ AGGREGATIONS = ("plain", "secure")
 #: coordinator's deadline alone, so it stays out of the digest.
 SHARED_FIELDS: dict[str, type] = {
     "threshold": int, "neighbours": int, "colluding": int, "scale": float, "bits": int,
-    "epsilon": float, "delta": float, "dataset_size": int,
+    "epsilon": float, "delta": float, "dataset_size": int, "quorum": int,
 }  # fmt: skip
+#: Fields the digest leaves out while they hold their default, so that a table which does
+#: not set them hashes as it did before they existed.
+_OPTIONAL_FIELDS = {"quorum": 0}
 _TABLE_LABEL = b"protofleet/secagg/table/v1\n"
 
 
@@ -64,7 +67,11 @@ class SecureAggregation:
     width. ``epsilon`` and ``delta``: what one round's sum spends (0: no noise, the exact
     sum). ``dataset_size``: the public bound on a device's training samples, which bounds
     each coordinate (the clip). ``stage_timeout_s``: how long the coordinator keeps each
-    of the five stages open; who has not answered by then has dropped."""
+    of the five stages open; who has not answered by then has dropped. ``quorum`` (T):
+    the fewest survivors a round may finish with across the fleet, 0 for ``threshold``;
+    set it with ``neighbours`` (SecAgg+), where ``t`` is a neighbourhood's, so that the
+    noise is calibrated to the fleet: each device adds ``sigma^2 / T`` and the plan counts
+    ``T - colluding`` honest shares (docs/privacy.md, "Noise calibrated to the fleet")."""
 
     threshold: int = 0
     neighbours: int = 0
@@ -75,10 +82,11 @@ class SecureAggregation:
     delta: float = 1e-5
     dataset_size: int = 0
     stage_timeout_s: float = 30.0
+    quorum: int = 0
 
     def __post_init__(self) -> None:
-        if self.threshold < 0 or self.neighbours < 0 or self.colluding < 0:
-            raise ValueError("threshold, neighbours and colluding must not be negative")
+        if min(self.threshold, self.neighbours, self.colluding, self.quorum) < 0:
+            raise ValueError("threshold, neighbours, colluding and quorum must not be negative")
         if self.bits not in (32, 64):
             raise ValueError(f"bits must be 32 or 64, got {self.bits}")
         if not (math.isfinite(self.scale) and self.scale > 0):
@@ -99,6 +107,8 @@ class SecureAggregation:
         lines = []
         for name, kind in SHARED_FIELDS.items():
             value = getattr(self, name)
+            if name in _OPTIONAL_FIELDS and value == _OPTIONAL_FIELDS[name]:
+                continue
             lines.append(f"{name}={float(value).hex() if kind is float else int(value)}")
         return hashlib.sha256(_TABLE_LABEL + "\n".join(lines).encode()).digest()
 
@@ -119,7 +129,17 @@ class SecureAggregation:
                 f"[secure_aggregation] colluding = {self.colluding} leaves no honest share of "
                 f"threshold = {self.threshold}"
             )
+        if 0 < self.quorum < self.threshold:
+            return (
+                f"[secure_aggregation] quorum = {self.quorum} is below threshold = "
+                f"{self.threshold}: a round cannot finish with fewer devices than t"
+            )
         return None
+
+    @property
+    def fewest(self) -> int:
+        """T: the fewest survivors a round may finish with (``quorum``, else ``threshold``)."""
+        return self.quorum or self.threshold
 
 
 def method_problem(table: SecureAggregation, method: str) -> str | None:
@@ -168,12 +188,12 @@ def secure_release(
     plan = None
     if table.epsilon > 0:
         release = SecureSum.of_statistics(
-            k=k, classes=classes, scale=table.scale, threshold=table.threshold,
+            k=k, classes=classes, scale=table.scale, threshold=table.fewest,
             colluding=table.colluding, gram=gram,
         )  # fmt: skip
         plan = plan_distributed(release=release, epsilon_target=table.epsilon, delta=table.delta)
         if devices is not None:
-            check_ring(plan, spec=spec, devices=max(devices, table.threshold))
+            check_ring(plan, spec=spec, devices=max(devices, table.fewest))
     settings = _protocol(
         table, spec=spec, length=statistics_length(k, classes=classes, gram=gram),
         sigma2=None if plan is None else plan.sigma2,
@@ -194,6 +214,7 @@ def _protocol(
         sigma2=sigma2,
         table=table.digest(),
         colluding=table.colluding,
+        quorum=table.quorum,
     )
 
 

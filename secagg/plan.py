@@ -141,7 +141,8 @@ class SecureSum:
 
     ``sensitivity``: float-domain L2 sensitivity to one example; ``support``: how many
     coordinates one example can change; ``length``: ``d``; ``scale``: the quantiser's
-    ``gamma``; ``threshold``: ``t``, the fewest survivors a round may finish with;
+    ``gamma``; ``threshold``: ``T``, the fewest survivors a round may finish with (the
+    fleet's quorum; the complete graph's ``t``);
     ``colluding``: ``c``, how many devices may share their noise with the coordinator."""
 
     sensitivity: float

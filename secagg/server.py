@@ -377,12 +377,11 @@ class SecAggServer:
         """Why enrolled devices (their advertisements carry certificates) would each
         refuse this round's rosters (secagg/device.py), if they would."""
         h = max(map(len, self._graph.values())) + 1
-        return self.settings.unsafe_for(h) if self._certified else None
+        return self.settings.unsafe_for(h, len(self._clients)) if self._certified else None
 
     def _enough(self, stage: Stage, count: int, what: str) -> None:
-        t = self.settings.threshold
-        if count < t:
-            self._abort(stage, f"{count} {what}, fewer than the threshold t = {t}")
+        if count < self.settings.fewest:
+            self._abort(stage, f"{count} {what}, fewer than the {self.settings.least_named}")
 
     def _abort(self, stage: Stage, why: str, *, cause: Exception | None = None) -> NoReturn:
         self.aborted = RoundAborted(why, round=self.round, stage=stage.value)

@@ -66,11 +66,13 @@ def clients(n: int) -> list[str]:
     return [f"dev-{i:02d}" for i in range(n)]
 
 
-def settings(*, n: int, threshold: int, neighbours: int | None = None) -> SecAggSettings:
+def settings(
+    *, n: int, threshold: int, neighbours: int | None = None, quorum: int = 0
+) -> SecAggSettings:
     """Settings for ``n`` devices of vectors of 6 values; ``neighbours`` None: the
-    complete graph."""
+    complete graph; ``quorum`` 0: ``threshold``."""
     k = n - 1 if neighbours is None else neighbours
-    return SecAggSettings(threshold=threshold, neighbours=k, spec=SPEC, length=6)
+    return SecAggSettings(threshold=threshold, neighbours=k, spec=SPEC, length=6, quorum=quorum)
 
 
 def puppet(client: str, settings: SecAggSettings, *, seed: int) -> SecAggDevice:

@@ -64,10 +64,11 @@ NAMES = clients(N)
 COMPLETE = settings(n=N, threshold=7)
 SPARSE = settings(n=N, threshold=4, neighbours=8)
 GRAPHS = pytest.mark.parametrize("graph", [COMPLETE, SPARSE], ids=["complete", "sparse"])
-#: What a signed fleet's devices accept: 2t > h + c for the h holders of each secret.
+#: What a signed fleet's devices accept: 2t > h + c for the h holders of each secret, and
+#: 2T > n + c for the n devices of the roster (tests/test_secagg_quorum.py).
 SIGNED = pytest.mark.parametrize(
     "graph",
-    [settings(n=N, threshold=11), settings(n=N, threshold=5, neighbours=8)],
+    [settings(n=N, threshold=11), settings(n=N, threshold=5, neighbours=8, quorum=11)],
     ids=["complete", "sparse"],
 )
 VICTIM = "dev-00"

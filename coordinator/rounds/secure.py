@@ -223,7 +223,7 @@ class SecureSum(Tally):
         # Only classes at least t devices hold are announced (secagg/fleet.py).
         rows, has = global_prototypes(outcome.total, dim=self.release.k,
                                       classes=self.release.classes,
-                                      threshold=self.release.settings.threshold)  # fmt: skip
+                                      threshold=self.release.settings.fewest)  # fmt: skip
         return Aggregate(
             global_classes=tuple(int(c) for c in np.flatnonzero(has)), global_prototypes=rows[has]
         )
