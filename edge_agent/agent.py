@@ -316,10 +316,10 @@ class Agent:
         payload = sent.payload if sent.update is not None else None
         return Decision(sent.reason, update=sent.update, payload=payload, secure=sent.secure)
 
-    def summed(self, secure: SecureInput) -> None:
-        """The round's secure sum holds this device's statistics (it was a survivor):
-        the same data need not be summed again."""
-        summed(self.state, secure)
+    def summed(self, secure: SecureInput, *, receipt: bytes = b"") -> None:
+        """The round's secure sum holds this device's statistics (it was a survivor; the
+        coordinator's ``receipt`` says so): the same data need not be summed again."""
+        summed(self.state, run=secure.run, round_=secure.round, receipt=receipt, secure=secure)
 
     def confirmed(self, round_: int) -> None:
         """The coordinator stored this device's update of ``round_`` (its receipt came):

@@ -22,15 +22,27 @@ import numpy as np
 
 from edge_agent.closed_form import ClosedFormDevice
 from edge_agent.delivery import Agent, Delivery, Sent
-from edge_agent.secure_join import SecureInput
+from edge_agent.secure_join import SecureInput, sum_view
 from protocol import RoundAnnouncement
-from secagg.fleet import flatten, flatten_prototypes, prototype_release, secure_release
+from secagg.fleet import (
+    SINCE_EXTRA,
+    flatten,
+    flatten_prototypes,
+    prototype_release,
+    secure_release,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _run(announcement: RoundAnnouncement) -> str:
     return announcement.auth.run if announcement.auth is not None else announcement.run
+
+
+def _since(announcement: RoundAnnouncement) -> int:
+    """The round the fleet's running sum began (0 where the announcement does not say)."""
+    since = announcement.extras.get(SINCE_EXTRA)
+    return int(since[0]) if since is not None and since.size == 1 else 0
 
 
 class SecureSumInputs(Delivery):
@@ -63,10 +75,10 @@ class SecureSumInputs(Delivery):
         # amended into it when the round settles (SecureJoin.settle).
         record: dict[str, Any] = {"bytes_down": None, "secure": True}
         extra = agent.state.snapshot.extra
-        # Summed where: a coordinator of another run (its database lost or replaced)
-        # starts an empty sum, which holds none of this device's statistics. A state from
-        # before the run was kept counts as this run's.
-        in_this_run = extra.get("statistics_summed_run", run) == run
+        # Summed where: a coordinator of another run (its database lost or replaced), or a
+        # sum started again (behind the devices), holds none of this device's statistics.
+        since = _since(announcement)
+        in_this_run = sum_view(agent.state, run=run, since=since)[0] >= 0
         if in_this_run and extra.get("statistics_summed") == version:
             log.info("round %d: statistics of this data already in the fleet's sum", round_)
             return Sent("nothing_new", record=record | {"statistics_sent": False},
@@ -85,7 +97,7 @@ class SecureSumInputs(Delivery):
         plan, mode = release.plan, agent.mode
         secure = SecureInput(round=round_, run=run, vector=vector,
                              settings=release.settings, version=version,
-                             statistics=statistics,
+                             statistics=statistics, since=since,
                              release=lambda: mode.charge_secure_sum(round_, plan))  # fmt: skip
         return Sent("secure", secure=secure, record=record | {"statistics_sent": True},
                     published=True)  # fmt: skip

@@ -5,6 +5,7 @@ round. Torch-free, as the service is (``edge-agent --help`` must not pay for tor
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Callable
@@ -49,15 +50,51 @@ class SecureInput:
     #: Charges the privacy ledger for the sum's noise, just before the masked input
     #: leaves (False: the budget refuses, and it does not leave); None: nothing to pay.
     release: Callable[[], bool] | None = field(default=None, compare=False)
+    #: The round the fleet's running sum began (the announcement's ``secure_sum_since``).
+    since: int = 0
 
 
-def summed(state: StateDir, secure: SecureInput) -> None:
-    """The round's secure sum holds this device's statistics (it was a survivor): the
-    same data need not be summed again in the same coordinator run."""
+def sum_view(state: StateDir, *, run: str, since: int) -> tuple[int, bytes]:
+    """What this device knows the fleet's running sum holds of it: the round of its latest
+    input in it and the coordinator's signed word for that, or ``(-1, b"")`` for none in
+    coordinator run ``run`` since round ``since`` (coordinator/rounds/secure_record.py)."""
+    extra = state.snapshot.extra
+    round_ = extra.get("statistics_summed_round")
+    if extra.get("statistics_summed_run") != run or not isinstance(round_, int) or round_ < since:
+        return -1, b""
+    return round_, base64.b64decode(extra.get("statistics_summed_receipt", ""))
+
+
+def pending(state: StateDir, secure: SecureInput) -> None:
+    """Keep the statistics whose input is about to leave, before it does: should its close
+    be lost, the coordinator's later word that the sum holds it finds them here."""
     if secure.statistics is None:
         return  # a prototype method's round: nothing carries over
-    state.save_summed(secure.statistics)
-    state.record(statistics_summed=secure.version, statistics_summed_run=secure.run)
+    state.save_pending(secure.statistics, version=secure.version, run=secure.run,
+                       round_=secure.round)  # fmt: skip
+
+
+def summed(
+    state: StateDir, *, run: str, round_: int, receipt: bytes, secure: SecureInput | None = None
+) -> bool:
+    """The fleet's sum holds this device's input of round ``round_`` (the coordinator's
+    ``receipt`` says so): ``secure``'s statistics, that round's input, or else those kept
+    as pending for that round (:func:`pending`), are now what it holds. False when there
+    are none of that round (nothing is changed)."""
+    kept = state.load_pending()
+    if secure is not None and (secure.run, secure.round) == (run, round_):
+        if secure.statistics is None:
+            return False  # a prototype method's round: nothing carries over
+        statistics, version = secure.statistics, secure.version
+    elif kept is not None and kept[2:] == (run, round_):
+        statistics, version = kept[0], kept[1]
+    else:
+        return False
+    state.save_summed(statistics)
+    state.record(statistics_summed=version, statistics_summed_run=run,
+                 statistics_summed_round=round_,
+                 statistics_summed_receipt=base64.b64encode(receipt).decode())  # fmt: skip
+    return True
 
 
 class SecureJoin:
@@ -70,18 +107,26 @@ class SecureJoin:
     def join(self, secure: SecureInput) -> None:
         """Add this device's input to round ``secure.round``'s secure sum: the protocol
         runs on the link's own thread and MQTT client, beside the service's loop."""
-        cfg, keys = self.cfg, self.keys
+        cfg, keys, state = self.cfg, self.keys, self.state
+        holds, receipt = sum_view(state, run=secure.run, since=secure.since)
         device = SecAggDevice(
             client=cfg.agent_id, fleet=cfg.fleet, round=secure.round, settings=secure.settings,
-            enrolment=keys.enrolment(cfg.agent_id, run=secure.run),
+            enrolment=keys.enrolment(cfg.agent_id, run=secure.run), summed=holds,
+            receipt=receipt,
         )  # fmt: skip
+        charge = secure.release
+
+        def release() -> bool:
+            pending(state, secure)  # kept before the input leaves, whatever follows
+            return charge is None or charge()
+
         wire = DeviceWire(
             fleet=cfg.fleet, client=cfg.agent_id, run=secure.run, signer=keys.signer,
             coordinator=keys.coordinator, max_bytes=cfg.mqtt.max_payload_bytes, logger=log,
         )  # fmt: skip
         link = SecAggDeviceLink(
             device=device, vector=secure.vector, wire=wire, mqtt_settings=cfg.mqtt,
-            client_id=f"{cfg.agent_id}-secagg", logger=log, release=secure.release,
+            client_id=f"{cfg.agent_id}-secagg", logger=log, release=release,
         )  # fmt: skip
         link.start()
         self._joined = (secure, link, time.monotonic())
@@ -108,13 +153,23 @@ class SecureJoin:
             secure.round, secagg_bytes_up=sent, secagg_bytes_down=received,
             secagg_seconds=time.monotonic() - started,
         )  # fmt: skip
-        if isinstance(notice, Abort):
+        if isinstance(notice, Abort) and notice.holds is not None and notice.holds >= 0:
+            # Refused for being wrong about what the sum holds of it: an input whose close
+            # never came is in it after all.
+            if summed(self.state, run=secure.run, round_=notice.holds, receipt=notice.to_wire()):
+                log.warning("round %d: the fleet's sum holds this device's input of round %d "
+                            "(its close was lost): marked summed", secure.round, notice.holds)  # fmt: skip
+            else:
+                log.error("round %d: the fleet's sum holds an input of round %d this device "
+                          "kept no record of: %s", secure.round, notice.holds, notice.reason)  # fmt: skip
+        elif isinstance(notice, Abort):
             log.warning(
                 "round %d: secure aggregation aborted at %s: %s",
                 secure.round, notice.stage.value, notice.reason,
             )  # fmt: skip
         elif isinstance(notice, Close) and notice.summed:
-            summed(self.state, secure)
+            summed(self.state, run=secure.run, round_=secure.round, receipt=notice.to_wire(),
+                   secure=secure)  # fmt: skip
             log.info("round %d: statistics added to the fleet's secure sum", secure.round)
         else:
             answered = ", ".join(s.value for s in link.answered) or "none"

@@ -286,6 +286,24 @@ class StateDir:
                 return vector
         return np.zeros(length)
 
+    def save_pending(self, vector: np.ndarray, *, version: str, run: str, round_: int) -> None:
+        """Keep the statistics whose secure input is on its way, and which data, run and
+        round they are of (edge_agent/secure_join.py). A file of its own, not the snapshot:
+        it is written on the protocol's thread, beside the service's."""
+        atomic_write(self.root / "secure_pending.npz", npz_bytes({
+            "vector": vector, "version": np.array(version), "run": np.array(run),
+            "round": np.array(round_),
+        }))  # fmt: skip
+
+    def load_pending(self) -> tuple[np.ndarray, str, str, int] | None:
+        """What :meth:`save_pending` kept: (vector, version, run, round); None if nothing."""
+        path = self.root / "secure_pending.npz"
+        if not path.exists():
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            return (np.asarray(data["vector"], dtype=np.float64), str(data["version"]),
+                    str(data["run"]), int(data["round"]))  # fmt: skip
+
     def load_prototypes(self) -> tuple[np.ndarray, np.ndarray] | None:
         return self._load_pair("prototypes.npz", "prototypes", "counts")
 

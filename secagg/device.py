@@ -63,7 +63,9 @@ class SecAggDevice:
     source of its keys, seed, Shamir coefficients, rounding coins and noise: the
     operating system's unless a test injects a seeded one. ``enrolment``: in a signed
     fleet, its enrolled key, certificate and pinned fleet CA, with which it signs its
-    advertisement and checks its neighbours'; None in an insecure fleet."""
+    advertisement and checks its neighbours'; None in an insecure fleet. ``summed`` and
+    ``receipt``: what it knows the fleet's running sum holds of it, which it advertises
+    (:class:`~secagg.messages.Advertise`)."""
 
     def __init__(
         self,
@@ -74,8 +76,11 @@ class SecAggDevice:
         settings: SecAggSettings,
         rng: Random | None = None,
         enrolment: Enrolment | None = None,
+        summed: int = -1,
+        receipt: bytes = b"",
     ) -> None:
         self.client = validate_id(client, field="client")
+        self._summed, self._receipt = summed, receipt
         if enrolment is not None and enrolment.client != self.client:
             raise ValueError(f"the enrolment is {enrolment.client}'s, not {self.client}'s")
         self._enrolment = enrolment
@@ -114,6 +119,8 @@ class SecAggDevice:
             keys=self.public,
             table=self.settings.table,
             commitment=seed_commitment(self._seed, client=self.client, context=self._context),
+            summed=self._summed,
+            receipt=self._receipt,
         )
         if self._enrolment is not None:
             advert = self._enrolment.sign(advert)

@@ -35,8 +35,10 @@ class Excluded(Refused):
 
     reason = "excluded"
 
-    def __init__(self, why: str, *, round: int, client: str) -> None:
+    def __init__(self, why: str, *, round: int, client: str, holds: int | None = None) -> None:
         self.why = why
+        #: What the fleet's sum holds of it, for a device wrong about that (Abort.holds).
+        self.holds = holds
         super().__init__(f"{client} {why}", round=round, client=client)
 
 

@@ -51,6 +51,9 @@ SHARED_FIELDS: dict[str, type] = {
 #: not set them hashes as it did before they existed.
 _OPTIONAL_FIELDS = {"quorum": 0}
 _TABLE_LABEL = b"protofleet/secagg/table/v1\n"
+#: The announcement's extra naming the round a closed-form secure fleet's running sum began
+#: (coordinator/rounds/secure_record.py): a device's input of an earlier round is not in it.
+SINCE_EXTRA = "secure_sum_since"
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,7 @@
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
 :class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`;
-the consistency stage's two, between the survivors and the shares, are in
-:mod:`~secagg.consistency`.
-Every message names the fleet, the round and one device (the sender of a device's
+the consistency stage's two are in :mod:`~secagg.consistency`. Every message names the fleet, the round and one device (the sender of a device's
 message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
 that :func:`protocol.auth.sign` can sign it unchanged.
 
@@ -116,7 +114,10 @@ class Advertise(SecAggMessage):
     from before the field decodes so, and the coordinator excludes it. ``certificate``:
     in a signed fleet, the sender's certificate from the fleet CA (DER), which binds its
     id to the key that signs this advertisement, so that its neighbours can check the
-    keys are its own (:mod:`secagg.enrolled`); empty (absent from the wire) otherwise."""
+    keys are its own (:mod:`secagg.enrolled`); empty (absent from the wire) otherwise.
+    ``summed``: the round of the sender's latest input the fleet's running sum holds, as
+    the sender knows it (-1, absent from the wire: none), and ``receipt`` the coordinator's
+    signed :class:`Close` or :class:`Abort` that said so (coordinator/rounds/secure_record.py)."""
 
     KIND: ClassVar[str] = "secagg_advertise"
 
@@ -124,6 +125,8 @@ class Advertise(SecAggMessage):
     table: bytes = b""
     commitment: bytes = b""
     certificate: bytes = b""
+    summed: int = -1
+    receipt: bytes = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -132,24 +135,27 @@ class Advertise(SecAggMessage):
         for name in ("table", "commitment"):
             value = getattr(self, name)
             blob(value, field=name, size=DIGEST_BYTES if value else None)
-        blob(self.certificate, field="certificate")
-        if len(self.certificate) > MAX_CERTIFICATE_BYTES:
-            raise FieldError(f"more than {MAX_CERTIFICATE_BYTES} bytes", field="certificate")
+        for name in ("certificate", "receipt"):
+            if len(blob(getattr(self, name), field=name)) > MAX_CERTIFICATE_BYTES:
+                raise FieldError(f"more than {MAX_CERTIFICATE_BYTES} bytes", field=name)
+        f.integer(self.summed, field="summed", low=-1)
 
     def _body(self) -> dict[str, Any]:
         body = {**self._head(), "c": self.keys.c, "s": self.keys.s, "table": self.table,
                 "commitment": self.commitment}  # fmt: skip
-        return {**body, "certificate": self.certificate} if self.certificate else body
+        optional = {"certificate": self.certificate, "receipt": self.receipt}
+        body |= {k: v for k, v in optional.items() if v}
+        return body | ({"summed": self.summed} if self.summed >= 0 else {})
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Advertise:
-        head = cls._take_head(env)
         keys = PublicKeys(c=env.take("c"), s=env.take("s"))
-        table, commitment = env.take_optional("table"), env.take_optional("commitment")
-        certificate = env.take_optional("certificate")
-        return cls(**head, keys=keys, table=b"" if table is None else table,
-                   commitment=b"" if commitment is None else commitment,
-                   certificate=b"" if certificate is None else certificate)  # fmt: skip
+        fields: dict[str, Any] = {**cls._take_head(env), "keys": keys}
+        for k, absent in (("table", b""), ("commitment", b""), ("certificate", b""),
+                          ("receipt", b""), ("summed", -1)):  # fmt: skip
+            value = env.take_optional(k)
+            fields[k] = absent if value is None else value
+        return cls(**fields)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -339,12 +345,15 @@ class Unmask(SecAggMessage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Abort(SecAggMessage):
-    """Coordinator to ``client``: the round stopped at ``stage``, and why."""
+    """Coordinator to ``client``: the round stopped at ``stage``, and why. ``holds``: for a
+    device refused because it is wrong about what the fleet's sum holds of it, the round
+    of its latest input the sum holds (-1: none); None (absent from the wire) otherwise."""
 
     KIND: ClassVar[str] = "secagg_abort"
 
     stage: Stage
     reason: str
+    holds: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -353,14 +362,18 @@ class Abort(SecAggMessage):
         except ValueError as exc:
             raise FieldError(f"{self.stage!r} is not a stage", field="stage") from exc
         f.text(self.reason, field="reason", empty=False)
+        if self.holds is not None:
+            f.integer(self.holds, field="holds", low=-1)
 
     def _body(self) -> dict[str, Any]:
-        return {**self._head(), "stage": self.stage.value, "reason": self.reason}
+        body = {**self._head(), "stage": self.stage.value, "reason": self.reason}
+        return body if self.holds is None else {**body, "holds": self.holds}
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Abort:
         head = cls._take_head(env)
-        return cls(**head, stage=env.take("stage"), reason=env.take("reason"))
+        return cls(**head, stage=env.take("stage"), reason=env.take("reason"),
+                   holds=env.take_optional("holds"))  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -261,7 +261,8 @@ class SecAggCoordinatorLink:
             self._excluded.add(sender)
             server = self.server
             notice = Abort(fleet=server.fleet, round=server.round, client=sender,
-                           stage=Stage.ADVERTISE, reason=f"this device is refused: {exc.why}")  # fmt: skip
+                           stage=Stage.ADVERTISE, reason=f"this device is refused: {exc.why}",
+                           holds=exc.holds)  # fmt: skip
             self._send({sender: notice})
             return None
         except Refused as exc:

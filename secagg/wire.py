@@ -170,6 +170,27 @@ class CoordinatorWire(_Wire):
             return None
         return message
 
+    def receipt_round(self, client: str, payload: bytes) -> int | None:
+        """The round of ``client``'s input that ``payload`` shows the fleet's sum holding:
+        this coordinator's own signed :class:`Close` (summed) or :class:`Abort` (``holds``)
+        to ``client``, of this run; None for anything else (an insecure fleet's are not
+        signed, so any well-formed one is taken)."""
+        try:
+            kind = unpack(payload, max_bytes=self.max_bytes).get("type")
+            kinds: dict[object, type[Close] | type[Abort]] = {Close.KIND: Close, Abort.KIND: Abort}
+            cls = kinds.get(kind)
+            message = None if cls is None else cls.from_wire(payload, max_bytes=self.max_bytes)
+        except ProtocolError:
+            return None
+        if message is None or message.client != client:
+            return None
+        if self._problem(message, None if self.signer is None else self.signer.public):
+            return None
+        if isinstance(message, Close):
+            return message.round if message.summed else None
+        assert isinstance(message, Abort)
+        return message.holds if message.holds is not None and message.holds >= 0 else None
+
 
 class DeviceWire(_Wire):
     """Device ``client``'s side: signs with ``signer`` (None: the fleet runs insecure) and

@@ -36,7 +36,14 @@ CT = bytes(range(CIPHERTEXT_BYTES))
 SHARE = bytes(SHARE_BYTES)
 
 SAMPLES: list[SecAggMessage] = [
-    Advertise(**HEAD, keys=KEYS, table=bytes(range(32)), commitment=bytes(range(1, 33))),
+    Advertise(
+        **HEAD,
+        keys=KEYS,
+        table=bytes(range(32)),
+        commitment=bytes(range(1, 33)),
+        summed=2,
+        receipt=b"signed close",
+    ),
     Roster(**HEAD, clients=("dev-1", "dev-2", "dev-3"), keys={"dev-2": OTHER, "dev-1": KEYS}),
     ShareKeys(**HEAD, ciphertexts={"dev-2": CT, "dev-3": CT[::-1]}),
     RelayedShares(**HEAD, ciphertexts={"dev-3": CT}),
@@ -45,6 +52,7 @@ SAMPLES: list[SecAggMessage] = [
     Unmask(**HEAD, seed_shares={"dev-1": SHARE, "dev-3": SHARE}, key_shares={"dev-2": SHARE}),
     Close(**HEAD, summed=False),
     Abort(**HEAD, stage=Stage.SHARE, reason="5 devices shared keys, fewer than t = 7"),
+    Abort(**HEAD, stage=Stage.ADVERTISE, reason="the fleet's sum holds ...", holds=-1),
 ]
 
 
@@ -117,8 +125,12 @@ def test_a_roster_naming_a_device_twice_is_refused() -> None:
         (Survivors, {"survivors": ["dev-1", "dev-1"]}, "unique"),
         (Unmask, {"key_shares": [["dev-1", SHARE]]}, "both shares of dev-1"),
         (Unmask, {"seed_shares": [["dev-1", SHARE[1:]]]}, f"expected {SHARE_BYTES}"),
+        (Advertise, {"summed": -2}, r"outside \[-1"),
+        (Advertise, {"summed": "2"}, "integer"),
+        (Advertise, {"receipt": bytes(4097)}, "more than 4096 bytes"),
         (Abort, {"stage": "done"}, "not a stage"),
         (Abort, {"reason": ""}, "empty"),
+        (Abort, {"holds": -2}, r"outside \[-1"),
     ],
 )
 def test_malformed_fields_raise_a_protocol_error_naming_the_problem(
@@ -132,7 +144,8 @@ def test_malformed_fields_raise_a_protocol_error_naming_the_problem(
 
 #: Fields a message decodes without: an advertisement from before the table digest and the
 #: seed commitment (the coordinator then excludes it, tests/test_secagg_table.py).
-OPTIONAL = {Advertise.KIND: {"table", "commitment"}}
+OPTIONAL = {Advertise.KIND: {"table", "commitment", "summed", "receipt"},
+            Abort.KIND: {"holds"}}  # fmt: skip
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)

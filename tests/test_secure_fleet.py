@@ -40,6 +40,7 @@ from coordinator.strategies.closed_form import LDA
 from edge_agent.agent import Agent
 from edge_agent.config import AgentConfig, ClosedFormSettings
 from edge_agent.privacy.settings import PrivacySettings as AgentPrivacy
+from edge_agent.secure_join import sum_view
 from edge_agent.service import AgentService
 from export.bundle import load as load_bundle
 from fleet.transports.broker import MosquittoBroker
@@ -49,6 +50,7 @@ from protocol.codec import unpack
 from runtime.security import AgentSecurity, CoordinatorSecurity
 from runtime.transport import MqttSettings
 from secagg.fleet import (
+    SINCE_EXTRA,
     SecureAggregation,
     flatten,
     flatten_prototypes,
@@ -57,6 +59,7 @@ from secagg.fleet import (
 )
 from secagg.plan import decoded_noise_std
 from secagg.quantise import sum_error_bound
+from secagg.wire import CoordinatorWire
 from tests.agent_helpers import CLASSES, agent_config, announcement
 
 K = 12
@@ -216,8 +219,15 @@ def test_a_secure_lda_fleet_over_mosquitto_sums_the_statistics_and_keeps_none(
     np.testing.assert_array_equal(flatten(kept.stats, gram=True), summed.total)
     assert kept.devices == len(DOMAINS)
 
-    # Every device's statistics were summed once: the data is marked so.
+    # Every device's statistics were summed once: the data is marked so, with the round and
+    # the coordinator's signed close, and the sum records the same (issue 51).
     assert all(a.state.snapshot.extra.get("statistics_summed") for a in agents)
+    assert kept.held == {a.cfg.agent_id: 0 for a in agents} and kept.since == 0
+    assert announcement.extras[SINCE_EXTRA].tolist() == [0.0]
+    wire = CoordinatorWire(fleet="lab", run=manager.run_id, signer=manager.keys.signer, devices={})
+    for a in agents:
+        summed_round, receipt = sum_view(a.state, run=manager.run_id, since=0)
+        assert summed_round == 0 and wire.receipt_round(a.cfg.agent_id, receipt) == 0
 
     # Nothing of a device's statistics is in the coordinator's database or log.
     db = sqlite3.connect(config.database)
@@ -356,26 +366,6 @@ def test_a_device_pays_for_the_sums_noise_as_its_input_leaves_and_joins_once_per
     # difference only.
     np.testing.assert_array_equal(agent.state.load_summed(exact.size), exact)
     assert not agent.state.load_summed(exact.size + 1).any()
-
-
-def test_a_device_joins_a_new_runs_sum_with_all_of_its_statistics(
-    small_zoo: Path, tmp_path: Path
-) -> None:
-    # Issue 51: a device kept "summed" across runs, so a new run's empty sum never got it.
-    agent = _secure_agent(tmp_path, small_zoo, budget=5.0, epsilon=1.0)
-    bundle = agent.bundle_id
-    first = agent.handle(announcement(bundle, 0, "lda", dim=K))
-    assert first.secure is not None
-    agent.summed(first.secure)
-    assert agent.handle(announcement(bundle, 1, "lda", dim=K)).reason == "nothing_new"
-    # The coordinator's database is lost: a later run, whose sum holds nothing of it.
-    fresh = dataclasses.replace(announcement(bundle, 0, "lda", dim=K), run="fedcba9876543210",
-                                run_started=announcement(bundle, 0).run_started + 60)  # fmt: skip
-    again = agent.handle(fresh)
-    assert again.reason == "secure" and again.secure is not None
-    np.testing.assert_array_equal(again.secure.vector, first.secure.vector)
-    agent.summed(again.secure)
-    assert agent.handle(dataclasses.replace(fresh, round=1)).reason == "nothing_new"
 
 
 def test_a_device_whose_budget_would_be_exceeded_does_not_join(

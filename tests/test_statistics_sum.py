@@ -131,13 +131,23 @@ def test_a_secure_fleets_sum_adds_rounds_and_holds_a_class_by_its_count() -> Non
     assert back.devices == 3
 
 
-def test_a_secure_sum_kept_as_a_flat_vector_by_an_earlier_version_is_still_read() -> None:
+def test_a_secure_sum_kept_by_an_earlier_version_starts_again_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 51: an earlier version's sum (a flat vector, or statistics alone) records no
+    # device's round, so no device's view of it can be checked: every device adds all of its
+    # statistics again (their own states record no round either), into an empty sum.
     total = flatten(cf.merge([A, B]), gram=True)
-    legacy = json.dumps({"devices": 2, "total": base64.b64encode(total.tobytes()).decode()})
-    kept = FleetSum.load(legacy, release=RELEASE)
-    assert kept.devices == 2
-    assert flatten(kept.stats, gram=True).tolist() == total.tolist()
-    assert kept.stats.holders.tolist() == [1, 1]
+    flat = json.dumps({"devices": 2, "total": base64.b64encode(total.tobytes()).decode()})
+    current = json.loads(FleetSum.empty(RELEASE).plus(
+        SecureOutcome(round=0, total=total, survivors=2, contributors=("a", "b")), RELEASE
+    ).to_meta())  # fmt: skip
+    assert current["held"] == {"a": 0, "b": 0} and current["since"] == 0
+    statistics_alone = json.dumps({"v": 2, "statistics": current["statistics"]})
+    for legacy, version in ((flat, 1), (statistics_alone, 2)):
+        kept = FleetSum.load(legacy, release=RELEASE)
+        assert kept.devices == 0 and kept.held == {} and kept.since == 0
+        assert f"version {version} predates the record of whose inputs it holds" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -264,20 +264,20 @@ class RoundCycle(ABC):
                 return []
             now = self._clock()
             tally = self.tally
+            open_ = self._open
+            if tally.wait_s(now) is None:  # no close under way
+                behind = self.reports.answered_past(open_, deadline_passed=now >= open_.deadline)
+                if behind is not None:
+                    return [self._skip_to(behind + 1, now)]
             if tally.closes_itself:
                 # Closed by its own outcome, whose stages have their own deadlines: not by
                 # updates, which carry no statistics here.
                 return self._close(now) if tally.ready() else []
-            if tally.wait_s(now) is None:  # no close under way
-                open_ = self._open
-                behind = self.reports.answered_past(open_, deadline_passed=now >= open_.deadline)
-                if behind is not None:
-                    return [self._skip_to(behind + 1, now)]
-                if not self._due(now):
-                    if now < open_.deadline:
-                        return []
-                    self._extend(now)
-                    return [self._announcement]
+            if tally.wait_s(now) is None and not self._due(now):
+                if now < open_.deadline:
+                    return []
+                self._extend(now)
+                return [self._announcement]
             return self._close(now)
 
     def _set_extensions(self, open_: OpenRound) -> str | None:
@@ -320,15 +320,17 @@ class RoundCycle(ABC):
         answered rounds this database no longer holds (it was rolled back), and would
         refuse every round up to theirs as already answered. The global state is the open
         round's announcement's; the open round's updates are dropped (their devices answer
-        ``round_``), its closed-form statistics kept."""
-        closing = self._open
-        deadline = now + self.config.rounds.timeout_s
-        nxt = self.sign(dataclasses.replace(self._announcement, round=round_, deadline=deadline))
+        ``round_``), its closed-form statistics kept, a secure fleet's sum started again."""
+        closing, deadline = self._open, now + self.config.rounds.timeout_s
+        meta, extras = self.tally.rolled_back(round_)
+        last = self._announcement
+        nxt = self.sign(dataclasses.replace(last, round=round_, deadline=deadline,
+                                            extras={**last.extras, **extras}))  # fmt: skip
         self.store.advance(
             Commit(
                 closing.number, closed_at=now, announcement=nxt.to_wire(), deadline=deadline,
                 keep_rounds=self.config.rounds.keep_rounds, statistics=self.tally.skipped(),
-                next_round=round_,
+                next_round=round_, meta=meta,
             )
         )  # fmt: skip
         self.tally.committed(None)

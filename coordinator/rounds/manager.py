@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from coordinator.config import CoordinatorConfig
 from coordinator.decision import ACCEPTED, Decision
@@ -163,6 +163,15 @@ class RoundManager(RoundCycle):
         """The update the store holds for ``client`` in the open round, decoded."""
         payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
+
+    def secure_held(self) -> tuple[Mapping[str, int], int] | None:
+        """What the fleet's secure running sum holds of each device (the round of its
+        latest input) and the round it began, or None where there is no running sum
+        (FedProto's rounds)."""
+        tally = self.tally
+        if not isinstance(tally, SecureSum) or tally.sum is None:
+            return None
+        return tally.sum.held, tally.sum.since
 
     def take_secure(self, outcome: SecureOutcome) -> bool:
         """The open round's secure aggregation has ended (coordinator/rounds/secure_rounds.py):

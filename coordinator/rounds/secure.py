@@ -20,7 +20,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,6 +29,7 @@ import closed_form as cf
 from coordinator.rounds.head_guard import guarded, last_head
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.secure_checks import sum_problem
+from coordinator.rounds.secure_record import SINCE_EXTRA
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate, Strategy
@@ -51,13 +53,20 @@ class SecureOutcome:
     why: str = ""
     #: From the round's link subscribing to its outcome.
     seconds: float = 0.0
+    #: Whose inputs are in ``total`` (the survivors' ids).
+    contributors: tuple[str, ...] = ()
+    #: The round aborted because the fleet's sum is behind the devices: it starts again,
+    #: empty, at this round (0: it does not).
+    restart: int = 0
 
 
 #: The meta-table key of a secure fleet's running sum (coordinator/storage/store.py).
 SUM_KEY = "secure_sum"
-#: The version of its value: 2 is the one encoding of summed statistics
-#: (closed_form/encoding.py); 1, a flat vector, is still read.
-_SUM_VERSION = 2
+#: The version of its value: 3 is the one encoding of summed statistics
+#: (closed_form/encoding.py) with the record of whose inputs it holds (``held``, ``since``).
+_SUM_VERSION = 3
+#: Earlier versions (1, a flat vector; 2, without the record): read as a sum to start again.
+_EARLIER = (1, 2)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,33 +78,42 @@ class FleetSum:
     a plain fleet's coordinator/rounds/statistics.py holds it. ``stats.devices``: how many
     device inputs went into it (a device that adds a difference counts again). Which device
     holds which class is not in a sum: a class counts as held where its summed count is at
-    least one example (secagg/fleet.py::unflatten)."""
+    least one example (secagg/fleet.py::unflatten). ``held``: the round of each device's
+    latest input in it, and ``since`` the round it began, which devices check their own
+    view against (coordinator/rounds/secure_record.py)."""
 
     stats: cf.Statistics
+    held: Mapping[str, int] = field(default_factory=dict)
+    since: int = 0
 
     @property
     def devices(self) -> int:
         return self.stats.devices
 
     @classmethod
-    def empty(cls, release: SecureRelease) -> FleetSum:
+    def empty(cls, release: SecureRelease, *, since: int = 0) -> FleetSum:
         return cls(stats=cf.Statistics.empty(
             num_classes=release.classes, dim=release.k, gram=release.gram
-        ))  # fmt: skip
+        ), since=since)  # fmt: skip
 
     def plus(self, outcome: SecureOutcome, release: SecureRelease) -> FleetSum:
-        """This sum and ``outcome``'s (itself when the round aborted)."""
+        """This sum and ``outcome``'s (itself when the round aborted; an empty one from the
+        next round when it aborted because this one is behind the devices)."""
+        if outcome.restart:
+            return FleetSum.empty(release, since=outcome.restart)
         if outcome.total is None:
             return self
         total = cf.StatisticsSum.of(self.stats)
         total.add(_unflattened(outcome.total, release, devices=outcome.survivors))
-        return FleetSum(stats=_held_by_count(total.total()))
+        held = {**self.held, **dict.fromkeys(outcome.contributors, outcome.round)}
+        return FleetSum(stats=_held_by_count(total.total()), held=held, since=self.since)
 
     def to_meta(self) -> str:
         fields = cf.statistics_fields(self.stats)
-        return json.dumps(
-            {"v": _SUM_VERSION, "statistics": base64.b64encode(pack(fields)).decode()}
-        )
+        return json.dumps({
+            "v": _SUM_VERSION, "statistics": base64.b64encode(pack(fields)).decode(),
+            "held": dict(sorted(self.held.items())), "since": self.since,
+        })  # fmt: skip
 
     @classmethod
     def load(cls, text: str | None, *, release: SecureRelease) -> FleetSum:
@@ -105,22 +123,25 @@ class FleetSum:
             return cls.empty(release)
         try:
             data = json.loads(text)
-            if "v" not in data:  # version 1: the flat vector the secure sum adds
-                total = np.frombuffer(base64.b64decode(data["total"]), dtype=np.float64)
-                stats = _unflattened(total, release, devices=int(data["devices"]))
-            else:
-                if data["v"] != _SUM_VERSION:
-                    raise ValueError(f"version {data['v']!r}, not {_SUM_VERSION}")
-                blob = base64.b64decode(data["statistics"])
-                stats = cf.statistics_from(unpack(blob, max_bytes=len(blob)),
-                                           num_classes=release.classes, dim=release.k)  # fmt: skip
-        except (ValueError, KeyError, TypeError, ProtocolError) as exc:
+            version = data.get("v", 1)
+            if version in _EARLIER:
+                # Which device's data it holds is unknown: it starts again, and every
+                # device adds all of its statistics (theirs record no round either).
+                raise ValueError(f"version {version} predates the record of whose inputs it holds")
+            if version != _SUM_VERSION:
+                raise ValueError(f"version {version!r}, not {_SUM_VERSION}")
+            blob = base64.b64decode(data["statistics"])
+            stats = cf.statistics_from(unpack(blob, max_bytes=len(blob)),
+                                       num_classes=release.classes, dim=release.k)  # fmt: skip
+            held = {str(c): int(r) for c, r in data["held"].items()}
+            since = int(data["since"])
+        except (ValueError, KeyError, TypeError, AttributeError, ProtocolError) as exc:
             log.warning("the stored secure sum is left out: %s", exc)
             return cls.empty(release)
         if (stats.gram is None) == release.gram:
             log.warning("the stored secure sum is of another kind than this fleet's: left out")
             return cls.empty(release)
-        return cls(stats=stats)
+        return cls(stats=stats, held=held, since=since)
 
 
 def _unflattened(total: np.ndarray, release: SecureRelease, *, devices: int) -> cf.Statistics:
@@ -147,6 +168,7 @@ class SecureSum(Tally):
         self.strategy = strategy
         self._outcome: SecureOutcome | None = None
         self.sum: FleetSum | None = None
+        self._restarted: FleetSum | None = None
         if not release.prototypes:
             assert isinstance(strategy, ClosedForm)  # config.secure_problem checked it
             self.sum = FleetSum.load(store.meta_value(SUM_KEY), release=release)
@@ -180,13 +202,22 @@ class SecureSum(Tally):
             assert self.sum is not None
             after = self.sum.plus(outcome, self.release)
             why = sum_problem(after.stats, self.release)
-            if why is not None:
+            if after.devices == 0 and after.since > 0:
+                # Started again (behind the devices): they add all of their statistics
+                # again from round ``since``; the head stays until they have.
+                kept = f"the fleet's secure sum starts again from round {after.since}"
+                result = last_head(last)
+            elif why is not None:
                 # Refused whole: the round's sum is not added, and the head stays.
                 kept = f"the secure sum of round {outcome.round} fails admission ({why})"
                 after = self.sum
                 result = last_head(last)
             else:
                 result, kept = guarded(self._head(after), last)
+        if after is not None:
+            # Devices check what they believe the sum holds of them against its start.
+            since = np.array([float(after.since)])
+            result = replace(result, extras={**result.extras, SINCE_EXTRA: since})
         if outcome.total is not None:
             log.info(
                 "round %d: head solved from the secure sum of %d device(s) (%.1f s)",
@@ -228,6 +259,24 @@ class SecureSum(Tally):
             global_classes=tuple(int(c) for c in np.flatnonzero(has)), global_prototypes=rows[has]
         )
 
+    def rolled_back(self, opens: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+        """The rounds this database lost may have added inputs to the sum that it no longer
+        holds, and no device's part can be taken out: the sum starts again, empty, at round
+        ``opens`` (which the devices have not answered), and every device adds all of its
+        statistics again (coordinator/rounds/secure_record.py)."""
+        if self.sum is None:
+            return {}, {}  # FedProto: no running sum
+        self._restarted = FleetSum.empty(self.release, since=opens)
+        log.warning(
+            "round %d: the fleet's secure sum may lack inputs of the rounds the database "
+            "lost: it starts again, and every device adds its statistics again", opens,
+            extra={"event": "secure_sum_restarted", "round": opens},
+        )  # fmt: skip
+        since = np.array([float(opens)])
+        return {SUM_KEY: self._restarted.to_meta()}, {SINCE_EXTRA: since}
+
     def committed(self, tallied: Tallied | None) -> None:
+        if tallied is None and self._restarted is not None:
+            self.sum, self._restarted = self._restarted, None
         if tallied is not None and tallied.detail is not None:
             self.sum = tallied.detail

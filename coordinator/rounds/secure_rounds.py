@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
 from coordinator.rounds.secure import SecureOutcome
+from coordinator.rounds.secure_record import RecordedServer
 from protocol.auth import Signer, Verifier
 from secagg.errors import RoundAborted
 from secagg.fleet import SecureRelease
@@ -49,7 +50,10 @@ class SecureRounds:
     """Runs the open round's secure aggregation beside the service's main loop: the
     outcome goes to ``deliver`` (which says whether the open round took it), then
     ``wake()`` is called. ``devices``: the enrolled devices' keys (none when insecure).
-    ``metrics``: where each round's stage, outcome, time and survivors show."""
+    ``metrics``: where each round's stage, outcome, time and survivors show. ``held``:
+    what the fleet's running sum holds of each device when a round begins and the round
+    it began (None: no running sum), which each advertisement is checked against
+    (coordinator/rounds/secure_record.py)."""
 
     def __init__(
         self,
@@ -62,8 +66,10 @@ class SecureRounds:
         deliver: Callable[[SecureOutcome], bool],
         wake: Callable[[], None],
         metrics: Metrics | None = None,
+        held: Callable[[], tuple[Mapping[str, int], int] | None] = lambda: None,
     ) -> None:
         self.config, self.release, self.run_id = config, release, run_id
+        self._held = held
         self.metrics = metrics
         if metrics is not None:
             plan = release.plan
@@ -82,12 +88,18 @@ class SecureRounds:
         self._end_link()
         config, release = self.config, self.release
         timeout = config.secure_aggregation.stage_timeout_s
+        wire = CoordinatorWire(
+            fleet=config.fleet, run=self.run_id, signer=self.signer,
+            devices=self.devices, max_bytes=config.mqtt.max_payload_bytes,
+        )  # fmt: skip
+        held = self._held()
+        server = SecAggServer(fleet=config.fleet, round=round_, settings=release.settings)
+        if held is not None:  # a running sum: each device's view of it is checked
+            server = RecordedServer(held=held[0], since=held[1], receipt_round=wire.receipt_round,
+                                    fleet=config.fleet, round=round_, settings=release.settings)  # fmt: skip
         link = SecAggCoordinatorLink(
-            server=SecAggServer(fleet=config.fleet, round=round_, settings=release.settings),
-            wire=CoordinatorWire(
-                fleet=config.fleet, run=self.run_id, signer=self.signer,
-                devices=self.devices, max_bytes=config.mqtt.max_payload_bytes,
-            ),
+            server=server,
+            wire=wire,
             mqtt_settings=config.mqtt,
             # Its own MQTT client: the service's link keeps its session and subscriptions.
             client_id=f"{config.coordinator_id}-secagg",
@@ -120,10 +132,12 @@ class SecureRounds:
         try:
             result = link.run()
             outcome = SecureOutcome(
-                round=round_, total=result.total, survivors=len(result.survivors)
-            )
+                round=round_, total=result.total, survivors=len(result.survivors),
+                contributors=tuple(result.survivors),
+            )  # fmt: skip
         except RoundAborted as exc:
-            outcome = SecureOutcome(round=round_, total=None, why=str(exc))
+            restart = link.server.restart if isinstance(link.server, RecordedServer) else 0
+            outcome = SecureOutcome(round=round_, total=None, why=str(exc), restart=restart)
         except Exception as exc:  # a thread's error must still close the round
             log.exception("round %d: secure aggregation failed", round_)
             outcome = SecureOutcome(round=round_, total=None, why=f"{type(exc).__name__}: {exc}")

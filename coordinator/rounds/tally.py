@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from coordinator.strategies import Aggregate
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from coordinator.rounds.open_round import OpenRound
     from protocol import PrototypeUpdate, RoundAnnouncement
 
@@ -81,6 +83,12 @@ class Tally(ABC):
         """The open round is skipped (a rolled-back database): the clients whose
         statistics its close keeps."""
         return ()
+
+    def rolled_back(self, opens: int) -> tuple[Mapping[str, str], Mapping[str, np.ndarray]]:
+        """The database was rolled back and round ``opens`` opens past the rounds the
+        devices answered (:meth:`skipped`): the meta values to write with the skip and the
+        announcement extras to set; none by default."""
+        return {}, {}
 
     def before_commit(self, tallied: Tallied) -> None:  # noqa: B027 - a hook
         """The close is about to be written."""
