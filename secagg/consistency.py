@@ -1,6 +1,6 @@
 """The consistency stage (Bonawitz et al., CCS 2017, the active-adversary protocol): after
-the masked inputs, each survivor signs the survivor list it was given and a digest of the
-roster it was given, and no device releases a share before at least ``T`` survivors (the
+the masked inputs, each survivor signs a digest of the survivor list it was given and of
+the roster it was given, and no device releases a share before at least ``T`` survivors (the
 fleet's quorum, ``t`` unless the table sets one), itself among them, have signed the very
 list and roster it holds.
 
@@ -11,11 +11,13 @@ as ``T`` others. On a sparse graph a neighbourhood's ``t`` (``<= k + 1``, far be
 ``n / 2``) would let two lists each gather ``t``: hence the quorum (docs/privacy.md,
 "Equivocation across devices").
 
-In a signed fleet each :class:`Consistency` carries its sender's certificate from the
-fleet CA, as an advertisement does (:mod:`~secagg.enrolled`), because a device checks the
-signatures of survivors that are not its neighbours too. In an insecure fleet the lists
-are compared unsigned: the check then stops a coordinator that shows a device a list
-fewer than ``t`` survivors hold, not one that forges their answers.
+In a signed fleet each signature is checked under the fleet CA's certificate for its
+signer (:mod:`~secagg.enrolled`): a neighbour's from its advertisement, any other's as the
+coordinator relays it with the signatures (which it cannot forge: the CA issued it, to
+that id). What a device receives grows with the fleet by one signed digest (and, on a
+sparse graph, one certificate) per survivor. In an insecure fleet the digests are
+compared unsigned: the check then stops a coordinator that shows a device a list fewer
+than ``T`` survivors hold, not one that forges their answers.
 """
 
 from __future__ import annotations
@@ -30,40 +32,34 @@ from protocol.errors import FieldError, ProtocolError
 from protocol.message_base import freeze
 from secagg.enrolled import Enrolment
 from secagg.messages import DIGEST_BYTES, MAX_ADVERT_BYTES, MAX_CERTIFICATE_BYTES, SecAggMessage
-from secagg.rows import blob, id_map, ids, table
+from secagg.rows import blob, id_map, table
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Consistency(SecAggMessage):
-    """Device to coordinator: ``survivors``, the list it was sent, and ``roster``, the
-    digest of the roster it was sent (:func:`roster_digest`), signed (``auth``);
-    ``certificate``, its certificate from the fleet CA in a signed fleet (empty, and
-    absent from the wire, otherwise)."""
+    """Device to coordinator: ``listed``, the digest of the survivor list it was sent
+    (:func:`list_digest`), and ``roster``, the digest of the roster it was sent
+    (:func:`roster_digest`), signed (``auth``). Digests, not the lists: each device gets
+    every survivor's, so a list in each would grow with the square of the fleet. No
+    certificate travels here: a device knows its neighbours' from their advertisements,
+    and the coordinator relays the others' with the signatures."""
 
     KIND: ClassVar[str] = "secagg_consistency"
 
-    survivors: tuple[str, ...]
+    listed: bytes
     roster: bytes
-    certificate: bytes = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        freeze(self, "survivors", ids(self.survivors, field="survivors"))
+        blob(self.listed, field="listed", size=DIGEST_BYTES)
         blob(self.roster, field="roster", size=DIGEST_BYTES)
-        blob(self.certificate, field="certificate")
-        if len(self.certificate) > MAX_CERTIFICATE_BYTES:
-            raise FieldError(f"more than {MAX_CERTIFICATE_BYTES} bytes", field="certificate")
 
     def _body(self) -> dict[str, Any]:
-        body = {**self._head(), "survivors": list(self.survivors), "roster": self.roster}
-        return {**body, "certificate": self.certificate} if self.certificate else body
+        return {**self._head(), "listed": self.listed, "roster": self.roster}
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Consistency:
-        head = cls._take_head(env)
-        certificate = env.take_optional("certificate")
-        return cls(**head, survivors=env.take("survivors"), roster=env.take("roster"),
-                   certificate=b"" if certificate is None else certificate)  # fmt: skip
+        return cls(**cls._take_head(env), listed=env.take("listed"), roster=env.take("roster"))
 
 
 def roster_digest(clients: Sequence[str]) -> bytes:
@@ -71,41 +67,61 @@ def roster_digest(clients: Sequence[str]) -> bytes:
     return hashlib.sha256("\n".join(["protofleet/secagg/roster/v1", *clients]).encode()).digest()
 
 
+def list_digest(survivors: Sequence[str]) -> bytes:
+    """SHA-256 of a survivor list (sorted, as sent), one id a line."""
+    return hashlib.sha256(
+        "\n".join(["protofleet/secagg/survivors/v1", *survivors]).encode()
+    ).digest()
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Signatures(SecAggMessage):
     """Coordinator to ``client``: the survivors' :class:`Consistency` messages as they
-    signed them (id -> wire payload)."""
+    signed them (id -> wire payload); ``certificates``, in a signed fleet, the fleet CA's
+    certificate (DER) of each signer that is not ``client``'s neighbour, as that signer
+    advertised it (``client`` holds its neighbours' already)."""
 
     KIND: ClassVar[str] = "secagg_signatures"
 
     signed: Mapping[str, bytes] = field(default_factory=dict)
+    certificates: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        signed = id_map(self.signed, field="signed")
-        for name, payload in signed.items():
-            if len(blob(payload, field=f"signed.{name}")) > MAX_ADVERT_BYTES:
-                raise FieldError(f"more than {MAX_ADVERT_BYTES} bytes", field=f"signed.{name}")
-        freeze(self, "signed", signed)
+        for name, size in (("signed", MAX_ADVERT_BYTES), ("certificates", MAX_CERTIFICATE_BYTES)):
+            rows = id_map(getattr(self, name), field=name)
+            for v, payload in rows.items():
+                if len(blob(payload, field=f"{name}.{v}")) > size:
+                    raise FieldError(f"more than {size} bytes", field=f"{name}.{v}")
+            freeze(self, name, rows)
 
     def _body(self) -> dict[str, Any]:
-        return {**self._head(), "signed": [[k, v] for k, v in self.signed.items()]}
+        body = {**self._head(), "signed": [[k, v] for k, v in self.signed.items()]}
+        if self.certificates:
+            body["certificates"] = [[k, v] for k, v in self.certificates.items()]
+        return body
 
     @classmethod
     def _from_envelope(cls, env: f.Envelope) -> Signatures:
         rows = table(env.take("signed"), field="signed", width=2)
-        return cls(**cls._take_head(env), signed=dict(rows))
+        certificates = env.take_optional("certificates")
+        held = [] if certificates is None else table(certificates, field="certificates", width=2)
+        return cls(**cls._take_head(env), signed=dict(rows), certificates=dict(held))
 
 
 def unsigned_problem(
     signatures: Signatures, *, survivors: tuple[str, ...], roster: bytes, fleet: str,
     round: int, threshold: int, enrolment: Enrolment | None, least: str = "",
+    certificates: Mapping[str, bytes] | None = None,
 ) -> tuple[str, str | None] | None:  # fmt: skip
     """Why ``signatures`` do not show ``threshold`` survivors signing ``survivors``, with
     the device to blame if one; None if they do. Every entry must be a survivor's
-    :class:`Consistency` of this round naming that very list and ``roster``, and, with ``enrolment``,
-    signed under the fleet CA's certificate for its sender. ``least``: how the refusal
-    names ``threshold`` (``T = 900``; ``t = ...`` by default)."""
+    :class:`Consistency` of this round naming that very list and ``roster``, and, with
+    ``enrolment``, signed under the fleet CA's certificate for its sender: from
+    ``certificates`` (the device's own and its neighbours'), else as relayed. ``least``:
+    how the refusal names ``threshold`` (``T = 900``; ``t = ...`` by default)."""
+    listed = list_digest(survivors)
+    known = dict(certificates or {})
     for v, payload in signatures.signed.items():
         try:
             message = Consistency.from_wire(payload, max_bytes=MAX_ADVERT_BYTES)
@@ -115,13 +131,15 @@ def unsigned_problem(
             return "a survivor's signed list is another device's or another round's", v
         if v not in survivors:
             return "a device that is not a survivor signed a list", v
-        if message.survivors != survivors:
+        if message.listed != listed:
             return "a survivor signed another survivor list than this device's", v
         if message.roster != roster:
             return "a survivor was sent another roster than this device", v
-        why = None if enrolment is None else enrolment.vouches(message)
-        if why is not None:
-            return f"a survivor's signed list {why}", v
+        if enrolment is not None:
+            certificate = known.get(v, signatures.certificates.get(v, b""))
+            why = enrolment.vouches(message, certificate=certificate)
+            if why is not None:
+                return f"a survivor's signed list {why}", v
     if len(signatures.signed) < threshold:
         count = len(signatures.signed)
         least = least or f"t = {threshold}"

@@ -30,12 +30,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.consistency import Consistency, Signatures, roster_digest, unsigned_problem
+from secagg.consistency import (
+    Consistency,
+    Signatures,
+    list_digest,
+    roster_digest,
+    unsigned_problem,
+)
 from secagg.enrolled import Enrolment
 from secagg.errors import Refused
 from secagg.graph import neighbour_graph
 from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
 from secagg.messages import (
+    MAX_ADVERT_BYTES,
     Advertise,
     MaskedInput,
     PublicKeys,
@@ -106,6 +113,7 @@ class SecAggDevice:
         self._keys: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[Share, Share]] = {}
         self._senders: frozenset[str] = frozenset()
+        self._certificates: dict[str, bytes] = {}
 
     def advertise(self) -> Advertise:
         """Stage 1: this round's public keys and the commitment to the self-mask seed."""
@@ -264,7 +272,7 @@ class SecAggDevice:
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
         answer = Consistency(fleet=self.fleet, round=self.round, client=self.client,
-                             survivors=survivors.survivors, roster=self._roster)  # fmt: skip
+                             listed=list_digest(survivors.survivors), roster=self._roster)  # fmt: skip
         if self._enrolment is not None:
             answer = self._enrolment.sign(answer)
         return self._answer(Stage.CONSISTENCY, survivors, answer)
@@ -283,7 +291,7 @@ class SecAggDevice:
             signatures, survivors=held.survivors, roster=self._roster, fleet=self.fleet,
             round=self.round,
             threshold=self.settings.fewest, enrolment=self._enrolment,
-            least=self.settings.least,
+            least=self.settings.least, certificates=self._certificates,
         )  # fmt: skip
         if problem is not None:
             raise self._refuse(problem[0], blame=problem[1])
@@ -313,6 +321,11 @@ class SecAggDevice:
             )  # fmt: skip
             if why is not None:
                 raise self._refuse(f"a neighbour's advertisement {why}", blame=v)
+        # Kept to check their signed survivor lists with (secagg/consistency.py).
+        self._certificates = {
+            v: Advertise.from_wire(roster.adverts[v], max_bytes=MAX_ADVERT_BYTES).certificate
+            for v in neighbours
+        } | {self.client: self._enrolment.certificate}
 
     def _revealed(self) -> dict[str, str]:
         """Which share of each device this one has already given: "seed" or "key"."""

@@ -92,15 +92,18 @@ class Enrolment:
         return self.clock or datetime.datetime.now(datetime.timezone.utc)
 
     def sign(self, message: M) -> M:
-        """``message`` (an advertisement, a signed survivor list) with this device's
-        certificate, signed for the run."""
-        certified = replace(message, certificate=self.certificate)  # type: ignore[type-var]
-        return sign(certified, self.signer, run=self.run)
+        """``message`` (an advertisement, a signed survivor list) signed for the run, with
+        this device's certificate where it carries one (an advertisement)."""
+        if hasattr(message, "certificate"):
+            message = replace(message, certificate=self.certificate)  # type: ignore[type-var]
+        return sign(message, self.signer, run=self.run)
 
-    def vouches(self, message: Any) -> str | None:
-        """Why ``message`` (with ``client``, ``certificate`` and ``auth``) is not signed,
-        for this run, by the key the pinned CA bound to its ``client``; None if it is."""
-        key = enrolled_key(message.certificate, client=message.client, ca=self.ca, now=self.now())
+    def vouches(self, message: Any, *, certificate: bytes | None = None) -> str | None:
+        """Why ``message`` (with ``client`` and ``auth``) is not signed, for this run, by the
+        key the pinned CA bound to its ``client`` in ``certificate`` (by default the
+        message's own, an advertisement's); None if it is."""
+        certificate = message.certificate if certificate is None else certificate
+        key = enrolled_key(certificate, client=message.client, ca=self.ca, now=self.now())
         if isinstance(key, str):
             return key
         why = signature_problem(message, key, run=self.run)

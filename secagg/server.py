@@ -3,15 +3,14 @@
 Transport-free: the caller hands in each device message as it arrives (``take_*``) and
 closes each stage when its deadline passes (``close_*``), which returns what to send each
 device next. Whoever has not answered by then has dropped; the round goes on while at
-least ``t`` devices remain and aborts with :class:`~secagg.errors.RoundAborted`
-(naming the stage and the reason) otherwise, or when too few shares of some secret come
-back to rebuild it. :meth:`SecAggServer.abort_messages` then says so to every device.
+least ``T`` devices remain and aborts with :class:`~secagg.errors.RoundAborted` (naming
+the stage and the reason) otherwise, or when too few shares of some secret come back.
 
 What the coordinator holds is never a device's input: the masked inputs are added into one
 running sum as they arrive, and the last stage rebuilds the self-mask seed ``b_u`` of the
 survivors and the masking key ``s_v`` of the devices that dropped after sharing keys, the
-two sets being disjoint, which the devices enforce on their side too. The unmasked sum
-is the only plain number it ever computes.
+two sets disjoint, which the devices enforce too. The unmasked sum is the only plain
+number it ever computes.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, list_digest
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.graph import neighbour_graph
 from secagg.masks import (
@@ -74,7 +73,7 @@ class SecAggServer:
         self._keys: dict[str, PublicKeys] = {}
         self._commitments: dict[str, bytes] = {}
         self._signed: dict[str, bytes] = {}
-        self._certified = False
+        self._certificates: dict[str, bytes] = {}
         self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._graph: Mapping[str, frozenset[str]] = {}
@@ -117,7 +116,8 @@ class SecAggServer:
         if message.auth is not None:
             # Relayed as signed: the neighbours check it, not this server (secagg/enrolled.py).
             self._signed[message.client] = message.to_wire()
-        self._certified |= bool(message.certificate)
+        if message.certificate:  # relayed to the non-neighbours that check its signed list
+            self._certificates[message.client] = message.certificate
 
     def close_advertise(self) -> dict[str, Roster]:
         """Each advertiser's roster: the sorted list of all of them, and the keys of it and
@@ -216,7 +216,7 @@ class SecAggServer:
         payload = message.to_wire()
         if self._repeat(self._consistent.get(u), payload, u):
             return
-        if message.survivors != tuple(sorted(self._digests)):
+        if message.listed != list_digest(tuple(sorted(self._digests))):
             raise self._refuse("signed another survivor list than it was sent", u)
         self._consistent[u] = payload
 
@@ -226,11 +226,11 @@ class SecAggServer:
         self._dropped[Stage.CONSISTENCY] = self._left(self._digests, self._consistent)
         self._enough(Stage.CONSISTENCY, len(self._consistent), "devices signed the survivors")
         self.stage = Stage.UNMASK
-        signed = dict(self._consistent)
-        return {
-            u: Signatures(fleet=self.fleet, round=self.round, client=u, signed=signed)
-            for u in sorted(signed)
-        }
+        signed, certs = dict(self._consistent), self._certificates
+        return {u: Signatures(fleet=self.fleet, round=self.round, client=u, signed=signed,
+                              certificates={v: certs[v] for v in signed.keys() & certs.keys()
+                                            if v not in self._graph[u] | {u}})
+                for u in sorted(signed)}  # fmt: skip
 
     # Stage 5: unmasking.
 
@@ -377,7 +377,7 @@ class SecAggServer:
         """Why enrolled devices (their advertisements carry certificates) would each
         refuse this round's rosters (secagg/device.py), if they would."""
         h = max(map(len, self._graph.values())) + 1
-        return self.settings.unsafe_for(h, len(self._clients)) if self._certified else None
+        return self.settings.unsafe_for(h, len(self._clients)) if self._certificates else None
 
     def _enough(self, stage: Stage, count: int, what: str) -> None:
         if count < self.settings.fewest:

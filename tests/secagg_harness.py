@@ -160,7 +160,7 @@ def signatures_as_told(signed: Mapping[str, Consistency]) -> Mapping[str, Signat
     payload = {c: m.to_wire() for c, m in signed.items()}
     return {
         c: Signatures(fleet=FLEET, round=ROUND, client=c, signed={
-            v: payload[v] for v, n in signed.items() if n.survivors == m.survivors
+            v: payload[v] for v, n in signed.items() if n.listed == m.listed
         })
         for c, m in signed.items()
     }  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.auth import Signer, sign
-from secagg.consistency import Consistency, Signatures, roster_digest
+from secagg.consistency import Consistency, Signatures, list_digest, roster_digest
 from secagg.device import SecAggDevice
 from secagg.errors import RoundAborted
 from secagg.messages import Stage, Survivors, Unmask
@@ -88,7 +88,7 @@ class Forger(Coordinator):
         honest = super().signatures(signed)
         real = signed["dev-01"]
         if self.forge == "another-list":
-            fake = sign(replace(real, survivors=real.survivors[:-1]), Signer(KEY), run=RUN)
+            fake = sign(replace(real, listed=list_digest(NAMES[:-1])), Signer(KEY), run=RUN)
         elif self.forge == "own-key":
             fake = sign(real, Signer(KEY), run=RUN)
         elif self.forge == "another-round":
