@@ -29,6 +29,7 @@ from secagg.device import SecAggDevice
 from secagg.errors import Excluded
 from secagg.fleet import SecureAggregation, flatten, secure_release
 from secagg.messages import Abort, Close, Stage
+from secagg.result import SecAggResult
 from secagg.wire import CoordinatorWire
 from tests.coordinator_helpers import CLASSES, DIM, config
 from tests.secagg_harness import FLEET, ROUND, Coordinator, clients, inputs, run_round, settings
@@ -174,6 +175,51 @@ def test_the_running_sum_records_whose_inputs_it_holds_and_starts_again_from_the
     assert FleetSum.load(restarted.to_meta(), release=release).since == 6
 
 
+def held_by(m: RoundManager) -> tuple[dict[str, int], int]:
+    running = m.secure_sum()
+    assert running is not None
+    return dict(running.held), running.since
+
+
+def test_a_receipt_of_a_round_before_the_sum_began_is_none_and_restarts_nothing() -> None:
+    # After a restart from round 8, a device replays its valid close of round 5: the new
+    # sum holds nothing of round 5, and the device's own view says none as well.
+    coordinator = Recorded({})
+    coordinator.server = RecordedServer(held={}, since=ROUND, receipt_round=WIRE.receipt_round,
+                                        fleet=FLEET, round=ROUND, settings=GRAPH)  # fmt: skip
+    views = {"dev-00": (ROUND - 1, receipt("dev-00", ROUND - 1))}
+    transcript = run_round(coordinator, fleet(views), inputs(NAMES))
+    assert transcript.result is not None and transcript.result.survivors == tuple(NAMES)
+    assert coordinator.server.behind == {} and coordinator.server.restart == 0
+
+
+def test_a_restart_never_begins_before_the_sum_it_replaces_did() -> None:
+    server = RecordedServer(held={}, since=ROUND + 3, receipt_round=WIRE.receipt_round,
+                            fleet=FLEET, round=ROUND, settings=GRAPH)  # fmt: skip
+    server.behind["dev-00"] = ROUND + 3
+    assert server.restart == ROUND + 4
+    server.behind["dev-00"] = ROUND - 1  # (not taken: below since; the bound holds anyway)
+    assert server.restart == ROUND + 3
+
+
+def test_a_round_whose_sum_fails_admission_aborts_and_closes_nobody_as_summed() -> None:
+    # Before, the closes said "summed" and the tally then left the sum out: the devices
+    # believed their inputs in, and their receipts later showed the sum behind them.
+    coordinator = Recorded({})
+    seen: list[int] = []
+
+    def refuse(result: SecAggResult) -> str:
+        seen.append(len(result.survivors))
+        return "a count below zero"
+
+    coordinator.server = RecordedServer(held={}, receipt_round=WIRE.receipt_round, admit=refuse,
+                                        fleet=FLEET, round=ROUND, settings=GRAPH)  # fmt: skip
+    transcript = run_round(coordinator, fleet({}), inputs(NAMES))
+    assert seen == [len(NAMES)] and transcript.result is None and transcript.closes == {}
+    assert transcript.aborted is not None and transcript.aborted.stage == Stage.UNMASK.value
+    assert transcript.aborted.why == "the round's sum fails admission (a count below zero)"
+
+
 def test_a_rolled_back_secure_fleet_starts_its_sum_again_from_the_round_it_opens(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -206,21 +252,21 @@ def test_a_rolled_back_secure_fleet_starts_its_sum_again_from_the_round_it_opens
     backup = tmp_path / "backup.sqlite3"
     assert snapshot(m.store.path, backup) == 2
     play(m, 4)  # rounds 2..5 add to the sum
-    assert m.secure_held() == ({"dev-0": 5, "dev-1": 5}, 0)
+    assert held_by(m) == ({"dev-0": 5, "dev-1": 5}, 0)
     m.store.close()
     shutil.copy(backup, m.store.path)
     for suffix in ("-wal", "-shm"):
         Path(f"{m.store.path}{suffix}").unlink(missing_ok=True)
 
     back = RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(), clock=clock)
-    assert back.round == 2 and back.secure_held() == ({"dev-0": 1, "dev-1": 1}, 0)
+    assert back.round == 2 and held_by(back) == ({"dev-0": 1, "dev-1": 1}, 0)
     for i in range(3):
         back.record_status(status(f"dev-{i}", back.run_id, 5))
     with caplog.at_level(logging.WARNING):
         skipped = back.poll()
     assert skipped is not None and skipped.round == 6
     assert skipped.extras[SINCE_EXTRA].tolist() == [6.0]
-    assert back.secure_held() == ({}, 6)
+    assert held_by(back) == ({}, 6)
     assert "the fleet's secure sum may lack inputs of the rounds the database lost" in caplog.text
     # What a restart reads: the sum started again, not the restored one.
     assert release.settings is not None
@@ -228,4 +274,4 @@ def test_a_rolled_back_secure_fleet_starts_its_sum_again_from_the_round_it_opens
     assert (kept.devices, kept.held, kept.since) == (0, {}, 6)
     # The devices add all of their statistics again, and the sum holds them once.
     play(back, 1)
-    assert back.secure_held() == ({"dev-0": 6, "dev-1": 6}, 6)
+    assert held_by(back) == ({"dev-0": 6, "dev-1": 6}, 6)

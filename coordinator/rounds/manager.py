@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from coordinator.config import CoordinatorConfig
 from coordinator.decision import ACCEPTED, Decision
 from coordinator.metrics import Metrics
 from coordinator.rounds.cycle import RoundCycle
-from coordinator.rounds.secure import SecureOutcome, SecureSum
+from coordinator.rounds.secure import FleetSum, SecureOutcome, SecureSum
 from coordinator.rounds.statistics import FleetStatistics
 from coordinator.rounds.stored import RunningStatistics, StoredUpdates
 from coordinator.rounds.tally import Tally
@@ -164,14 +164,11 @@ class RoundManager(RoundCycle):
         payload = self.store.update_payload(self._open.number, client)
         return PrototypeUpdate.from_wire(payload, max_bytes=1 << 62)
 
-    def secure_held(self) -> tuple[Mapping[str, int], int] | None:
-        """What the fleet's secure running sum holds of each device (the round of its
-        latest input) and the round it began, or None where there is no running sum
-        (FedProto's rounds)."""
+    def secure_sum(self) -> FleetSum | None:
+        """The fleet's secure running sum (what it holds of each device, the round it
+        began), or None where there is none (FedProto's rounds)."""
         tally = self.tally
-        if not isinstance(tally, SecureSum) or tally.sum is None:
-            return None
-        return tally.sum.held, tally.sum.since
+        return tally.sum if isinstance(tally, SecureSum) else None
 
     def take_secure(self, outcome: SecureOutcome) -> bool:
         """The open round's secure aggregation has ended (coordinator/rounds/secure_rounds.py):

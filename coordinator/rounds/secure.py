@@ -38,6 +38,7 @@ from protocol import ProtocolError, RoundAnnouncement
 from protocol.codec import pack, unpack
 from secagg.fleet import SecureRelease, global_prototypes, unflatten
 from secagg.plan import decoded_noise_std
+from secagg.result import SecAggResult
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,12 @@ class FleetSum:
         total.add(_unflattened(outcome.total, release, devices=outcome.survivors))
         held = {**self.held, **dict.fromkeys(outcome.contributors, outcome.round)}
         return FleetSum(stats=_held_by_count(total.total()), held=held, since=self.since)
+
+    def admission(self, result: SecAggResult, *, round_: int, release: SecureRelease) -> str | None:
+        """Why this sum with round ``round_``'s ``result`` fails the coordinator's
+        admission (coordinator/rounds/secure_checks.py), if it does."""
+        outcome = SecureOutcome(round=round_, total=result.total, survivors=len(result.survivors))
+        return sum_problem(self.plus(outcome, release).stats, release)
 
     def to_meta(self) -> str:
         fields = cf.statistics_fields(self.stats)

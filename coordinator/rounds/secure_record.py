@@ -45,6 +45,7 @@ from types import MappingProxyType
 from secagg.errors import Excluded
 from secagg.fleet import SINCE_EXTRA
 from secagg.messages import Advertise, Roster, Stage
+from secagg.result import SecAggResult
 from secagg.server import SecAggServer
 
 __all__ = ["SINCE_EXTRA", "RecordedServer"]
@@ -58,16 +59,23 @@ class RecordedServer(SecAggServer):
 
     def __init__(
         self, *, held: Mapping[str, int], receipt_round: Callable[[str, bytes], int | None],
-        fleet: str, round: int, since: int = 0, **kwargs: object,
+        fleet: str, round: int, since: int = 0,
+        admit: Callable[[SecAggResult], str | None] = lambda result: None, **kwargs: object,
     ) -> None:  # fmt: skip
         super().__init__(fleet=fleet, round=round, **kwargs)  # type: ignore[arg-type]
         self.held = MappingProxyType(dict(held))
         self.since = since
+        self._admit = admit
         self._receipt_round = receipt_round
         self.behind: dict[str, int] = {}
 
     def take_advertise(self, message: Advertise) -> None:
         u, says = message.client, message.summed
+        if says < self.since:
+            # A round before this sum began holds nothing in it: the device's own view
+            # reads so too (edge_agent/secure_join.py::sum_view), and a receipt of such a
+            # round, replayed, must not start the sum again.
+            says = -1
         holds = self.held.get(u, -1)
         if says > holds and self._receipt_round(u, message.receipt) == says:
             self.behind[u] = says
@@ -84,7 +92,7 @@ class RecordedServer(SecAggServer):
         """The round a sum started again begins at (module text); 0 when it need not."""
         if not self.behind:
             return 0
-        return max(self.round, *self.behind.values()) + 1
+        return max(self.since, self.round + 1, max(self.behind.values()) + 1)
 
     def close_advertise(self) -> dict[str, Roster]:
         if self.behind:
@@ -100,3 +108,14 @@ class RecordedServer(SecAggServer):
         if self.round < self.since:
             self._abort(Stage.ADVERTISE, f"the fleet's sum starts again from round {self.since}")
         return super().close_advertise()
+
+    def close_unmask(self) -> SecAggResult:
+        """The round's sum, if the fleet's sum with it passes ``admit`` (the coordinator's
+        admission, coordinator/rounds/secure_checks.py); else the round aborts, so that no
+        device's close says its input is in a sum that was left out (it would believe it
+        summed, and its receipt show the sum behind it)."""
+        result = super().close_unmask()
+        why = self._admit(result)
+        if why is not None:
+            self._abort(Stage.UNMASK, f"the round's sum fails admission ({why})")
+        return result

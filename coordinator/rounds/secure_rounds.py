@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import Metrics
-from coordinator.rounds.secure import SecureOutcome
+from coordinator.rounds.secure import FleetSum, SecureOutcome
 from coordinator.rounds.secure_record import RecordedServer
 from protocol.auth import Signer, Verifier
 from secagg.errors import RoundAborted
@@ -50,9 +50,9 @@ class SecureRounds:
     """Runs the open round's secure aggregation beside the service's main loop: the
     outcome goes to ``deliver`` (which says whether the open round took it), then
     ``wake()`` is called. ``devices``: the enrolled devices' keys (none when insecure).
-    ``metrics``: where each round's stage, outcome, time and survivors show. ``held``:
-    what the fleet's running sum holds of each device when a round begins and the round
-    it began (None: no running sum), which each advertisement is checked against
+    ``metrics``: where each round's stage, outcome, time and survivors show. ``running``:
+    the fleet's running sum when a round begins (None: none, FedProto), which each
+    advertisement and the round's sum are checked against
     (coordinator/rounds/secure_record.py)."""
 
     def __init__(
@@ -66,10 +66,10 @@ class SecureRounds:
         deliver: Callable[[SecureOutcome], bool],
         wake: Callable[[], None],
         metrics: Metrics | None = None,
-        held: Callable[[], tuple[Mapping[str, int], int] | None] = lambda: None,
+        running: Callable[[], FleetSum | None] = lambda: None,
     ) -> None:
         self.config, self.release, self.run_id = config, release, run_id
-        self._held = held
+        self._running = running
         self.metrics = metrics
         if metrics is not None:
             plan = release.plan
@@ -92,11 +92,14 @@ class SecureRounds:
             fleet=config.fleet, run=self.run_id, signer=self.signer,
             devices=self.devices, max_bytes=config.mqtt.max_payload_bytes,
         )  # fmt: skip
-        held = self._held()
+        running = self._running()
         server = SecAggServer(fleet=config.fleet, round=round_, settings=release.settings)
-        if held is not None:  # a running sum: each device's view of it is checked
-            server = RecordedServer(held=held[0], since=held[1], receipt_round=wire.receipt_round,
-                                    fleet=config.fleet, round=round_, settings=release.settings)  # fmt: skip
+        if running is not None:  # a running sum: each device's view of it is checked
+            server = RecordedServer(
+                held=running.held, since=running.since, receipt_round=wire.receipt_round,
+                admit=lambda result: running.admission(result, round_=round_, release=release),
+                fleet=config.fleet, round=round_, settings=release.settings,
+            )  # fmt: skip
         link = SecAggCoordinatorLink(
             server=server,
             wire=wire,

@@ -85,7 +85,7 @@ class CoordinatorService(MainLoop):
                 config=manager.config, release=manager.secure, run_id=manager.run_id,
                 signer=manager.keys.signer, devices=manager.keys.devices,
                 deliver=manager.take_secure, wake=self._wake.set, metrics=manager.metrics,
-                held=manager.secure_held,
+                running=manager.secure_sum,
             )
         )  # fmt: skip
         fleet = self.config.fleet
