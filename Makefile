@@ -77,7 +77,7 @@ bench-accuracy: $(STAMP)
 bench-closed-form: $(STAMP)
 	$(PY) bench/run.py --suite closed-form
 
-# The Flower side by side alone (bench/peer_bench.py, about 30 minutes on 2 cores), with
+# The Flower side by side alone (bench/peer_bench.py, 35-60 minutes on 2 cores), with
 # the optional peer extra installed into the venv for it: Flower stays out of the default
 # extras, and `make bench` without it records the section as skipped. Written to its own
 # file (PEER_OUT), since a results file holds only the sections its run measured.
