@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= agent,coordinator,export,imagenet,fleet,dev
 STAMP := $(VENV)/.protofleet-installed
 
-.PHONY: demo test test-fast test-lowest lint fmt bench bench-accuracy bench-closed-form figures gpu-check venv clean
+.PHONY: demo test test-fast test-lowest lint fmt bench bench-accuracy bench-closed-form bench-peer figures gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -76,6 +76,15 @@ bench-accuracy: $(STAMP)
 
 bench-closed-form: $(STAMP)
 	$(PY) bench/run.py --suite closed-form
+
+# The Flower side by side alone (bench/peer_bench.py, 35-60 minutes on 2 cores), with
+# the optional peer extra installed into the venv for it: Flower stays out of the default
+# extras, and `make bench` without it records the section as skipped. Written to its own
+# file (PEER_OUT), since a results file holds only the sections its run measured.
+PEER_OUT ?= bench/peer.json
+bench-peer: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS),peer]'
+	$(PY) bench/run.py --only bench.peer_bench --out $(PEER_OUT)
 
 figures: $(STAMP)
 	$(PY) -m bench.figures

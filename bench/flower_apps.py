@@ -25,6 +25,7 @@ from flwr.common import (
     Parameters,
     Scalar,
     ndarrays_to_parameters,
+    parameters_to_ndarrays,
 )
 from flwr.server import (
     Server,
@@ -143,10 +144,19 @@ def client_app(where: Spill) -> ClientApp:
 @dataclass
 class RoundClock:
     """Seconds of each round, from the strategy's configure_fit to the end of its
-    aggregate_fit: sampling, sending, every client's training, receiving, averaging."""
+    aggregate_fit: sampling, sending, every client's training, receiving, averaging; and
+    the global model each round ended with, kept (as Flower serialised it) after the
+    round's time is taken, to be scored once the run is over."""
 
     seconds: list[float] = field(default_factory=list)
     failures: int = 0
+    parameters: list[Parameters | None] = field(default_factory=list)
+
+
+def named_weights(where: Spill, parameters: Parameters) -> dict[str, np.ndarray]:
+    """Flower's parameters (the model's state-dict values in order) by their names."""
+    keys = list(_model(where, _config(where)).state_dict())
+    return dict(zip(keys, parameters_to_ndarrays(parameters), strict=True))
 
 
 class TimedFedAvg(FedAvg):
@@ -172,6 +182,7 @@ class TimedFedAvg(FedAvg):
         out = super().aggregate_fit(server_round, results, failures)
         self.clock.seconds.append(time.perf_counter() - self._started)
         self.clock.failures += len(failures)
+        self.clock.parameters.append(out[0])
         return out
 
 

@@ -2,7 +2,8 @@
 run through Flower's simulation engine, timed per round.
 
 Flower is an optional extra (``pip install -e '.[peer]'``): without it the function says
-so and returns None, and the benchmark leaves its key out rather than copy an old figure.
+so and returns None, and the benchmark records that it skipped rather than copy an old
+figure.
 The apps themselves live in bench/flower_apps.py, imported only once Flower is known to be
 there.
 """
@@ -14,9 +15,11 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fleet_bench import median_round_s
+import numpy as np
+
 from bench.peer_workload import Workload
 
 log = logging.getLogger(__name__)
@@ -81,20 +84,29 @@ def wait_for_ray_to_exit(*, timeout_s: float = 60.0, poll_s: float = 0.2) -> Non
                     timeout_s, left)  # fmt: skip
 
 
-def flower_fedavg_round_seconds(
+@dataclass(frozen=True)
+class FlowerRounds:
+    """What a Flower run gives the benchmark: each round's seconds and the global model
+    (state-dict names to arrays) it ended with."""
+
+    seconds: tuple[float, ...]
+    weights: tuple[dict[str, np.ndarray], ...]
+
+
+def flower_fedavg_rounds(
     workload: Workload,
     *,
     rounds: int,
     client_cpus: float = CLIENT_CPUS,
     server_threads: int = SERVER_THREADS,
-) -> float | None:
-    """Median seconds of a FedAvg round with every client of ``workload`` taking part,
-    or None when Flower's simulation engine is not installed.
+) -> FlowerRounds | None:
+    """``rounds`` FedAvg rounds with every client of ``workload`` taking part, or None
+    when Flower's simulation engine is not installed.
 
     A round is timed by the strategy, from configure_fit to the end of aggregate_fit
     (bench/flower_apps.py: TimedFedAvg), since Flower reports no per-round time. Round 1
-    also starts the actors and imports torch in each, so with two or more rounds it is
-    left out of the median.
+    also starts the actors and imports torch in each: the per-round figure leaves it out
+    (``median_round_s(..., after_first=True)``), time to accuracy counts it.
     """
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
@@ -132,10 +144,12 @@ def flower_fedavg_round_seconds(
             backend_config={"client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0}},
         )
     wait_for_ray_to_exit()
-    if clock.failures or len(clock.seconds) != rounds:
+    if clock.failures or len(clock.seconds) != rounds or None in clock.parameters:
         raise RuntimeError(
             f"Flower ran {len(clock.seconds)} of {rounds} rounds with {clock.failures} "
             "failed client updates: no figure"
         )
-    # The statistic ProtoFleet's half is reported by: one rule for both sides of the ratio.
-    return median_round_s(clock.seconds, after_first=True)
+    return FlowerRounds(
+        seconds=tuple(clock.seconds),
+        weights=tuple(flower_apps.named_weights(where, p) for p in clock.parameters if p),
+    )

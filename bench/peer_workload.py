@@ -2,14 +2,15 @@
 over one fleet of clients, on synthetic cached features, so neither half needs a backbone.
 
 One (U, D) feature matrix holds every sample of the fleet; a client owns the rows its
-``train_index`` names. Features are class means plus a per-client shift plus noise: a
+``train_index`` names, and ``test_rows`` name a held-out test set that no client trains
+on, which every engine's global model is scored on (bench/peer_accuracy.py). Features are class means plus a per-client shift plus noise: a
 feature-shift fleet in miniature, learnable by a linear head yet not identical per client.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ class Workload:
     epochs: int
     batch_size: int
     seed: int
+    test_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (T,) rows
+    test_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (T,)
 
     def __post_init__(self) -> None:
         if self.features.ndim != 2 or self.features.dtype != np.float32:
@@ -42,6 +45,14 @@ class Workload:
                 raise ValueError(f"client {k}: train_index outside the {rows} feature rows")
             if labels.size and (labels.min() < 0 or labels.max() >= self.num_classes):
                 raise ValueError(f"client {k}: a label outside [0, {self.num_classes})")
+        if self.test_rows.shape != self.test_labels.shape or self.test_rows.ndim != 1:
+            raise ValueError("test_rows and test_labels differ in shape")
+        if self.test_rows.size and (self.test_rows.min() < 0 or self.test_rows.max() >= rows):
+            raise ValueError(f"test_rows outside the {rows} feature rows")
+        if self.test_labels.size and (
+            self.test_labels.min() < 0 or self.test_labels.max() >= self.num_classes
+        ):
+            raise ValueError(f"a test label outside [0, {self.num_classes})")
         if self.epochs < 1 or self.batch_size < 2:
             raise ValueError("epochs must be >= 1 and batch_size >= 2")
 
@@ -118,7 +129,11 @@ def save_workload(workload: Workload, path: Path) -> None:
     process of their own)."""
     scalars = [workload.num_classes, workload.epochs, workload.batch_size, workload.seed]
     # Any: numpy's stub would take a ** mapping of arrays for its own keyword flags.
-    arrays: dict[str, Any] = workload.flat() | {"scalars": np.array(scalars, np.int64)}
+    arrays: dict[str, Any] = workload.flat() | {
+        "scalars": np.array(scalars, np.int64),
+        "test_rows": workload.test_rows,
+        "test_labels": workload.test_labels,
+    }
     np.savez(path, **arrays)
 
 
@@ -137,4 +152,6 @@ def load_workload(path: Path) -> Workload:
             epochs=epochs,
             batch_size=batch_size,
             seed=seed,
+            test_rows=saved["test_rows"],
+            test_labels=saved["test_labels"],
         )

@@ -11,9 +11,11 @@ sections with its own results file:
   closed-form methods against k, epsilon and fleet size (docs/fleet.md, docs/privacy.md).
 
 The results file holds only the sections measured in this run, each with its date,
-commit and machine (cores, CPU model): a section that was skipped or failed is absent,
-never carried over from an earlier file. Generated blocks in README.md and docs/ are
-rewritten from the committed results files by ``make figures`` (bench/figures.py).
+commit and machine (cores, CPU model): a section that failed is absent, never carried
+over from an earlier file. A section that cannot measure on this machine (an optional
+extra missing) raises :class:`Skipped`, and is recorded with its reason and no figures.
+Generated blocks in README.md and docs/ are rewritten from the committed results files
+by ``make figures`` (bench/figures.py).
 A new section slots in by adding its module to a suite.
 """
 
@@ -46,6 +48,7 @@ SUITES: dict[str, list[str]] = {
         "bench.agent_bench",
         "bench.fleet_bench",
         "bench.vector_bench",
+        "bench.peer_bench",
         "bench.mqtt_fleet_bench",
         "bench.privacy_bench",
         "bench.secagg_bench",
@@ -70,6 +73,12 @@ RESULTS = {
     "closed-form": HERE / "closed_form.json",
 }
 FORMAT = 2
+
+
+class Skipped(Exception):
+    """A section's ``run()`` could not measure here (the reason is the message): the
+    results file says so, with no figures, rather than leave the section out unexplained
+    or fill it from an earlier run."""
 
 
 def machine() -> dict[str, Any]:
@@ -114,6 +123,10 @@ def measure(
         start = time.perf_counter()
         try:
             results = load(name).run()
+        except Skipped as why:
+            sections[name] = {"date": date, **stamp, "skipped": str(why), "results": {}}
+            print(f"  {name}: skipped: {why}", file=sys.stderr)
+            continue
         except Exception:
             traceback.print_exc()
             failed.append(name)
@@ -160,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
         print(f"{key:<{width}}  {shown}")
     print(f"\nwritten: {out} ({len(sections)} section{'s' if len(sections) != 1 else ''})")
+    for name, section in sections.items():
+        if "skipped" in section:
+            print(f"skipped, no figures: {name}: {section['skipped']}", file=sys.stderr)
     if failed:
         print(f"failed, not in {out.name}: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -168,4 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.exit(main())
+    # Through bench.run, not this __main__ module: a section raises bench.run.Skipped,
+    # which only the one module object's ``except`` catches.
+    from bench.run import main as main_of_bench_run
+
+    sys.exit(main_of_bench_run())

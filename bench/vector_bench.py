@@ -3,9 +3,10 @@ real coordinator round manager and SQLite store:
 
 - 10,000 FedPCL clients of 100 training images: seconds per round and peak memory, run in
   a child process so its peak is its own (this process keeps what earlier sections held);
-- the traffic of FedPCL and FedAvg at 1,000 clients, up and down;
-- the same FedAvg workload (the same features, head, epochs and clients) in Flower's
-  simulation engine and here, side by side (the ``peer`` extra; skipped without it).
+- the traffic of FedPCL and FedAvg at 1,000 clients, up and down.
+
+The same FedAvg workload in Flower's simulation engine and here, side by side, is a
+section of its own (bench/peer_bench.py: the ``peer`` extra; skipped without it).
 
 The 10,000-client fleet uses the zoo's 192-d digit backbone alone: a client's head with
 its Adam moments is 3 x (D x 256) floats, 0.6 MB at D = 192 but 2.8 MB at the full zoo's
@@ -26,7 +27,6 @@ import numpy as np
 from bench.export_bench import ensure_zoo
 from bench.fleet_bench import median_round_s
 from bench.one_backbone import ensure_one_backbone, pooled_features
-from bench.peer_bench import side_by_side
 from edge_agent.train_config import TrainConfig
 from export import bundle as bundle_mod
 from fleet.transports.collect import round_seconds
@@ -98,7 +98,6 @@ def run() -> dict[str, float]:
     out |= ten_thousand()
     with tempfile.TemporaryDirectory(prefix="protofleet-vector-bench-") as tmp:
         out |= traffic(Path(tmp))
-    out |= side_by_side()
     return out
 
 

@@ -34,6 +34,16 @@ def test_a_results_file_holds_only_this_runs_sections_each_stamped(tmp_path: Pat
     assert section["commit"] != "unknown"  # the tests run in a git checkout
 
 
+def test_a_section_that_cannot_measure_here_is_recorded_as_skipped_with_its_reason() -> None:
+    def skip() -> dict[str, float]:
+        raise bench_run.Skipped("Flower is not installed")
+
+    sections, failed = bench_run.measure(["bench.peer"], load=lambda _: SimpleNamespace(run=skip))
+    assert failed == []  # not a failure: the run says why, and carries no figure
+    assert sections["bench.peer"]["skipped"] == "Flower is not installed"
+    assert sections["bench.peer"]["results"] == {}
+
+
 def test_figures_come_from_the_results_and_say_what_was_not_measured(tmp_path: Path) -> None:
     stamp = {"date": "2026-01-02T03:04:05+00:00", "commit": "abc", "seconds": 1.0,
              "machine": {"cores": 2, "cpu": "Some CPU"}}  # fmt: skip

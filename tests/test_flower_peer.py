@@ -1,5 +1,5 @@
-"""The side-by-side benchmark's shared workload, and its Flower half (when Flower is
-installed: the optional ``peer`` extra)."""
+"""The side-by-side benchmark's shared workload, its time to accuracy, its skip without
+Flower, and its Flower half (when Flower is installed: the optional ``peer`` extra)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench import flower_peer
-from bench.flower_peer import flower_fedavg_round_seconds, ray_processes, wait_for_ray_to_exit
+from bench import flower_peer, peer_bench
+from bench.flower_peer import flower_fedavg_rounds, ray_processes, wait_for_ray_to_exit
+from bench.peer_accuracy import Reached, head_accuracy, time_to_target
 from bench.peer_workload import Workload, load_workload, make_workload, save_workload
+from bench.run import Skipped
 from edge_agent.train import Guidance, LocalModel, embed, make_optimiser, train_round
 from edge_agent.train_config import TrainConfig
 
@@ -31,11 +33,21 @@ def test_the_workload_is_the_same_for_a_seed_and_differs_across_seeds() -> None:
     assert sorted(np.concatenate(a.train_index).tolist()) == list(range(60))
 
 
+def _with_test_rows(w: Workload, rows: list[int]) -> Workload:
+    return Workload(features=w.features, train_index=w.train_index,
+                    train_labels=w.train_labels, num_classes=w.num_classes, epochs=w.epochs,
+                    batch_size=w.batch_size, seed=w.seed, test_rows=np.array(rows),
+                    test_labels=np.concatenate(w.train_labels)[rows])  # fmt: skip
+
+
 def test_a_saved_workload_loads_back_the_same(tmp_path) -> None:
-    """The two halves of the benchmark each load the workload in a process of their own."""
-    w = make_workload(clients=4, per_client=7, dim=5, classes=3, seed=2, epochs=2, batch_size=4)
+    """The runs of the benchmark each load the workload in a process of their own."""
+    made = make_workload(clients=4, per_client=7, dim=5, classes=3, seed=2, epochs=2, batch_size=4)
+    w = _with_test_rows(made, [0, 3])
     save_workload(w, tmp_path / "w.npz")
     back = load_workload(tmp_path / "w.npz")
+    assert np.array_equal(back.test_rows, [0, 3])
+    assert np.array_equal(back.test_labels, w.test_labels)
     assert np.array_equal(back.features, w.features) and back.features.dtype == np.float32
     for a, b in ((back.train_index, w.train_index), (back.train_labels, w.train_labels)):
         assert len(a) == len(b) == 4
@@ -89,8 +101,12 @@ def test_flower_runs_the_workload_and_times_its_rounds() -> None:
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
     w = make_workload(clients=4, per_client=20, dim=16, classes=3, seed=0)
-    seconds = flower_fedavg_round_seconds(w, rounds=2)
-    assert seconds is not None and math.isfinite(seconds) and seconds > 0
+    w = _with_test_rows(w, list(range(0, 80, 4)))
+    run = flower_fedavg_rounds(w, rounds=2)
+    assert run is not None and len(run.seconds) == len(run.weights) == 2
+    assert all(math.isfinite(s) and s > 0 for s in run.seconds)
+    # Each round's global model, named as the head's state dict, scores on the test rows.
+    assert 0.0 <= head_accuracy(run.weights[-1], w) <= 1.0
     # Flower returned with its actors still exiting; the benchmark waited for them.
     assert ray_processes() == []
 
@@ -125,4 +141,64 @@ def test_without_flower_the_figure_is_none_not_an_import_error(
         lambda name, *a: None if name in ("flwr", "ray") else real(name, *a),
     )
     w = make_workload(clients=2, per_client=4, dim=3, classes=2, seed=0)
-    assert flower_peer.flower_fedavg_round_seconds(w, rounds=1) is None
+    assert flower_peer.flower_fedavg_rounds(w, rounds=1) is None
+
+
+def test_without_flower_the_section_says_it_skipped_and_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The section stops before building anything, with a reason naming the extra (bench/run.py
+    records it in the results file), and yields no figure."""
+    monkeypatch.setattr(peer_bench, "missing_modules", lambda: ["flwr", "ray"])
+    monkeypatch.setattr(peer_bench, "zoo_workload", lambda: pytest.fail("built a workload"))
+    with pytest.raises(Skipped, match=r"flwr, ray missing.*\[peer\]"):
+        peer_bench.run()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "accuracies", "tolerance", "expected"),
+    [
+        # Final 0.80, target 0.79: round 2 (0.79) is the first at it; 3 + 2 seconds.
+        ([3.0, 2.0, 2.0, 2.0], [0.50, 0.79, 0.81, 0.80], 0.01, Reached(5.0, 2, 0.79, 0.80)),
+        # No tolerance: the first round at or above the final's 0.80 is round 3.
+        ([3.0, 2.0, 2.0, 2.0], [0.50, 0.79, 0.81, 0.80], 0.0, Reached(7.0, 3, 0.81, 0.80)),
+        # Reached, lost, regained: the first time counts (round 1, at 0.70 >= 0.68).
+        ([1.5, 1.0, 1.0], [0.70, 0.40, 0.69], 0.01, Reached(1.5, 1, 0.70, 0.69)),
+        # Only the last round reaches it: every round's time is summed.
+        ([10.0, 20.0, 30.0], [0.1, 0.2, 0.3], 0.05, Reached(60.0, 3, 0.3, 0.3)),
+        # One round (lda): its time, its accuracy.
+        ([15.0], [0.81], 0.01, Reached(15.0, 1, 0.81, 0.81)),
+    ],
+)
+def test_time_to_target_sums_the_rounds_up_to_the_first_within_tolerance_of_the_last(
+    seconds: list[float], accuracies: list[float], tolerance: float, expected: Reached
+) -> None:
+    got = time_to_target(seconds, accuracies, tolerance=tolerance)
+    assert got.rounds == expected.rounds
+    assert got.seconds == pytest.approx(expected.seconds)
+    assert got.accuracy == pytest.approx(expected.accuracy)
+    assert got.final == pytest.approx(expected.final)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "accuracies"),
+    [([], []), ([1.0], [0.5, 0.6]), ([1.0, 1.0], [0.5, float("nan")]), ([-1.0], [0.5])],
+)
+def test_time_to_target_refuses_what_is_not_one_scored_time_per_round(
+    seconds: list[float], accuracies: list[float]
+) -> None:
+    with pytest.raises(ValueError):
+        time_to_target(seconds, accuracies)
+
+
+def test_the_section_figures_divide_flowers_time_to_its_final_accuracy_by_ldas_round() -> None:
+    flower = peer_bench.Trace(seconds=(40.0, 20.0, 30.0, 25.0), accuracy=(0.3, 0.5, 0.6, 0.6))
+    ours = peer_bench.Trace(seconds=(4.0, 2.0, 3.0, 2.0), accuracy=(0.3, 0.6, 0.6, 0.6))
+    lda = peer_bench.Trace(seconds=(9.0,), accuracy=(0.8,))
+    out = peer_bench.figures(ours=ours, lda=lda, flower=flower)
+    assert out["fleet.flower_1000_fedavg_time_to_final_s"] == pytest.approx(90.0)  # rounds 1-3
+    assert out["fleet.protofleet_1000_fedavg_time_to_final_s"] == pytest.approx(6.0)
+    assert out["fleet.time_to_ceiling_vs_flower"] == pytest.approx(10.0)  # 90 / 9
+    # The per-round figure leaves round 1 out: medians 25 and 2.
+    assert out["fleet.speedup_vs_flower"] == pytest.approx(12.5)
+    assert out["fleet.protofleet_1000_lda_acc"] == pytest.approx(0.8)

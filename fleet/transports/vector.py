@@ -12,7 +12,7 @@ coordinator's aggregation and the records the report reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,9 +44,11 @@ def drive(
     names: list[str],
     coord: dict[str, Any],
     bundle_id: str,
+    observe: Callable[[RoundAnnouncement], None] | None = None,
 ) -> Records:
     """Run ``spec.rounds`` rounds of ``engine``'s clients against a coordinator built from
-    ``coord`` (its tables); every client's scores and traffic per round."""
+    ``coord`` (its tables); every client's scores and traffic per round. ``observe``: as
+    :func:`fleet.transports.vector_records.drive_rounds` takes it."""
     records = Records(len(names), spec.rounds)
 
     def adopt(announcement: RoundAnnouncement) -> None:
@@ -72,7 +74,7 @@ def drive(
                         round_=announcement.round)  # fmt: skip
 
     drive_rounds(spec=spec, coord=coord, names=names, records=records, adopt=adopt,
-                 updates=updates)  # fmt: skip
+                 updates=updates, observe=observe)  # fmt: skip
     return records
 
 
@@ -146,12 +148,14 @@ def train_vector(
     seeds: tuple[list[int], list[int]] | None = None,
     evaluate: bool = True,
     secure: SecureAggregation | None = None,
+    observe: Callable[[RoundAnnouncement], None] | None = None,
 ) -> Records:
     """``spec.rounds`` rounds of ``data``'s clients (named ``names``) on the vector engine,
     against a coordinator built from ``spec`` as a run's would be: every vector run, the
     CLI's and the benchmarks', is set up here. ``seeds``: (seeds, initial seeds), by
     default the agents' (:func:`client_seeds`); ``secure``: the fleet's
-    [secure_aggregation] table under --secure-aggregation."""
+    [secure_aggregation] table under --secure-aggregation; ``observe``: sees each
+    announcement as the clients receive it (:func:`fleet.transports.vector_records.drive_rounds`)."""
     coord = coordinator_tables(spec, bundle_id, classes, data.clients, dim=cfg.out_dim,
                                feature_dim=feature_dim, secure=secure)  # fmt: skip
     # Updates from this process's own engine, unsigned: no key files for 10,000 devices.
@@ -160,11 +164,12 @@ def train_vector(
         coord["model"]["dim"] = prototype_dim(spec, feature_dim)
         return drive_closed_form(spec=spec, data=data, names=names, coord=coord,
                                  bundle_id=bundle_id, num_classes=len(classes),
-                                 evaluate=evaluate, secure=secure)  # fmt: skip
+                                 evaluate=evaluate, secure=secure, observe=observe)  # fmt: skip
     chosen, initial = seeds if seeds is not None else client_seeds(spec, data.clients)
     engine = VectorEngine(data=data, method=spec.method, num_classes=len(classes), cfg=cfg,
                           seeds=chosen, init_seeds=initial, evaluate=evaluate)  # fmt: skip
-    return drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle_id)
+    return drive(engine, spec=spec, names=names, coord=coord, bundle_id=bundle_id,
+                 observe=observe)  # fmt: skip
 
 
 def run_vector(

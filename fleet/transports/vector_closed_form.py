@@ -103,10 +103,12 @@ def drive_closed_form(
     num_classes: int,
     evaluate: bool = True,
     secure: SecureAggregation | None = None,
+    observe: Callable[[RoundAnnouncement], None] | None = None,
 ) -> Records:
     """``spec.rounds`` rounds of ``data``'s clients; their scores and traffic per round.
     ``secure``: the fleet's [secure_aggregation] table (``coord`` runs it too), whose sum
-    the clients' statistics reach the coordinator in."""
+    the clients' statistics reach the coordinator in; ``observe``: as
+    :func:`fleet.transports.vector_records.drive_rounds` takes it."""
     records = Records(len(names), spec.rounds)
     # A secure fleet's devices release nothing of their own (their mechanism is none).
     privacy = PrivacyMeta() if secure is not None else _privacy(spec)
@@ -140,7 +142,7 @@ def drive_closed_form(
         secure_round = _secure_rounds(spec, data, secure, names=names, num_classes=num_classes,
                                       dim=dim, records=records)  # fmt: skip
     drive_rounds(spec=spec, coord=coord, names=names, records=records, adopt=adopt,
-                 updates=updates, secure_round=secure_round)  # fmt: skip
+                 updates=updates, secure_round=secure_round, observe=observe)  # fmt: skip
     return records
 
 

@@ -100,6 +100,7 @@ def drive_rounds(
     adopt: Callable[[RoundAnnouncement], None],
     updates: Callable[[RoundAnnouncement], Iterator[tuple[int, bytes]]],
     secure_round: Callable[[RoundAnnouncement], SecureOutcome] | None = None,
+    observe: Callable[[RoundAnnouncement], None] | None = None,
 ) -> None:
     """``spec.rounds`` rounds against a coordinator built from ``coord`` (its tables): each
     announcement, decoded under the agents' deployed limit as a device would, goes to
@@ -108,7 +109,10 @@ def drive_rounds(
     payload: a vector run cannot resume, and the close aggregates what the manager decoded
     (fleet/transports/vector_coordinator.py). A secure fleet's round is closed by its
     secure-aggregation round instead: ``secure_round`` gives its outcome, which the manager
-    takes as coordinator/rounds/secure_rounds.py hands it over."""
+    takes as coordinator/rounds/secure_rounds.py hands it over. ``observe``, if given,
+    sees each decoded announcement first (a benchmark keeps the announced heads to score
+    them after the run, outside the rounds' times): it must be quick, since it runs
+    inside a round."""
     cfg = build(CoordinatorConfig, coord)
     store = VectorStore(cfg.database, synchronous=cfg.sqlite_synchronous)
     try:
@@ -120,6 +124,8 @@ def drive_rounds(
                 announcement = RoundAnnouncement.from_wire(
                     wire, max_bytes=DEFAULT_MAX_PAYLOAD_BYTES
                 )
+                if observe is not None:
+                    observe(announcement)
                 adopt(announcement)
                 if manager.done:
                     break
