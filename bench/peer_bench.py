@@ -196,10 +196,12 @@ def run() -> dict[str, float]:
         saved = Path(tmp) / "workload.npz"
         save_workload(zoo_workload(), saved)
         traces = {run: _half(run, saved) for run in RUNS}
-    return figures(ours=traces["protofleet"], lda=traces["lda"], flower=traces["flower"])
+    return figures(ours=traces["protofleet"], lda=traces["protofleet-lda"],
+                   flower=traces["flower"])  # fmt: skip
 
 
-RUNS = ("protofleet", "lda", "flower")
+#: The child runs: the vector engine's FedAvg, its one round of lda, Flower's FedAvg.
+RUNS = ("protofleet", "protofleet-lda", "flower")
 
 
 def _half(name: str, saved: Path) -> Trace:
@@ -228,7 +230,7 @@ def _child(argv: list[str]) -> int:
             return 1
     else:
         with tempfile.TemporaryDirectory(prefix="protofleet-peer-") as tmp:
-            if argv[0] == "lda":
+            if argv[0] == RUNS[1]:
                 trace = protofleet_lda(workload, root=Path(tmp))
             else:
                 trace = protofleet_fedavg(workload, rounds=FEDAVG_ROUNDS, root=Path(tmp))

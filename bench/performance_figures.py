@@ -274,6 +274,8 @@ SCALE_TARGETS = (
     ("fleet.memory_10k_peak_mb", "peak MB of that run", 12_000, True),
     ("fleet.speedup_vs_flower", "Flower's seconds per FedAvg round over ProtoFleet's, "
      "1,000 clients", 10, False),
+    ("fleet.time_to_ceiling_vs_flower", "Flower's FedAvg seconds to its own final accuracy "
+     "over lda's one round, 1,000 clients", 100, False),
     ("fleet.mqtt_1000_round_s", "seconds per round, 1,000 agents over Mosquitto", None, True),
     ("fleet.mqtt_1000_peak_mb", "peak MB of every process of that run", None, True),
     ("fleet.mqtt_1000_lost", "updates missing from the coordinator's database", 0, True),
