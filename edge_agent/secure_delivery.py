@@ -25,11 +25,11 @@ from edge_agent.delivery import Agent, Delivery, Sent
 from edge_agent.secure_join import SecureInput, sum_view
 from protocol import RoundAnnouncement
 from secagg.fleet import (
-    SINCE_EXTRA,
     flatten,
     flatten_prototypes,
     prototype_release,
     secure_release,
+    since_of,
 )
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,6 @@ log = logging.getLogger(__name__)
 
 def _run(announcement: RoundAnnouncement) -> str:
     return announcement.auth.run if announcement.auth is not None else announcement.run
-
-
-def _since(announcement: RoundAnnouncement) -> int:
-    """The round the fleet's running sum began (0 where the announcement does not say)."""
-    since = announcement.extras.get(SINCE_EXTRA)
-    return int(since[0]) if since is not None and since.size == 1 else 0
 
 
 class SecureSumInputs(Delivery):
@@ -77,9 +71,9 @@ class SecureSumInputs(Delivery):
         extra = agent.state.snapshot.extra
         # Summed where: a coordinator of another run (its database lost or replaced), or a
         # sum started again (behind the devices), holds none of this device's statistics.
-        since = _since(announcement)
-        in_this_run = sum_view(agent.state, run=run, since=since)[0] >= 0
-        if in_this_run and extra.get("statistics_summed") == version:
+        since = since_of(announcement.extras)
+        in_sum = sum_view(agent.state, run=run, since=since)[0] >= 0
+        if in_sum and extra.get("statistics_summed") == version:
             log.info("round %d: statistics of this data already in the fleet's sum", round_)
             return Sent("nothing_new", record=record | {"statistics_sent": False},
                         published=True)  # fmt: skip
@@ -92,7 +86,7 @@ class SecureSumInputs(Delivery):
         statistics = flatten(closed.statistics(), gram=release.gram)
         # The fleet's sum is a running one: new data adds its difference from the data
         # summed before (the same sensitivity to one example as the statistics).
-        held = agent.state.load_summed(statistics.size) if in_this_run else 0.0
+        held = agent.state.load_summed(statistics.size) if in_sum else 0.0
         vector = statistics - held
         plan, mode = release.plan, agent.mode
         secure = SecureInput(round=round_, run=run, vector=vector,

@@ -81,12 +81,11 @@ def summed(
     ``receipt`` says so): ``secure``'s statistics, that round's input, or else those kept
     as pending for that round (:func:`pending`), are now what it holds. False when there
     are none of that round (nothing is changed)."""
-    kept = state.load_pending()
     if secure is not None and (secure.run, secure.round) == (run, round_):
         if secure.statistics is None:
             return False  # a prototype method's round: nothing carries over
         statistics, version = secure.statistics, secure.version
-    elif kept is not None and kept[2:] == (run, round_):
+    elif (kept := state.load_pending()) is not None and kept[2:] == (run, round_):
         statistics, version = kept[0], kept[1]
     else:
         return False

@@ -42,7 +42,6 @@ from secagg.errors import Refused
 from secagg.graph import neighbour_graph
 from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
 from secagg.messages import (
-    MAX_ADVERT_BYTES,
     Advertise,
     MaskedInput,
     PublicKeys,
@@ -314,18 +313,17 @@ class SecAggDevice:
         advertisement, signed under a certificate of the pinned fleet CA."""
         if self._enrolment is None:
             return
+        certificates = {self.client: self._enrolment.certificate}
         for v in sorted(neighbours):
-            why = self._enrolment.problem(
+            advert = self._enrolment.vouched(
                 roster.adverts.get(v), client=v, fleet=self.fleet, round=self.round,
                 keys=roster.keys[v],
             )  # fmt: skip
-            if why is not None:
-                raise self._refuse(f"a neighbour's advertisement {why}", blame=v)
+            if isinstance(advert, str):
+                raise self._refuse(f"a neighbour's advertisement {advert}", blame=v)
+            certificates[v] = advert.certificate
         # Kept to check their signed survivor lists with (secagg/consistency.py).
-        self._certificates = {
-            v: Advertise.from_wire(roster.adverts[v], max_bytes=MAX_ADVERT_BYTES).certificate
-            for v in neighbours
-        } | {self.client: self._enrolment.certificate}
+        self._certificates = certificates
 
     def _revealed(self) -> dict[str, str]:
         """Which share of each device this one has already given: "seed" or "key"."""

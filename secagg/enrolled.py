@@ -109,12 +109,11 @@ class Enrolment:
         why = signature_problem(message, key, run=self.run)
         return None if why is None else f"is not signed by its enrolled key ({why})"
 
-    def problem(
+    def vouched(
         self, payload: bytes | None, *, client: str, fleet: str, round: int, keys: PublicKeys
-    ) -> str | None:
-        """Why ``payload`` is not ``client``'s signed advertisement of ``keys`` for this
-        round of ``fleet`` and this run, under a certificate of the pinned CA; None if it
-        is."""
+    ) -> Advertise | str:
+        """``payload`` as ``client``'s signed advertisement of ``keys`` for this round of
+        ``fleet`` and this run, under a certificate of the pinned CA; or why it is not."""
         if payload is None:
             return "is not relayed"
         try:
@@ -125,4 +124,5 @@ class Enrolment:
             return "is another device's or another round's"
         if advert.keys != keys:
             return "is for other keys than the roster's"
-        return self.vouches(advert)
+        why = self.vouches(advert)
+        return advert if why is None else why

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,17 @@ _TABLE_LABEL = b"protofleet/secagg/table/v1\n"
 #: The announcement's extra naming the round a closed-form secure fleet's running sum began
 #: (coordinator/rounds/secure_record.py): a device's input of an earlier round is not in it.
 SINCE_EXTRA = "secure_sum_since"
+
+
+def since_extra(since: int) -> dict[str, np.ndarray]:
+    """The announcement extra that says the fleet's running sum began at round ``since``."""
+    return {SINCE_EXTRA: np.array([float(since)])}
+
+
+def since_of(extras: Mapping[str, np.ndarray]) -> int:
+    """The round an announcement's extras say the running sum began (0 where they do not)."""
+    since = extras.get(SINCE_EXTRA)
+    return int(since[0]) if since is not None and since.size == 1 else 0
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,11 @@ def problem(
     payload: bytes | None, *, client: str = "dev-01", keys: PublicKeys = KEYS
 ) -> str | None:
     checker = CA.enrol("dev-00", run=RUN)
-    return checker.problem(payload, client=client, fleet=FLEET, round=ROUND, keys=keys)
+    taken = checker.vouched(payload, client=client, fleet=FLEET, round=ROUND, keys=keys)
+    if isinstance(taken, str):
+        return taken
+    assert taken.to_wire() == payload and taken.client == client  # the advertisement itself
+    return None
 
 
 def test_a_neighbours_own_signed_advertisement_is_taken() -> None:
@@ -127,7 +131,8 @@ def test_make_certs_p256_certificates_enrol_a_device_and_vouch_for_it(tmp_path: 
     sender = enrolment("dev-1")
     payload = sender.sign(advert("dev-1")).to_wire()
     checker = enrolment("dev-0")
-    assert checker.problem(payload, client="dev-1", fleet=FLEET, round=ROUND, keys=KEYS) is None
+    taken = checker.vouched(payload, client="dev-1", fleet=FLEET, round=ROUND, keys=KEYS)
+    assert not isinstance(taken, str) and taken.certificate == sender.certificate
     # The agent's configuration: its key, its certificate and the CA, checked at start.
     security = AgentSecurity(key=out / "clients" / "dev-0.key", coordinator=out / "ca.crt",
                              ca=out / "ca.crt", certificate=out / "clients" / "dev-0.crt")  # fmt: skip

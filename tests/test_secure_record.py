@@ -22,12 +22,12 @@ from coordinator.config import PrivacySettings
 from coordinator.metrics import Metrics
 from coordinator.rounds import RoundManager
 from coordinator.rounds.secure import SUM_KEY, FleetSum, SecureOutcome
-from coordinator.rounds.secure_record import SINCE_EXTRA, RecordedServer
+from coordinator.rounds.secure_record import RecordedServer
 from coordinator.storage.store import Store
 from protocol.auth import Signer, sign
 from secagg.device import SecAggDevice
 from secagg.errors import Excluded
-from secagg.fleet import SecureAggregation, flatten, secure_release
+from secagg.fleet import SINCE_EXTRA, SecureAggregation, flatten, secure_release
 from secagg.messages import Abort, Close, Stage
 from secagg.result import SecAggResult
 from secagg.wire import CoordinatorWire

@@ -29,14 +29,13 @@ import closed_form as cf
 from coordinator.rounds.head_guard import guarded, last_head
 from coordinator.rounds.open_round import OpenRound
 from coordinator.rounds.secure_checks import sum_problem
-from coordinator.rounds.secure_record import SINCE_EXTRA
 from coordinator.rounds.tally import Tallied, Tally
 from coordinator.storage.store import Store
 from coordinator.strategies import Aggregate, Strategy
 from coordinator.strategies.closed_form import ClosedForm
 from protocol import ProtocolError, RoundAnnouncement
 from protocol.codec import pack, unpack
-from secagg.fleet import SecureRelease, global_prototypes, unflatten
+from secagg.fleet import SecureRelease, global_prototypes, since_extra, unflatten
 from secagg.plan import decoded_noise_std
 from secagg.result import SecAggResult
 
@@ -208,13 +207,12 @@ class SecureSum(Tally):
         else:
             assert self.sum is not None
             after = self.sum.plus(outcome, self.release)
-            why = sum_problem(after.stats, self.release)
             if after.devices == 0 and after.since > 0:
                 # Started again (behind the devices): they add all of their statistics
                 # again from round ``since``; the head stays until they have.
                 kept = f"the fleet's secure sum starts again from round {after.since}"
                 result = last_head(last)
-            elif why is not None:
+            elif (why := sum_problem(after.stats, self.release)) is not None:
                 # Refused whole: the round's sum is not added, and the head stays.
                 kept = f"the secure sum of round {outcome.round} fails admission ({why})"
                 after = self.sum
@@ -223,8 +221,7 @@ class SecureSum(Tally):
                 result, kept = guarded(self._head(after), last)
         if after is not None:
             # Devices check what they believe the sum holds of them against its start.
-            since = np.array([float(after.since)])
-            result = replace(result, extras={**result.extras, SINCE_EXTRA: since})
+            result = replace(result, extras={**result.extras, **since_extra(after.since)})
         if outcome.total is not None:
             log.info(
                 "round %d: head solved from the secure sum of %d device(s) (%.1f s)",
@@ -279,8 +276,7 @@ class SecureSum(Tally):
             "lost: it starts again, and every device adds its statistics again", opens,
             extra={"event": "secure_sum_restarted", "round": opens},
         )  # fmt: skip
-        since = np.array([float(opens)])
-        return {SUM_KEY: self._restarted.to_meta()}, {SINCE_EXTRA: since}
+        return {SUM_KEY: self._restarted.to_meta()}, since_extra(opens)
 
     def committed(self, tallied: Tallied | None) -> None:
         if tallied is None and self._restarted is not None:

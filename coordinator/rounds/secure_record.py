@@ -43,12 +43,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from secagg.errors import Excluded
-from secagg.fleet import SINCE_EXTRA
 from secagg.messages import Advertise, Roster, Stage
 from secagg.result import SecAggResult
 from secagg.server import SecAggServer
-
-__all__ = ["SINCE_EXTRA", "RecordedServer"]
 
 
 class RecordedServer(SecAggServer):
