@@ -29,17 +29,19 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from protocol import fields as f
+from protocol.errors import FieldError
 from protocol.ids import validate_id
 from secagg.consistency import (
     Consistency,
     Signatures,
+    Survivors,
     list_digest,
     roster_digest,
     unsigned_problem,
 )
 from secagg.enrolled import Enrolment
 from secagg.errors import Refused
-from secagg.graph import neighbour_graph
+from secagg.graph import Ring, holder_xs
 from secagg.masks import SEED_BYTES, MaskContext, mask_input, pair_secret, seed_commitment
 from secagg.messages import (
     Advertise,
@@ -50,7 +52,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from secagg.noise import device_noise
@@ -106,9 +107,11 @@ class SecAggDevice:
         # Drawn now, not with the shares: the advertisement commits to it.
         self._seed = self._rng.randbytes(SEED_BYTES)
         self._answers: dict[Stage, tuple[object, SecAggMessage]] = {}
+        self._clients: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._roster = b""
         self._neighbours: frozenset[str] = frozenset()
+        self._xs: dict[str, int] = {}
         self._keys: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[Share, Share]] = {}
         self._senders: frozenset[str] = frozenset()
@@ -147,10 +150,8 @@ class SecAggDevice:
             )
         if roster.keys.get(self.client) != self.public:
             raise self._refuse("the roster does not carry this device's keys")
-        graph = neighbour_graph(
-            roster.clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round
-        )
-        neighbours = graph[self.client]
+        ring = Ring(roster.clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round)
+        neighbours = ring.row(self.client)
         if set(roster.keys) != neighbours | {self.client}:
             raise self._refuse("the roster's neighbours are not those of the public graph")
         self._check_enrolled(roster, neighbours)
@@ -168,18 +169,22 @@ class SecAggDevice:
         if weak:
             # Shares sealed to such a key, or masks agreed with it, are public (secagg/points.py).
             raise self._refuse("a neighbour's public key is of small order", blame=weak[0])
+        self._clients = roster.clients
         self._index = {c: i + 1 for i, c in enumerate(roster.clients)}
         self._roster = roster_digest(roster.clients)
         self._neighbours = neighbours
+        # Where this device's share of each neighbour's secrets sits (secagg/graph.py).
+        self._xs = {v: holder_xs(v, ring.row(v))[self.client] for v in neighbours}
         self._keys = roster.keys
-        holders = sorted(self._index[v] for v in neighbours | {self.client})
-        seeds = split(self._seed, threshold=t, holders=holders, rng=self._rng)
-        masks = split(self._s.private_bytes_raw(), threshold=t, holders=holders, rng=self._rng)
-        me = self._index[self.client]
+        xs = holder_xs(self.client, neighbours)
+        seeds = split(self._seed, threshold=t, holders=sorted(xs.values()), rng=self._rng)
+        masks = split(self._s.private_bytes_raw(), threshold=t, holders=sorted(xs.values()),
+                      rng=self._rng)  # fmt: skip
+        me = xs[self.client]
         self._held = {self.client: (seeds[me], masks[me])}
         sealed = {}
         for v in sorted(neighbours):
-            x = self._index[v]
+            x = xs[v]
             context = pair_context(
                 fleet=self.fleet, round=self.round, sender=self.client, recipient=v
             )
@@ -228,7 +233,7 @@ class SecAggDevice:
             )
             try:
                 plain = unseal(ciphertext, private=self._c, peer=self._c_of(v), context=context)
-                held[v] = unpack_pair(plain, x=me, threshold=t)
+                held[v] = unpack_pair(plain, x=self._xs[v], threshold=t)
             except (InvalidTag, ValueError) as exc:
                 raise self._refuse("its shares do not open under the pair's key", blame=v) from exc
         x = self._encode(values)
@@ -249,7 +254,11 @@ class SecAggDevice:
 
     def consistency(self, survivors: Survivors) -> Consistency:
         """Stage 4: check the survivor list and sign it; no share leaves yet."""
-        listed = frozenset(survivors.survivors)
+        try:
+            names = survivors.listed(self._clients)
+        except FieldError as exc:
+            raise self._refuse(f"its survivor marks do not fit the roster ({exc})") from exc
+        listed = frozenset(names)
         keys = self._senders - listed
         flipped = sorted(
             v for v, kind in self._revealed().items() if (v in keys) != (kind == "key")
@@ -271,7 +280,7 @@ class SecAggDevice:
         if silent:
             raise self._refuse("a survivor never shared keys with this device", blame=silent[0])
         answer = Consistency(fleet=self.fleet, round=self.round, client=self.client,
-                             listed=list_digest(survivors.survivors), roster=self._roster)  # fmt: skip
+                             listed=list_digest(names), roster=self._roster)  # fmt: skip
         if self._enrolment is not None:
             answer = self._enrolment.sign(answer)
         return self._answer(Stage.CONSISTENCY, survivors, answer)
@@ -287,16 +296,17 @@ class SecAggDevice:
         held = self._answers[Stage.CONSISTENCY][0]
         assert isinstance(held, Survivors)
         problem = unsigned_problem(
-            signatures, survivors=held.survivors, roster=self._roster, fleet=self.fleet,
+            signatures, survivors=held.listed(self._clients), roster=self._roster, fleet=self.fleet,
             round=self.round,
             threshold=self.settings.fewest, enrolment=self._enrolment,
-            least=self.settings.least, certificates=self._certificates,
+            least=self.settings.least, certificates=self._certificates, client=self.client,
+            devices=len(self._index), colluding=self.settings.colluding,
         )  # fmt: skip
         if problem is not None:
             raise self._refuse(problem[0], blame=problem[1])
-        if self.client not in signatures.signed:
+        if not signatures.marks and self.client not in signatures.signed:
             raise self._refuse("its own signed survivor list is not among the signatures")
-        listed = frozenset(held.survivors)
+        listed = frozenset(held.listed(self._clients))
         seeds = sorted((self._senders & listed) | {self.client})
         keys = sorted(self._senders - listed)
         answer = Unmask(

@@ -31,24 +31,31 @@ def harary(n: int, k: int) -> list[frozenset[int]]:
         raise ValueError(f"a graph needs at least one vertex, not {n}")
     if k < 1:
         raise ValueError(f"neighbour count {k} must be at least 1")
+    return [harary_row(n, k, i) for i in range(n)]
+
+
+def harary_row(n: int, k: int, i: int) -> frozenset[int]:
+    """Vertex ``i``'s neighbours in ``H(k, n)``, as :func:`harary` gives them, without the
+    rest of the graph: a device needs only its own row, and building all ``n`` of them on
+    every device made a 10,000-device fleet's in-memory round quadratic."""
+    if not 0 <= i < n:
+        raise ValueError(f"vertex {i} is not in 0..{n - 1}")
+    if k < 1:
+        raise ValueError(f"neighbour count {k} must be at least 1")
     if k >= n - 1:
-        return [frozenset(set(range(n)) - {i}) for i in range(n)]
-    edges: set[tuple[int, int]] = set()
-    for i in range(n):
-        for step in range(1, k // 2 + 1):
-            edges.add((i, (i + step) % n))
+        return frozenset(range(n)) - {i}
+    out = {(i + step) % n for step in range(1, k // 2 + 1)}
+    out |= {(i - step) % n for step in range(1, k // 2 + 1)}
     if k % 2 == 1:
         if n % 2 == 0:
-            edges.update((i, i + n // 2) for i in range(n // 2))
+            out.add((i + n // 2) % n)
         else:
-            # Harary's rule for odd k and n: vertices 0..(n-1)/2 each reach (n+1)/2 ahead,
-            # which gives vertex 0 two extra edges and every other vertex one.
-            edges.update((i, (i + (n + 1) // 2) % n) for i in range((n - 1) // 2 + 1))
-    adjacent: list[set[int]] = [set() for _ in range(n)]
-    for a, b in edges:
-        adjacent[a].add(b)
-        adjacent[b].add(a)
-    return [frozenset(s) for s in adjacent]
+            half = (n + 1) // 2  # vertices 0..(n-1)/2 reach half ahead (see harary)
+            if i <= (n - 1) // 2:
+                out.add((i + half) % n)
+            if (i - half) % n <= (n - 1) // 2:
+                out.add((i - half) % n)
+    return frozenset(out)
 
 
 def graph_seed(clients: Iterable[str], *, fleet: str, round: int) -> bytes:
@@ -58,18 +65,45 @@ def graph_seed(clients: Iterable[str], *, fleet: str, round: int) -> bytes:
     return hashlib.sha256(_LABEL + b"".join(_prefixed(f) for f in fields)).digest()
 
 
+class Ring:
+    """The devices in the seed's shuffled order, the ring the Harary graph is laid on:
+    any device's row (:meth:`row`) in ``O(k)`` once the order is known."""
+
+    def __init__(self, clients: Iterable[str], *, k: int, fleet: str, round: int) -> None:
+        ids = sorted(clients)
+        if len(set(ids)) != len(ids):
+            raise ValueError("the device list names a device twice")
+        seed = graph_seed(ids, fleet=fleet, round=round)
+        self.k = k
+        self.order = sorted(
+            ids, key=lambda c: hashlib.sha256(seed + _prefixed(c.encode())).digest()
+        )
+        self._at = {c: i for i, c in enumerate(self.order)}
+
+    def row(self, client: str) -> frozenset[str]:
+        """``client``'s neighbours; KeyError when it is not on the ring."""
+        return frozenset(
+            self.order[j] for j in harary_row(len(self.order), self.k, self._at[client])
+        )
+
+
 def neighbour_graph(
     clients: Iterable[str], *, k: int, fleet: str, round: int
 ) -> Mapping[str, frozenset[str]]:
     """Each device's neighbours: symmetric, nobody its own neighbour, the same for any
     order of ``clients``."""
-    ids = sorted(clients)
-    if len(set(ids)) != len(ids):
-        raise ValueError("the device list names a device twice")
-    seed = graph_seed(ids, fleet=fleet, round=round)
-    order = sorted(ids, key=lambda c: hashlib.sha256(seed + _prefixed(c.encode())).digest())
-    adjacent = harary(len(order), k)
-    return {order[i]: frozenset(order[j] for j in adjacent[i]) for i in range(len(order))}
+    ring = Ring(clients, k=k, fleet=fleet, round=round)
+    return {c: ring.row(c) for c in ring.order}
+
+
+def holder_xs(owner: str, neighbours: Iterable[str]) -> dict[str, int]:
+    """The Shamir x-coordinate of each holder of ``owner``'s secrets (its neighbours and
+    itself): its rank, from 1, among them sorted. Relative to the owner, not the roster,
+    so every neighbourhood that answers in full rebuilds from the same x-set and the
+    coordinator's Lagrange weights (secagg/shamir.py, cached) are computed once a round
+    rather than once a device: at 1,000 devices of 100 neighbours they were 64 s of the
+    coordinator's 60-70."""
+    return {v: r + 1 for r, v in enumerate(sorted({owner, *neighbours}))}
 
 
 def _prefixed(field: bytes) -> bytes:

@@ -2,7 +2,7 @@
 
 Devices send :class:`Advertise`, :class:`ShareKeys`, :class:`MaskedInput` and
 :class:`Unmask`; the coordinator answers each device with :class:`Roster`,
-:class:`RelayedShares`, :class:`Survivors` and :class:`Close`, or an :class:`Abort`;
+:class:`RelayedShares`, :class:`~secagg.consistency.Survivors` and :class:`Close`, or an :class:`Abort`;
 the consistency stage's two are in :mod:`~secagg.consistency`. Every message names the fleet, the round and one device (the sender of a device's
 message, the recipient of the coordinator's), and carries an optional ``auth`` trailer so
 that :func:`protocol.auth.sign` can sign it unchanged.
@@ -283,27 +283,6 @@ class MaskedInput(SecAggMessage):
     def _from_envelope(cls, env: f.Envelope) -> MaskedInput:
         head = cls._take_head(env)
         return cls(**head, bits=env.take("bits"), masked=env.take("masked"))
-
-
-@dataclass(frozen=True, eq=False, kw_only=True)
-class Survivors(SecAggMessage):
-    """Stage 3's answer, coordinator to ``client``: the devices whose masked inputs are in
-    the sum. Each neighbour that shared keys but is not listed has dropped."""
-
-    KIND: ClassVar[str] = "secagg_survivors"
-
-    survivors: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        freeze(self, "survivors", ids(self.survivors, field="survivors"))
-
-    def _body(self) -> dict[str, Any]:
-        return {**self._head(), "survivors": list(self.survivors)}
-
-    @classmethod
-    def _from_envelope(cls, env: f.Envelope) -> Survivors:
-        return cls(**cls._take_head(env), survivors=env.take("survivors"))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -19,7 +19,7 @@ from protocol.topics import (
 )
 from runtime.mqtt_link import MqttLink, Reconnect
 from runtime.transport import MqttSettings, wait_acknowledged
-from secagg.consistency import Signatures
+from secagg.consistency import Signatures, Survivors
 from secagg.device import SecAggDevice
 from secagg.errors import Refused
 from secagg.messages import (
@@ -30,7 +30,6 @@ from secagg.messages import (
     Roster,
     SecAggMessage,
     Stage,
-    Survivors,
 )
 from secagg.mqtt import ANSWERS, FLUSH_S
 from secagg.wire import DeviceWire

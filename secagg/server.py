@@ -25,9 +25,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 
 from protocol import fields as f
 from protocol.ids import validate_id
-from secagg.consistency import Consistency, Signatures, list_digest
+from secagg.consistency import Consistency, Signatures, Survivors, list_digest, relayed
 from secagg.errors import Excluded, Refused, RoundAborted
-from secagg.graph import neighbour_graph
+from secagg.evidence import marks_of
+from secagg.graph import holder_xs, neighbour_graph
 from secagg.masks import (
     MaskContext,
     pair_secret,
@@ -47,7 +48,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from secagg.points import small_order
@@ -202,11 +202,10 @@ class SecAggServer:
         self._dropped[Stage.MASKED_INPUT] = self._left(self._shares, self._digests)
         self._enough(Stage.MASKED_INPUT, len(self._digests), "devices sent masked inputs")
         self.stage = Stage.CONSISTENCY
-        survivors = tuple(sorted(self._digests))
-        return {
-            u: Survivors(fleet=self.fleet, round=self.round, client=u, survivors=survivors)
-            for u in survivors
-        }
+        # Marks over the roster: a byte for eight devices in place of their ids.
+        marks = marks_of(self._clients, self._digests)
+        return {u: Survivors(fleet=self.fleet, round=self.round, client=u, marks=marks)
+                for u in sorted(self._digests)}  # fmt: skip
 
     # Stage 4: the survivors sign the list (secagg/consistency.py).
 
@@ -221,16 +220,15 @@ class SecAggServer:
         self._consistent[u] = payload
 
     def close_consistency(self) -> dict[str, Signatures]:
-        """For each survivor that signed the list, every survivor's signed list."""
+        """For each survivor that signed the list, the evidence: every survivor's signed
+        list, or the compact form where that is smaller (secagg/consistency.py)."""
         self._open(Stage.CONSISTENCY)
         self._dropped[Stage.CONSISTENCY] = self._left(self._digests, self._consistent)
         self._enough(Stage.CONSISTENCY, len(self._consistent), "devices signed the survivors")
         self.stage = Stage.UNMASK
-        signed, certs = dict(self._consistent), self._certificates
-        return {u: Signatures(fleet=self.fleet, round=self.round, client=u, signed=signed,
-                              certificates={v: certs[v] for v in signed.keys() & certs.keys()
-                                            if v not in self._graph[u] | {u}})
-                for u in sorted(signed)}  # fmt: skip
+        return relayed(fleet=self.fleet, round=self.round, survivors=tuple(sorted(self._digests)),
+                       signed=self._consistent, certificates=self._certificates,
+                       graph=self._graph, settings=self.settings, devices=len(self._clients))  # fmt: skip
 
     # Stage 5: unmasking.
 
@@ -243,10 +241,10 @@ class SecAggServer:
         seeds = {v for v in shared if v in self._digests} | {u}
         if set(message.seed_shares) != seeds or set(message.key_shares) != shared - seeds:
             raise self._refuse("did not give exactly the shares the survivors call for", u)
-        t, x = self.settings.threshold, self._index[u]
+        t = self.settings.threshold
         try:
             parsed = {
-                (kind, v): share_of(value, x=x, threshold=t)
+                (kind, v): share_of(value, x=holder_xs(v, self._graph[v])[u], threshold=t)
                 for kind, given in (("seed", message.seed_shares), ("key", message.key_shares))
                 for v, value in given.items()
             }

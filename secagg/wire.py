@@ -32,7 +32,7 @@ from protocol.codec import unpack
 from protocol.errors import ProtocolError
 from protocol.ids import validate_id
 from protocol.limits import DEFAULT_MAX_PAYLOAD_BYTES
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, Survivors
 from secagg.messages import (
     Abort,
     Advertise,
@@ -42,7 +42,6 @@ from secagg.messages import (
     Roster,
     SecAggMessage,
     ShareKeys,
-    Survivors,
     Unmask,
 )
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, Survivors
 from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.messages import (
@@ -44,7 +44,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from secagg.quantise import QuantiseSpec

@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from protocol.auth import Signer, sign
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, Survivors
 from secagg.device import SecAggDevice
 from secagg.errors import Excluded, RoundAborted
-from secagg.graph import neighbour_graph
+from secagg.graph import holder_xs, neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
     SHARE_BYTES,
@@ -34,7 +34,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from secagg.quantise import decode, sum_error_bound
@@ -229,9 +228,11 @@ class Equivocator(Coordinator):
     def survivors(self, masked: Mapping[str, MaskedInput]) -> Mapping[str, Survivors]:
         self._masked = dict(masked)
         honest = super().survivors(masked)
-        without = tuple(c for c in honest[self.victim].survivors if c != self.victim)
+        without = tuple(
+            c for c in honest[self.victim].listed(sorted(self._adverts)) if c != self.victim
+        )
         return {
-            c: replace(m, survivors=without) if c in self.told_dropped else m
+            c: replace(m, survivors=without, marks=b"") if c in self.told_dropped else m
             for c, m in honest.items()
         }
 
@@ -241,13 +242,14 @@ class Equivocator(Coordinator):
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         u, t = self.victim, self.settings.threshold
         index = {c: i + 1 for i, c in enumerate(sorted(self._adverts))}
-        seeds = [share_of(m.seed_shares[u], x=index[c], threshold=t)
-                 for c, m in unmasks.items() if u in m.seed_shares]  # fmt: skip
-        keys = [share_of(m.key_shares[u], x=index[c], threshold=t)
-                for c, m in unmasks.items() if u in m.key_shares]  # fmt: skip
-        key = X25519PrivateKey.from_private_bytes(combine(keys))
         graph = neighbour_graph(sorted(self._adverts), k=self.settings.neighbours,
                                 fleet=FLEET, round=ROUND)  # fmt: skip
+        xs = holder_xs(u, graph[u])  # where each holder's share of u's secrets sits
+        seeds = [share_of(m.seed_shares[u], x=xs[c], threshold=t)
+                 for c, m in unmasks.items() if u in m.seed_shares]  # fmt: skip
+        keys = [share_of(m.key_shares[u], x=xs[c], threshold=t)
+                for c, m in unmasks.items() if u in m.key_shares]  # fmt: skip
+        key = X25519PrivateKey.from_private_bytes(combine(keys))
         dangling = {
             (index[u], index[v]): pair_secret(
                 key, X25519PublicKey.from_public_bytes(self._adverts[v].keys.s)

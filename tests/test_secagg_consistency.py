@@ -12,10 +12,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.auth import Signer, sign
-from secagg.consistency import Consistency, Signatures, list_digest, roster_digest
+from secagg.consistency import Consistency, Signatures, Survivors, list_digest, roster_digest
 from secagg.device import SecAggDevice
 from secagg.errors import RoundAborted
-from secagg.messages import Stage, Survivors, Unmask
+from secagg.messages import Stage, Unmask
 from secagg.server import SecAggResult
 from tests.fleet_ca import TestCA
 from tests.secagg_harness import (
@@ -49,8 +49,8 @@ class Splitter(Coordinator):
 
     def survivors(self, masked: Mapping[str, object]) -> Mapping[str, Survivors]:
         honest = super().survivors(masked)  # type: ignore[arg-type]
-        without = tuple(c for c in honest[VICTIM].survivors if c != VICTIM)
-        return {c: replace(m, survivors=without) if c in self.told else m
+        without = tuple(c for c in honest[VICTIM].listed(NAMES) if c != VICTIM)
+        return {c: replace(m, survivors=without, marks=b"") if c in self.told else m
                 for c, m in honest.items()}  # fmt: skip
 
     def signatures(self, signed: Mapping[str, Consistency]) -> Mapping[str, Signatures]:

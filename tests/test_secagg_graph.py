@@ -70,3 +70,24 @@ def test_graph_seed_is_sha256_of_the_length_prefixed_fields() -> None:
 def test_a_device_named_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="twice"):
         neighbour_graph(["a", "b", "a"], k=2, fleet="lab", round=1)
+
+
+def _harary_by_edges(n: int, k: int) -> list[set[int]]:
+    """H(k, n) from its edge list (Harary's construction), the reference for the rows."""
+    if k >= n - 1:
+        return [set(range(n)) - {i} for i in range(n)]
+    edges = {(i, (i + s) % n) for i in range(n) for s in range(1, k // 2 + 1)}
+    if k % 2 == 1:
+        half = n // 2 if n % 2 == 0 else (n + 1) // 2
+        edges |= {(i, (i + half) % n) for i in range(n // 2 if n % 2 == 0 else (n - 1) // 2 + 1)}
+    adjacent: list[set[int]] = [set() for _ in range(n)]
+    for a, b in edges:
+        adjacent[a].add(b)
+        adjacent[b].add(a)
+    return adjacent
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6, 11, 12, 31])
+def test_each_row_is_computed_alone_as_the_edge_list_gives_it(n: int) -> None:
+    for k in range(1, n + 1):
+        assert [set(r) for r in harary(n, k)] == _harary_by_edges(n, k)

@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.auth import Signer, sign, signature_problem
 from protocol.errors import FieldError, InvalidId, ProtocolError
+from secagg.consistency import Survivors
 from secagg.messages import (
     CIPHERTEXT_BYTES,
     SHARE_BYTES,
@@ -25,7 +26,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 
@@ -121,7 +121,8 @@ def test_a_roster_naming_a_device_twice_is_refused() -> None:
         (MaskedInput, {"bits": 16}, "not one of"),
         (MaskedInput, {"masked": bytes(7)}, "whole 32-bit words"),
         (MaskedInput, {"masked": b""}, "whole"),
-        (Survivors, {"survivors": []}, "empty"),
+        (Survivors, {"survivors": []}, "one of the two"),
+        (Survivors, {"marks": b"\x01"}, "one of the two"),
         (Survivors, {"survivors": ["dev-1", "dev-1"]}, "unique"),
         (Unmask, {"key_shares": [["dev-1", SHARE]]}, "both shares of dev-1"),
         (Unmask, {"seed_shares": [["dev-1", SHARE[1:]]]}, f"expected {SHARE_BYTES}"),

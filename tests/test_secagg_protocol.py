@@ -12,7 +12,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from secagg.consistency import Signatures
+from secagg.consistency import Signatures, Survivors
 from secagg.device import SecAggDevice
 from secagg.errors import Refused, RoundAborted
 from secagg.graph import neighbour_graph
@@ -23,7 +23,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
 )
 from secagg.quantise import QuantiseSpec, sum_error_bound
 from secagg.server import SecAggResult, SecAggServer
@@ -246,7 +245,7 @@ def test_a_device_asked_for_both_shares_of_a_neighbour_refuses() -> None:
     # The same request again (a redelivery) gets the same answer...
     assert device.unmask(signatures[device.client]) == first
     # ...but a coordinator now claiming dev-01 dropped asks for its key share as well.
-    claim = replace(survivors[device.client], survivors=tuple(set(CLIENTS) - {"dev-01"}))
+    claim = replace(survivors[device.client], survivors=tuple(set(CLIENTS) - {"dev-01"}), marks=b"")
     with pytest.raises(Refused, match=r"both shares of a device \(dev-01\)"):
         device.consistency(claim)
 

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from secagg.consistency import Consistency, Signatures
+from secagg.consistency import Consistency, Signatures, Survivors
 from secagg.errors import RoundAborted
 from secagg.fleet import SecureAggregation, secure_release
-from secagg.graph import neighbour_graph
+from secagg.graph import holder_xs, neighbour_graph
 from secagg.masks import MaskContext, pair_secret, unmask_sum
 from secagg.messages import (
     Advertise,
@@ -35,7 +35,6 @@ from secagg.messages import (
     Roster,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from secagg.quantise import decode
@@ -124,12 +123,14 @@ class CrossEquivocator(Coordinator):
     def result(self, unmasks: Mapping[str, Unmask]) -> SecAggResult:
         t = self.settings.threshold
         index = {c: i + 1 for i, c in enumerate(sorted(self._adverts))}
+        g = neighbour_graph(NAMES, k=self.settings.neighbours, fleet=FLEET, round=ROUND)
 
         def rebuilt(owner: str, kind: str) -> bytes:
             given = [(c, getattr(m, kind)[owner]) for c, m in unmasks.items()
                      if owner in getattr(m, kind)]  # fmt: skip
+            xs = holder_xs(owner, g[owner])  # where each holder's share sits
             try:
-                return combine([share_of(v, x=index[c], threshold=t) for c, v in given])
+                return combine([share_of(v, x=xs[c], threshold=t) for c, v in given])
             except ValueError as exc:  # too few shares came back: the attack failed
                 raise RoundAborted(str(exc), round=ROUND, stage=Stage.UNMASK.value) from exc
 

@@ -19,6 +19,7 @@ from protocol.topics import (
     secagg_up_filter,
     secagg_up_topic,
 )
+from secagg.consistency import Survivors
 from secagg.messages import (
     CIPHERTEXT_BYTES,
     KEY_BYTES,
@@ -33,7 +34,6 @@ from secagg.messages import (
     SecAggMessage,
     ShareKeys,
     Stage,
-    Survivors,
     Unmask,
 )
 from tests.test_protocol_doc import DOC, section
