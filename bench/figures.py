@@ -55,6 +55,8 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "secure-aggregation": secure.secure_aggregation,
     "secure-cost": secure.secure_cost,
     "secure-scale": secure.secure_scale,
+    "secure-memory": secure.secure_memory,
+    "secure-rule": secure.secure_rule,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),
     "glyphs-table": accuracy.glyphs_table,

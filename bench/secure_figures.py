@@ -112,3 +112,96 @@ def secure_scale(r: Results) -> str:
         f"survivors' ids) and {num(r.get('fleet.secagg_plus_bytes_per_neighbour'))} per "
         f"neighbour (`make bench`: {r.provenance(r.section_of[key])}).",
     ])  # fmt: skip
+
+
+#: The in-memory rounds of bench.secagg_scale_bench: (key name, devices, graph).
+SCALE_RUNS = (
+    ("secaggplus_1000", 1000, "SecAgg+, 100 neighbours"),
+    ("secagg_complete_1000", 1000, "complete"),
+    ("secaggplus_10000", 10_000, "SecAgg+, 200 neighbours"),
+)
+
+
+def secure_memory(r: Results) -> str:
+    """The real protocol in memory at 1,000 and 10,000 devices (bench.secagg_scale_bench)."""
+    measured = [run for run in SCALE_RUNS if r.get(f"fleet.{run[0]}_bytes_per_device") is not None]
+    if not measured:
+        return "Not measured: run `make bench`."
+    rows = [
+        "| devices | graph | T / t / c | bytes per device (mean, max) | coordinator CPU | a device's CPU | evidence |",
+        "|---:|---|---|---:|---:|---:|---|",
+    ]
+    for name, devices, graph in measured:
+
+        def get(what: str, name: str = name) -> float:
+            return r.get(f"fleet.{name}_{what}") or 0.0
+
+        draws = int(get("evidence_draws"))
+        evidence = f"{draws} entries drawn" if draws else "every signature"
+        rows.append(
+            f"| {devices:,} | {graph} | {int(get('quorum')):,} / {int(get('threshold'))} / "
+            f"{int(get('colluding'))} | {get('bytes_per_device') / 1000:,.0f} kB, "
+            f"{get('bytes_per_device_max') / 1000:,.0f} kB | {get('seconds'):,.1f} s | "
+            f"{get('device_seconds'):,.2f} s | {evidence} |"
+        )
+    verdicts = []
+    for key, bound, unit, at_most in (
+        ("fleet.secaggplus_1000_bytes_per_device", 500_000, "bytes", True),
+        ("fleet.secaggplus_10000_bytes_per_device", 500_000, "bytes", True),
+        ("fleet.secaggplus_10000_seconds", 60.0, "s", True),
+    ):
+        value = r.get(key)
+        if value is not None:
+            met = value <= bound if at_most else value >= bound
+            verdicts.append(f"`{key}` {num(value)} (target <= {num(bound)} {unit}: "
+                            f"{'met' if met else 'missed'})")  # fmt: skip
+    first = r.section_of[f"fleet.{measured[0][0]}_bytes_per_device"]
+    return "\n".join([
+        *rows, "",
+        "; ".join(verdicts) + f" (`make bench`: {r.provenance(first)}).",
+    ])  # fmt: skip
+
+
+def secure_rule(r: Results) -> str:
+    """lda at 1,000 and 10,000 devices under the public projection rule, beside the best k
+    picked on the test set (bench.secagg_fleet_bench, bench.projection_rule_bench)."""
+    key = "privacy.secagg_10000_eps1_acc"
+    if r.get(key) is None:
+        return "Not measured: run `make bench`."
+    rows = [
+        "| fleet | k (the rule's, epsilon 1) | exact | epsilon 8 | epsilon 1 | curator's, epsilon 1 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for devices, tail in ((1000, "_public_rule"), (10_000, "")):
+
+        def acc(name: str, devices: int = devices, tail: str = tail) -> str:
+            return pct(r.get(f"privacy.{name.format(n=devices)}{tail}"))
+
+        k = r.get(f"privacy.secagg_{devices}_rule_k_eps1")
+        rows.append(
+            f"| {devices:,} x 20, public rule | {int(k or 0)} | {acc('secagg_{n}_exact_acc')} | "
+            f"{acc('secagg_{n}_eps8_acc')} | {acc('secagg_{n}_eps1_acc')} | "
+            f"{acc('central_{n}_eps1_acc')} |"
+        )
+    rows.append(
+        "| 10,000 x 20, best k of 128-512 on the test set | | "
+        + " | ".join(pct(r.get(f"privacy.secagg_10000_best_k_{n}_acc"))
+                     for n in ("exact", "eps8", "eps1")) + " | |"
+    )  # fmt: skip
+    gap = r.get("privacy.secagg_10000_eps1_gap")
+    rule = r.get("privacy.public_rule_ratio")
+    derived = "" if rule is None else (
+        f" The rule's ratio, derived on synthetic data: {num(rule)} (mean loss against each "
+        f"setting's best k {pct(r.get('privacy.public_rule_mean_regret'))} points, worst "
+        f"{pct(r.get('privacy.public_rule_max_regret'))}; "
+        f"{r.provenance(r.section_of['privacy.public_rule_ratio'])})."
+    )  # fmt: skip
+    at_1000 = r.get("privacy.secagg_1000_eps1_acc_public_rule")
+    return "\n".join([
+        *rows, "",
+        f"Epsilon 1 at 10,000 devices: {num(gap)} points under the exact head (target within "
+        f"5, moonshot 3: {'met' if gap is not None and gap <= 5 else 'missed'}); at 1,000, "
+        f"{pct(at_1000)} (target >= 72: "
+        f"{'met' if at_1000 is not None and at_1000 >= 0.72 else 'missed'}) "
+        f"(`make bench`: {r.provenance(r.section_of[key])}).{derived}",
+    ])  # fmt: skip

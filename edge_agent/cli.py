@@ -56,17 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
         "dp: the releases (one per round) take --release-share of the budget, DP-SGD the\n"
         "rest; needs --rounds and --dataset-size (the bound also set as\n"
         "privacy.dataset_size). dp-features: --releases Gaussian releases (one per data\n"
-        "version) take all of it. Put the multipliers into [privacy] of agent.toml.",
+        "version) take all of it. Put the multipliers into [privacy] of agent.toml.\n"
+        "secure: the projection k for [closed_form] dim of a secure fleet, by the public\n"
+        "rule (docs/privacy.md): needs --devices, --dataset-size, --classes, --quorum and\n"
+        "--colluding, the fleet's [secure_aggregation] settings.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_plan.add_argument("--mechanism", choices=["dp", "dp-features"], default="dp",
+    p_plan.add_argument("--mechanism", choices=["dp", "dp-features", "secure"], default="dp",
                         help="default dp")  # fmt: skip
+    for flag, what in (
+        ("--devices", "the fleet's devices"),
+        ("--classes", "the classes"),
+        ("--quorum", "T, the fewest survivors"),
+        ("--colluding", "c"),
+        ("--features", "the backbone's feature size (k stays below it)"),
+    ):
+        p_plan.add_argument(flag, type=int, help=f"secure: {what}")  # fmt: skip
     p_plan.add_argument("--epsilon", type=float, required=True, help="total budget")
     p_plan.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
     p_plan.add_argument("--rounds", type=int, help="dp: rounds the agent will answer")
     p_plan.add_argument("--epochs", type=int, default=1, help="dp: local epochs per round (1)")
     p_plan.add_argument("--dataset-size", type=int,
-                        help="dp: the public upper bound on a device's training samples")  # fmt: skip
+                        help="dp, secure: the public bound on a device's training samples")  # fmt: skip
     p_plan.add_argument("--releases", type=int, default=1,
                         help="dp-features: data versions the budget covers (default 1)")  # fmt: skip
     p_plan.add_argument("--batch", type=int, default=32, help="dp: expected batch size (32)")
