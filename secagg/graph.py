@@ -106,5 +106,18 @@ def holder_xs(owner: str, neighbours: Iterable[str]) -> dict[str, int]:
     return {v: r + 1 for r, v in enumerate(sorted({owner, *neighbours}))}
 
 
+class HolderXs(dict[str, dict[str, int]]):
+    """:func:`holder_xs` of each device of ``graph``, computed when first asked for: the
+    coordinator places every share of a round with it."""
+
+    def __init__(self, graph: Mapping[str, frozenset[str]]) -> None:
+        super().__init__()
+        self._graph = graph
+
+    def __missing__(self, owner: str) -> dict[str, int]:
+        self[owner] = xs = holder_xs(owner, self._graph[owner])
+        return xs
+
+
 def _prefixed(field: bytes) -> bytes:
     return len(field).to_bytes(2, "big") + field

@@ -28,7 +28,7 @@ from protocol.ids import validate_id
 from secagg.consistency import Consistency, Signatures, Survivors, list_digest, relayed
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.evidence import marks_of
-from secagg.graph import holder_xs, neighbour_graph
+from secagg.graph import HolderXs, neighbour_graph
 from secagg.masks import (
     MaskContext,
     pair_secret,
@@ -81,6 +81,7 @@ class SecAggServer:
         self._digests: dict[str, bytes] = {}
         self._sum = np.zeros(settings.length, dtype=ring_dtype(settings.spec.bits))
         self._consistent: dict[str, bytes] = {}
+        self._listed, self._xs = b"", HolderXs({})
         self._unmasks: dict[str, Unmask] = {}
         self._seed_shares: dict[str, list[Share]] = {}
         self._key_shares: dict[str, list[Share]] = {}
@@ -135,6 +136,7 @@ class SecAggServer:
         self._graph = neighbour_graph(
             clients, k=self.settings.neighbours, fleet=self.fleet, round=self.round
         )
+        self._xs = HolderXs(self._graph)
         unsafe = self.threshold_problem()
         if unsafe is not None:
             self._abort(Stage.ADVERTISE, unsafe)
@@ -202,6 +204,7 @@ class SecAggServer:
         self._dropped[Stage.MASKED_INPUT] = self._left(self._shares, self._digests)
         self._enough(Stage.MASKED_INPUT, len(self._digests), "devices sent masked inputs")
         self.stage = Stage.CONSISTENCY
+        self._listed = list_digest(tuple(sorted(self._digests)))  # what survivors sign
         # Marks over the roster: a byte for eight devices in place of their ids.
         marks = marks_of(self._clients, self._digests)
         return {u: Survivors(fleet=self.fleet, round=self.round, client=u, marks=marks)
@@ -215,7 +218,7 @@ class SecAggServer:
         payload = message.to_wire()
         if self._repeat(self._consistent.get(u), payload, u):
             return
-        if message.listed != list_digest(tuple(sorted(self._digests))):
+        if message.listed != self._listed:
             raise self._refuse("signed another survivor list than it was sent", u)
         self._consistent[u] = payload
 
@@ -244,7 +247,7 @@ class SecAggServer:
         t = self.settings.threshold
         try:
             parsed = {
-                (kind, v): share_of(value, x=holder_xs(v, self._graph[v])[u], threshold=t)
+                (kind, v): share_of(value, x=self._xs[v][u], threshold=t)
                 for kind, given in (("seed", message.seed_shares), ("key", message.key_shares))
                 for v, value in given.items()
             }

@@ -102,9 +102,14 @@ def combine(shares: Iterable[Share]) -> bytes:
     if len(given) < first.threshold:
         raise ValueError(f"{len(given)} shares given, {first.threshold} needed to combine")
     points = [(s.x, s.y) for s in given[: first.threshold]]
-    for extra in given[first.threshold :]:
-        if interpolate(points, at=extra.x, prime=first.prime) != extra.y:
-            raise ValueError(f"share of holder {extra.x} does not lie on the others' polynomial")
+    if len(given) > first.threshold:
+        weights = parity_weights(tuple(s.x for s in given), first.threshold, first.prime)
+        if sum(w * s.y for w, s in zip(weights, given, strict=True)) % first.prime:
+            for extra in given[first.threshold :]:  # which one: the slow test, once
+                if interpolate(points, at=extra.x, prime=first.prime) != extra.y:
+                    raise ValueError(
+                        f"share of holder {extra.x} does not lie on the others' polynomial"
+                    )
     value = interpolate(points, at=0, prime=first.prime)
     if value >= 1 << (8 * first.size):
         raise ValueError(f"the combined secret does not fit in {first.size} bytes")
@@ -134,6 +139,26 @@ def lagrange_weights(xs: tuple[int, ...], *, at: int, prime: int) -> tuple[int, 
                 num = num * (at - xm) % prime
                 den = den * (xj - xm) % prime
         weights.append(num * pow(den, -1, prime) % prime)
+    return tuple(weights)
+
+
+@functools.lru_cache(maxsize=256)
+def parity_weights(xs: tuple[int, ...], threshold: int, prime: int) -> tuple[int, ...]:
+    """A secret random combination of the checks that each share past the first
+    ``threshold`` lies on their polynomial: ``w`` with ``sum(w_j y_j) = 0`` for the
+    shares of any one polynomial of degree ``< threshold``, and, for shares that are not,
+    nonzero except with probability ``1 / prime`` over its random coefficients (drawn from
+    the operating system's secret source, never sent). One sum of ``len(xs)`` products per
+    secret instead of a ``threshold``-long interpolation per extra share: 20 extras of
+    t = 181 were 3,600 products a device, 36 million at 10,000 devices. Cached per
+    x-set, as the Lagrange weights are."""
+    weights = [0] * len(xs)
+    for j in range(threshold, len(xs)):
+        r = secrets.randbelow(prime - 1) + 1
+        weights[j] = r
+        lam = lagrange_weights(xs[:threshold], at=xs[j], prime=prime)
+        for i in range(threshold):
+            weights[i] = (weights[i] - r * lam[i]) % prime
     return tuple(weights)
 
 
