@@ -25,12 +25,13 @@ def test_the_ratio_is_the_mean_eigenvalue_over_the_noises_spectral_norm_by_hand(
 
 
 def test_the_rule_takes_the_largest_k_whose_ratio_holds() -> None:
-    # 100 devices of 20 rows at epsilon 1, T 90, c 9: k 64 keeps 0.21, k 128 only 0.07.
+    # 100 devices of 20 rows at epsilon 1, T 90, c 9: k 128 keeps 0.073, k 256 0.026.
     plan = {"devices": 100, "epsilon": 1.0, "quorum": 90, "colluding": 9}
     common = {k: v for k, v in FLEET.items() if k not in ("dataset_size", "below")}
     ratios = {k: noise_ratio(k, rows=2000, sigma=sum_sigma(k, **plan, **common)) for k in GRID}
-    assert ratios[64] >= RATIO > ratios[128]
-    assert public_dim(**plan, **FLEET) == 64
+    assert ratios[128] >= RATIO > ratios[256]
+    assert ratios[128] == pytest.approx(2000 / 128 / (2 * 11.31 * 9.4), rel=0.02)
+    assert public_dim(**plan, **FLEET) == 128
     # No noise, or a ratio nothing meets: the largest below the features, the smallest.
     assert public_dim(**{**plan, "epsilon": 0.0}, **FLEET) == 512
     assert public_dim(**{**plan, "epsilon": 0.0}, **{**FLEET, "below": 300}) == 256
@@ -71,6 +72,6 @@ def test_an_operator_gets_the_rules_k_from_the_fleets_public_settings(
             "--features", "896"]  # fmt: skip
     assert agent_main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["dim"] == 64 and report["noise_ratio"] >= RATIO
+    assert report["dim"] == 128 and report["noise_ratio"] >= RATIO
     assert agent_main([*argv[:-4], "--features", "896"]) == 2  # no --colluding
     assert "needs --colluding" in capsys.readouterr().err
