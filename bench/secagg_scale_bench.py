@@ -15,7 +15,9 @@ and ``c`` is the most colluders the neighbourhood rule ``2t > k + 1 + c`` admits
 ``k`` 100, 160 at 200; the complete graph of 1,000 takes SecAgg+'s 80 so that the two
 carry the same noise). Each device adds ``sigma^2 / T`` of noise planned for epsilon
 :data:`EPSILON` on ``T - c`` honest shares (secagg/plan.py). The vector is lda's
-statistics at k :data:`K` (2,730 values, as bench.secagg_cost_bench).
+statistics at k :data:`K` (2,730 values, as bench.secagg_cost_bench), in a 32-bit ring at
+1,000 devices and a 64-bit one at 10,000 (the plan refuses 32 bits there: the sum of
+10,000 devices at the clip could wrap).
 
 Keys, for each run ``<name>`` (``secaggplus_1000``, ``secagg_complete_1000``,
 ``secaggplus_10000``): ``fleet.<name>_bytes_per_device`` (the mean over devices of the
@@ -69,8 +71,8 @@ WORKERS = 2
 #: (name, devices, neighbours; 0: the complete graph, colluding).
 RUNS = (
     ("secaggplus_1000", 1000, 100, 80),
-    ("secagg_complete_1000", 1000, 0, 80),
     ("secaggplus_10000", 10_000, 200, 160),
+    ("secagg_complete_1000", 1000, 0, 80),
 )
 NOW = datetime.datetime(2026, 11, 28, tzinfo=datetime.timezone.utc)
 _VALID = (NOW - datetime.timedelta(days=1), NOW + datetime.timedelta(days=30))
@@ -83,9 +85,11 @@ def table(devices: int, neighbours: int, colluding: int) -> SecureAggregation:
     """The calibrated plan's table for ``devices`` (module text)."""
     group = devices if neighbours == 0 else neighbours + 1
     quorum = math.ceil(0.9 * devices)
+    # A 32-bit ring holds 1,308 devices' sums at this clip and scale (secagg.plan.check_ring).
     return SecureAggregation(
         threshold=math.ceil(0.9 * group), neighbours=neighbours, colluding=colluding,
         quorum=quorum if neighbours else 0, epsilon=EPSILON, dataset_size=DATASET,
+        bits=32 if devices <= 1000 else 64,
     )  # fmt: skip
 
 
