@@ -38,6 +38,7 @@ import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -109,9 +110,21 @@ def _worker(conn: Connection, names: list[str], settings: SecAggSettings, ca_key
                                   enrolment=enrolment)  # fmt: skip
     rng = np.random.default_rng(seed)
     vectors = {c: rng.uniform(0.0, 1.0, settings.length) for c in names}
+    shared: list[tuple[str, ...]] = []
+
+    def share(d: SecAggDevice, payload: bytes) -> Any:
+        # Each device keeps its roster; 5,000 copies of 10,000 ids are 3 GB a process, so
+        # the devices of one process share one copy of the list (a device holds its own).
+        roster = Roster.from_wire(payload, max_bytes=_MAX_BYTES)
+        if shared and roster.clients == shared[0]:
+            roster = replace(roster, clients=shared[0])
+        else:
+            shared[:] = [roster.clients]
+        return d.share(roster)
+
     steps: dict[str, Callable[[SecAggDevice, bytes], Any]] = {
         "advertise": lambda d, _: d.advertise(),
-        "share": lambda d, p: d.share(Roster.from_wire(p, max_bytes=_MAX_BYTES)),
+        "share": share,
         "masked": lambda d, p: d.masked_input(
             RelayedShares.from_wire(p, max_bytes=_MAX_BYTES), vectors[d.client]
         ),
