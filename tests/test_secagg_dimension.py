@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,13 @@ from edge_agent.cli import main as agent_main
 from secagg.dimension import GRID, RATIO, noise_ratio, public_dim, sum_sigma
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results.json"
-FLEET = {"dataset_size": 20, "classes": 10, "delta": 1e-5, "scale": 2.0**15, "below": 896}
+FLEET: dict[str, Any] = {
+    "dataset_size": 20,
+    "classes": 10,
+    "delta": 1e-5,
+    "scale": 2.0**15,
+    "below": 896,
+}
 
 
 def test_the_ratio_is_the_mean_eigenvalue_over_the_noises_spectral_norm_by_hand() -> None:
@@ -26,7 +33,7 @@ def test_the_ratio_is_the_mean_eigenvalue_over_the_noises_spectral_norm_by_hand(
 
 def test_the_rule_takes_the_largest_k_whose_ratio_holds() -> None:
     # 100 devices of 20 rows at epsilon 1, T 90, c 9: k 128 keeps 0.073, k 256 0.026.
-    plan = {"devices": 100, "epsilon": 1.0, "quorum": 90, "colluding": 9}
+    plan: dict[str, Any] = {"devices": 100, "epsilon": 1.0, "quorum": 90, "colluding": 9}
     common = {k: v for k, v in FLEET.items() if k not in ("dataset_size", "below")}
     ratios = {k: noise_ratio(k, rows=2000, sigma=sum_sigma(k, **plan, **common)) for k in GRID}
     assert ratios[128] >= RATIO > ratios[256]
