@@ -110,8 +110,8 @@ def test_compact_pays_only_where_the_draws_are_far_fewer_than_the_signers() -> N
     assert compact_pays(signers=9_000, draws=177, entry_bytes=400)
 
 
-def _consistency(transcript_requests: Mapping[str, object]) -> list[Signatures]:
-    return [m for m in transcript_requests.values() if isinstance(m, Signatures)]
+def _evidence_sent(requests: Mapping[str, object]) -> list[Signatures]:
+    return [m for m in requests.values() if isinstance(m, Signatures)]
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_an_honest_signed_round_sends_compact_evidence_and_finishes() -> None:
     transcript = run_round(Coordinator(settings=GRAPH), devices(GRAPH, NAMES, ca=CA),
                            inputs(NAMES), drop={Stage.CONSISTENCY: {"dev-39"}})  # fmt: skip
     assert transcript.refused == {} and transcript.result is not None
-    sent = _consistency(transcript.requests[Stage.UNMASK])
+    sent = _evidence_sent(transcript.requests[Stage.UNMASK])
     assert len(sent) == N - 1
     assert all(m.marks and len(m.signed) <= 17 for m in sent)
     # dev-39 dropped before signing: unmarked, never opened, its input still in the sum.
