@@ -201,7 +201,7 @@ class Roster(SecAggMessage):
         for name, pair in keys.items():
             if not isinstance(pair, PublicKeys):
                 raise FieldError("expected PublicKeys", field=f"keys.{name}")
-            if name not in clients:
+            if name not in named:  # the set: a tuple's scan made n rosters quadratic
                 raise FieldError(f"{name} is not in the roster", field="keys")
         if self.client not in keys:
             raise FieldError(f"has no keys for the recipient {self.client}", field="keys")

@@ -29,14 +29,7 @@ from secagg.consistency import Consistency, Signatures, Survivors, list_digest, 
 from secagg.errors import Excluded, Refused, RoundAborted
 from secagg.evidence import marks_of
 from secagg.graph import HolderXs, neighbour_graph
-from secagg.masks import (
-    MaskContext,
-    pair_secret,
-    ring_add,
-    ring_dtype,
-    seed_commitment,
-    unmask_sum,
-)
+from secagg.masks import MaskContext, pair_secret, ring_add, ring_dtype, seed_commitment, unmask_sum
 from secagg.messages import (
     Abort,
     Advertise,
@@ -71,6 +64,7 @@ class SecAggServer:
         self.aborted: RoundAborted | None = None
         self._context = MaskContext(fleet=fleet, round=round)
         self._keys: dict[str, PublicKeys] = {}
+        self._published: set[bytes] = set()  # every advertised key, for the replay check
         self._commitments: dict[str, bytes] = {}
         self._signed: dict[str, bytes] = {}
         self._certificates: dict[str, bytes] = {}
@@ -103,8 +97,7 @@ class SecAggServer:
                 f"{theirs}, not {self.settings.table.hex()[:8] or 'none'})",
                 message.client,
             )
-        published = {key for pair in self._keys.values() for key in (pair.c, pair.s)}
-        if {message.keys.c, message.keys.s} & published:
+        if {message.keys.c, message.keys.s} & self._published:
             # A key another device already advertised: a replay under a second name.
             raise self._refuse("advertised a key another device already holds", message.client)
         if small_order(message.keys.c) or small_order(message.keys.s):
@@ -113,6 +106,7 @@ class SecAggServer:
         if not message.commitment:
             raise self._exclude("advertised no commitment to its self-mask seed", message.client)
         self._keys[message.client] = message.keys
+        self._published |= {message.keys.c, message.keys.s}
         self._commitments[message.client] = message.commitment
         if message.auth is not None:
             # Relayed as signed: the neighbours check it, not this server (secagg/enrolled.py).
@@ -156,7 +150,7 @@ class SecAggServer:
     # Stage 2: sharing keys.
 
     def take_share(self, message: ShareKeys) -> None:
-        self._open(Stage.SHARE, message, among=self._clients)
+        self._open(Stage.SHARE, message, among=self._index)
         if self._repeat(self._shares.get(message.client), message, message.client):
             return
         if set(message.ciphertexts) != self._graph[message.client]:

@@ -77,3 +77,17 @@ def test_invalid_id_names_its_field():
 def test_round_topic_has_no_client():
     with pytest.raises(TopicError):
         Topic(TopicKind.ROUND, "lab", "d1")
+
+
+def test_an_id_found_safe_once_is_still_held_to_a_shorter_limit_and_the_cache_is_bounded():
+    from protocol import ids
+
+    assert validate_id("dev-00042", field="client") == "dev-00042"
+    assert "dev-00042" in ids._SAFE_SEEN  # the fast path is what is under test
+    with pytest.raises(InvalidId):
+        validate_id("dev-00042", field="client", max_length=5)
+    with pytest.raises(InvalidId):
+        validate_id("dev/00042", field="client")
+    for i in range(ids._SAFE_SEEN_MAX + 3):
+        validate_id(f"d{i}", field="client")
+    assert len(ids._SAFE_SEEN) <= ids._SAFE_SEEN_MAX
