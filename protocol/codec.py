@@ -8,6 +8,7 @@ is re-raised as :class:`~protocol.errors.MalformedPayload`.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -23,13 +24,34 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 _local = threading.local()
 
 
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A top-level field's value already in msgpack form, which :func:`pack` splices in
+    as it stands: the bytes are those packing the value would give. For a value many
+    messages share: the secure-aggregation roster's 10,000 ids went to each of 10,000
+    devices, 6.5 s of the coordinator's round packing the same list again and again."""
+
+    data: bytes
+
+
 def pack(obj: dict[str, Any]) -> bytes:
     # msgpack.packb allocates a fresh Packer and its buffer per call, which costs as much
     # as encoding a whole prototype set; one Packer per thread halves the encode time.
     packer = getattr(_local, "packer", None)
     if packer is None:
         packer = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-    return packer.pack(obj)
+    if not any(type(v) is Packed for v in obj.values()):
+        return packer.pack(obj)
+    # A map is its header, then each key's and value's encoding in order: the same bytes.
+    parts = [packer.pack_map_header(len(obj))]
+    for key, value in obj.items():
+        parts += (packer.pack(key), value.data if type(value) is Packed else packer.pack(value))
+    return b"".join(parts)
+
+
+def packed(value: Any) -> Packed:
+    """``value`` packed once, to splice into many messages (:class:`Packed`)."""
+    return Packed(msgpack.packb(value, use_bin_type=True))
 
 
 def check_size(payload: object, *, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> bytes:

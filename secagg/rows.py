@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from protocol import fields as f
+from protocol.codec import Packed, packed
 from protocol.errors import FieldError
 from protocol.ids import validate_id
 from protocol.limits import MAX_CLIENTS
@@ -52,3 +53,33 @@ def table(value: object, *, field: str, width: int) -> list[tuple[Any, ...]]:
         out.append(cells)
     f.unique(tuple(validate_id(row[0], field=f"{field}.key") for row in out), field=field)
     return out
+
+
+#: The last roster list checked (the object, its ids, as a set) and the last packed: the
+#: coordinator builds every device's roster from one tuple, 10,000 ids checked 10,000
+#: times otherwise (32 s), and packed as often (6.5 s).
+_CHECKED: list[tuple[object, tuple[str, ...], frozenset[str]]] = []
+_PACKED: list[tuple[object, Packed]] = []
+
+
+def roster_ids(value: object) -> tuple[tuple[str, ...], frozenset[str]]:
+    """A roster's ``clients``: distinct valid ids, sorted, and their set; checked once per
+    tuple object (a tuple cannot change, so its check stands)."""
+    last = _CHECKED[0] if _CHECKED else None  # one read: another thread may replace it
+    if last is not None and last[0] is value:
+        return last[1], last[2]
+    clients = ids(value, field="clients")
+    if list(clients) != sorted(clients):
+        raise FieldError("must be sorted", field="clients")
+    if type(value) is tuple:
+        _CHECKED[:] = [(value, clients, frozenset(clients))]
+    return clients, frozenset(clients)
+
+
+def packed_ids(clients: tuple[str, ...]) -> Packed:
+    """A roster's list in its wire form, packed once per tuple object."""
+    last = _PACKED[0] if _PACKED else None
+    if last is None or last[0] is not clients:
+        last = (clients, packed(list(clients)))
+        _PACKED[:] = [last]
+    return last[1]

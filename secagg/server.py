@@ -46,9 +46,9 @@ from secagg.messages import (
 from secagg.points import small_order
 from secagg.quantise import decode
 from secagg.result import SecAggResult
-from secagg.sealing import share_of
+from secagg.sealing import SECRET_BYTES
 from secagg.settings import SecAggSettings
-from secagg.shamir import Share, combine
+from secagg.shamir import P521, combine_points
 
 
 class SecAggServer:
@@ -77,8 +77,8 @@ class SecAggServer:
         self._consistent: dict[str, bytes] = {}
         self._listed, self._xs = b"", HolderXs({})
         self._unmasks: dict[str, Unmask] = {}
-        self._seed_shares: dict[str, list[Share]] = {}
-        self._key_shares: dict[str, list[Share]] = {}
+        self._seed_shares: dict[str, list[tuple[int, int]]] = {}  # owner -> (x, y)
+        self._key_shares: dict[str, list[tuple[int, int]]] = {}
         self._dropped: dict[Stage, tuple[str, ...]] = {}
 
     # Stage 1: key advertisement.
@@ -238,19 +238,17 @@ class SecAggServer:
         seeds = {v for v in shared if v in self._digests} | {u}
         if set(message.seed_shares) != seeds or set(message.key_shares) != shared - seeds:
             raise self._refuse("did not give exactly the shares the survivors call for", u)
-        t = self.settings.threshold
-        try:
-            parsed = {
-                (kind, v): share_of(value, x=self._xs[v][u], threshold=t)
-                for kind, given in (("seed", message.seed_shares), ("key", message.key_shares))
-                for v, value in given.items()
-            }
-        except ValueError as exc:
-            raise self._refuse("gave a share outside the field", u) from exc
+        parsed = [
+            (pool, v, int.from_bytes(value, "big"))
+            for pool, given in ((self._seed_shares, message.seed_shares),
+                                (self._key_shares, message.key_shares))
+            for v, value in given.items()
+        ]  # fmt: skip
+        if any(y >= P521 for _, _, y in parsed):
+            raise self._refuse("gave a share outside the field", u)
         self._unmasks[u] = message
-        for (kind, v), share in parsed.items():
-            pool = self._seed_shares if kind == "seed" else self._key_shares
-            pool.setdefault(v, []).append(share)
+        for pool, v, y in parsed:
+            pool.setdefault(v, []).append((self._xs[v][u], y))
 
     def close_unmask(self) -> SecAggResult:
         """Rebuild the survivors' seeds and the dropped devices' masking keys, remove what
@@ -321,7 +319,7 @@ class SecAggServer:
         """Who failed to answer each stage closed so far."""
         return MappingProxyType(dict(self._dropped))
 
-    def _rebuild(self, owner: str, pool: Mapping[str, list[Share]], what: str) -> bytes:
+    def _rebuild(self, owner: str, pool: Mapping[str, list[tuple[int, int]]], what: str) -> bytes:
         shares = pool.get(owner, [])
         t = self.settings.threshold
         if len(shares) < t:
@@ -330,7 +328,7 @@ class SecAggServer:
                 f"{len(shares)} shares of the {what} of {owner} came back, fewer than t = {t}",
             )
         try:
-            return combine(shares)
+            return combine_points(shares, threshold=t, size=SECRET_BYTES)
         except ValueError as exc:
             self._abort(Stage.UNMASK, f"the shares of the {what} of {owner} disagree", cause=exc)
 

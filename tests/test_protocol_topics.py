@@ -5,6 +5,7 @@ from protocol import (
     Topic,
     TopicError,
     TopicKind,
+    ids,
     parse_topic,
     round_topic,
     status_filter,
@@ -80,8 +81,6 @@ def test_round_topic_has_no_client():
 
 
 def test_an_id_found_safe_once_is_still_held_to_a_shorter_limit_and_the_cache_is_bounded():
-    from protocol import ids
-
     assert validate_id("dev-00042", field="client") == "dev-00042"
     assert "dev-00042" in ids._SAFE_SEEN  # the fast path is what is under test
     with pytest.raises(InvalidId):

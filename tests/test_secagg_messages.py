@@ -198,3 +198,11 @@ def test_any_bad_value_in_any_field_raises_only_protocol_errors(message: SecAggM
     for cut in range(len(wire)):
         with pytest.raises(ProtocolError):
             kind.from_wire(wire[:cut])
+
+
+def test_a_rosters_list_packed_once_gives_the_bytes_packing_it_would() -> None:
+    lists = [tuple(sorted(f"dev-{i}" for i in range(n))) for n in (3, 40, 3)]
+    for clients in [*lists, lists[0]]:  # the cache follows the tuple it was given
+        roster = Roster(**HEAD, clients=clients, keys={"dev-1": KEYS})
+        assert roster.to_wire() == pack(raw(roster))
+        assert Roster.from_wire(roster.to_wire()).clients == clients

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from secagg.shamir import P521, Share, combine, interpolate, split
+from secagg.shamir import P521, Share, combine, combine_points, interpolate, split
 
 
 class Scripted(random.Random):
@@ -145,3 +145,16 @@ def test_shares_of_different_splits_do_not_mix() -> None:
     b = split(b"\x01\x02", threshold=2, holders=[1, 2], prime=P521, rng=Scripted([3]))
     with pytest.raises(ValueError, match="disagree"):
         combine([a[1], b[2]])
+
+
+def test_points_combine_as_their_shares_do_and_are_checked_alike() -> None:
+    points = [(5, HAND[5]), (2, HAND[2]), (4, HAND[4]), (1, HAND[1])]  # any order
+    assert combine_points(points, threshold=3, size=1, prime=97) == bytes([42])
+    with pytest.raises(ValueError, match="holder 5 does not lie"):
+        combine_points([*points[1:], (5, HAND[5] + 1)], threshold=3, size=1, prime=97)
+    with pytest.raises(ValueError, match="not in the field"):
+        combine_points([*points[:3], (1, 97)], threshold=3, size=1, prime=97)
+    with pytest.raises(ValueError, match="duplicate"):
+        combine_points([*points[:3], (2, HAND[2])], threshold=3, size=1, prime=97)
+    with pytest.raises(ValueError, match="2 shares given, 3 needed"):
+        combine_points(points[:2], threshold=3, size=1, prime=97)
