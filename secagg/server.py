@@ -163,15 +163,16 @@ class SecAggServer:
         self._dropped[Stage.SHARE] = self._left(self._clients, self._shares)
         self._enough(Stage.SHARE, len(self._shares), "devices shared keys")
         self.stage = Stage.MASKED_INPUT
+        # Each sharer addressed exactly its neighbours (take_share), and the graph is
+        # symmetric: u's inbox is what its neighbours that shared sent it. Filled sender by
+        # sender, one pass over two million ciphertexts at 10,000 devices.
+        inbox: dict[str, dict[str, bytes]] = {u: {} for u in self._shares}
+        for v, message in self._shares.items():
+            for u, ciphertext in message.ciphertexts.items():
+                if u in inbox:
+                    inbox[u][v] = ciphertext
         return {
-            u: RelayedShares(
-                fleet=self.fleet,
-                round=self.round,
-                client=u,
-                ciphertexts={
-                    v: self._shares[v].ciphertexts[u] for v in self._graph[u] if v in self._shares
-                },
-            )
+            u: RelayedShares(fleet=self.fleet, round=self.round, client=u, ciphertexts=inbox[u])
             for u in sorted(self._shares)
         }
 
