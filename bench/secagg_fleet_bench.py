@@ -26,7 +26,10 @@ without the suffix are bench.secagg_bench's best-k figures), ``privacy.secagg_<n
 ``privacy.secaggplus_<n>_k<k>_{exact,eps1,eps8,central_eps1,central_eps8}_acc`` (and the
 plan's ``_eps<e>_sigma``), and
 ``privacy.central_10000_eps{1,8}_acc``: the exact sum plus a continuous Gaussian of the
-plan's standard deviation, what a trusted curator's sum gives.
+plan's standard deviation, what a trusted curator's sum gives. ``_exact_floor_eps<e>``
+(under the rule: ``privacy.secagg_<n>_exact_floor_eps<e>_acc``): the exact statistics
+under the eigenvalue floor that epsilon's noise calls for, without the noise: what the
+floor costs alone.
 
 **Best k, labelled.** At 10,000 every ``k`` of :data:`BEST_KS` runs as well, and
 ``privacy.secagg_10000_best_k_{exact,eps1,eps8}_acc`` is the best of them on the test set:
@@ -107,6 +110,10 @@ def _scores(data: object, k: int, epsilons: tuple[float, ...], devices: int,
         name = f"eps{eps:g}"
         out[name] = _accuracy(_unflat(total.decoded(), k, devices), x_test, y_test,
                               noise_std=floor)  # fmt: skip
+        # The exact statistics under the floor this noise calls for: what the floor's
+        # regularisation costs alone, before any noise (the gap's share that no better
+        # estimate of the noised sum can win back while it keeps that floor).
+        out[f"exact_floor_{name}"] = _accuracy(merged, x_test, y_test, noise_std=floor)
         sigma = plans[eps].sum_std(devices)
         central = flatten(merged, gram=True) + noise.normal(
             0.0, sigma, statistics_length(k, classes=CLASSES)
@@ -140,6 +147,9 @@ def fleet(devices: int, ks: tuple[int, ...]) -> dict[str, float]:
         name = f"eps{eps:g}"
         out[f"privacy.secagg_{devices}_{name}_acc{suffix}"] = scores[rules[eps]][name]
         out[f"privacy.central_{devices}_{name}_acc{suffix}"] = scores[rules[eps]][f"central_{name}"]
+        out[f"privacy.secagg_{devices}_exact_floor_{name}_acc{suffix}"] = scores[rules[eps]][
+            f"exact_floor_{name}"
+        ]
     if ks:
         for name in ("exact", *(f"eps{e:g}" for e in EPSILONS)):
             out[f"privacy.secagg_{devices}_best_k_{name}_acc"] = max(scores[k][name] for k in ks)

@@ -111,12 +111,11 @@ def multipath(tree: list[list[bytes]], indices: Iterable[int]) -> bytes:
     the bottom, the sibling of each node on the way up (in index order) that no opened
     leaf gives already. A sample shares the tree's top levels, which one path per leaf
     would repeat (a tenth of a 10,000-device fleet's evidence)."""
-    known, out = set(indices), []
+    known, out = sorted(set(indices)), []
     for row in tree[:-1]:
-        for i in sorted(known):
-            if i ^ 1 < len(row) and i ^ 1 not in known:
-                out.append(row[i ^ 1])
-        known = {i >> 1 for i in known}
+        have, size = set(known), len(row)
+        out += [row[i ^ 1] for i in known if i ^ 1 < size and i ^ 1 not in have]
+        known = list(dict.fromkeys(i >> 1 for i in known))  # still sorted: halving keeps order
     return b"".join(out)
 
 
