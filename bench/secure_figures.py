@@ -169,8 +169,9 @@ def secure_rule(r: Results) -> str:
     if r.get(key) is None:
         return "Not measured: run `make bench`."
     rows = [
-        "| fleet | k (the rule's, epsilon 1) | exact | epsilon 8 | epsilon 1 | curator's, epsilon 1 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| fleet | k (the rule's, epsilon 1) | exact | exact, epsilon 1's floor | epsilon 8 | "
+        "epsilon 1 | curator's, epsilon 1 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for devices, tail in ((1000, "_public_rule"), (10_000, "")):
 
@@ -180,13 +181,14 @@ def secure_rule(r: Results) -> str:
         k = r.get(f"privacy.secagg_{devices}_rule_k_eps1")
         rows.append(
             f"| {devices:,} x 20, public rule | {int(k or 0)} | {acc('secagg_{n}_exact_acc')} | "
-            f"{acc('secagg_{n}_eps8_acc')} | {acc('secagg_{n}_eps1_acc')} | "
-            f"{acc('central_{n}_eps1_acc')} |"
+            f"{acc('secagg_{n}_exact_floor_eps1_acc')} | {acc('secagg_{n}_eps8_acc')} | "
+            f"{acc('secagg_{n}_eps1_acc')} | {acc('central_{n}_eps1_acc')} |"
         )
     rows.append(
         "| 10,000 x 20, best k of 128-512 on the test set | | "
+        + pct(r.get("privacy.secagg_10000_best_k_exact_acc")) + " | | "
         + " | ".join(pct(r.get(f"privacy.secagg_10000_best_k_{n}_acc"))
-                     for n in ("exact", "eps8", "eps1")) + " | |"
+                     for n in ("eps8", "eps1")) + " | |"
     )  # fmt: skip
     gap = r.get("privacy.secagg_10000_eps1_gap")
     rule = r.get("privacy.public_rule_ratio")
