@@ -111,6 +111,8 @@ def combine_points(
     given = sorted(points)
     if not given:
         raise ValueError("no shares to combine")
+    if threshold < 2 or size < 1:  # what a Share checks of its public facts
+        raise ValueError(f"share threshold {threshold} is below 2 or secret size {size} below 1")
     if any(not 0 <= y < prime for _, y in given):
         raise ValueError("a share value is not in the field")
     _check_holders([x for x, _ in given], prime)

@@ -158,3 +158,7 @@ def test_points_combine_as_their_shares_do_and_are_checked_alike() -> None:
         combine_points([*points[:3], (2, HAND[2])], threshold=3, size=1, prime=97)
     with pytest.raises(ValueError, match="2 shares given, 3 needed"):
         combine_points(points[:2], threshold=3, size=1, prime=97)
+    with pytest.raises(ValueError, match="below 2"):
+        combine_points(points, threshold=1, size=1, prime=97)
+    with pytest.raises(ValueError, match="below 1"):
+        combine_points(points, threshold=3, size=0, prime=97)
