@@ -22,6 +22,7 @@ import pytest
 from fleet.powercut.coordinator_cuts import FLEET, StandInDevices, write_config
 from fleet.transports.broker import MosquittoBroker, free_port
 from protocol import update_topic
+from tests.process_helpers import LoggedProcess
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent / "systemd" / "prometheus" / "protofleet-dashboard.json"
@@ -125,15 +126,21 @@ def test_every_panel_query_returns_data_from_a_live_fleet(tmp_path: Path) -> Non
                      extra=f"[metrics]\nport = {ports['single']}\n")  # fmt: skip
         write_config(tier_cfg, state=tmp_path / "tier", port=tier.address.port, quorum=4,
                      extra=f"[metrics]\nport = {ports['owner']}\n" + WORKERS)  # fmt: skip
-        for name in ("w1", "w2"):
-            stack.enter_context(process(
-                [*coordinator, "worker", "--config", str(tier_cfg), "--name", name],
-                tmp_path / f"{name}.log",
-            ))  # fmt: skip
+        workers = {name: LoggedProcess("edge-coordinator", ["worker", "--config", str(tier_cfg),
+                                                            "--name", name])
+                   for name in ("w1", "w2")}  # fmt: skip
+        for worker in workers.values():
+            stack.callback(worker.close)
+            stack.callback(worker.stop)
         stack.enter_context(process([*coordinator, "run", "--config", str(single_cfg)],
                                     tmp_path / "single.log"))  # fmt: skip
         stack.enter_context(process([*coordinator, "run", "--config", str(tier_cfg)],
                                     tmp_path / "owner.log"))  # fmt: skip
+        # A worker is ready once subscribed: updates sent before any worker is are dropped
+        # by the broker (a shared subscription without members), and these stand-ins send
+        # a round's updates once (CI lost the first round so, and then saw none).
+        for name, worker in workers.items():
+            worker.wait_for(f"worker {name} ready", timeout=60)
         # The single coordinator's devices claim a formal mechanism: the privacy panel.
         devices = [StandInDevices(b.address.port, devices=6, epsilon=e)
                    for b, e in ((single, 0.5), (tier, None))]  # fmt: skip
