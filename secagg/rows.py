@@ -6,9 +6,9 @@ to refuse."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from protocol import fields as f
 from protocol.codec import Packed, packed
@@ -60,31 +60,39 @@ def table(value: object, *, field: str, width: int) -> list[tuple[Any, ...]]:
     return out
 
 
-#: The last roster list checked (the object, its ids, as a set) and the last packed: the
-#: coordinator builds every device's roster from one tuple, 10,000 ids checked 10,000
-#: times otherwise (32 s), and packed as often (6.5 s).
-_CHECKED: list[tuple[object, tuple[str, ...], frozenset[str]]] = []
+#: The last roster list checked (its ids, as a set) and the last packed, each with the
+#: tuple it came from: the coordinator builds every device's roster from one tuple, 10,000
+#: ids checked 10,000 times otherwise (32 s), and packed as often (6.5 s).
+_CHECKED: list[tuple[object, tuple[tuple[str, ...], frozenset[str]]]] = []
 _PACKED: list[tuple[object, Packed]] = []
+T = TypeVar("T")
+
+
+def _once_per_tuple(cache: list[tuple[object, T]], value: object, make: Callable[[Any], T]) -> T:
+    """``make(value)``, reused while ``value`` is the same tuple object (a tuple cannot
+    change, so what was made of it stands)."""
+    last = cache[0] if cache else None  # one read: another thread may replace it
+    if last is not None and last[0] is value:
+        return last[1]
+    made = make(value)
+    if type(value) is tuple:
+        cache[:] = [(value, made)]
+    return made
+
+
+def _checked_roster(value: object) -> tuple[tuple[str, ...], frozenset[str]]:
+    clients = ids(value, field="clients")
+    if list(clients) != sorted(clients):
+        raise FieldError("must be sorted", field="clients")
+    return clients, frozenset(clients)
 
 
 def roster_ids(value: object) -> tuple[tuple[str, ...], frozenset[str]]:
     """A roster's ``clients``: distinct valid ids, sorted, and their set; checked once per
-    tuple object (a tuple cannot change, so its check stands)."""
-    last = _CHECKED[0] if _CHECKED else None  # one read: another thread may replace it
-    if last is not None and last[0] is value:
-        return last[1], last[2]
-    clients = ids(value, field="clients")
-    if list(clients) != sorted(clients):
-        raise FieldError("must be sorted", field="clients")
-    if type(value) is tuple:
-        _CHECKED[:] = [(value, clients, frozenset(clients))]
-    return clients, frozenset(clients)
+    tuple object."""
+    return _once_per_tuple(_CHECKED, value, _checked_roster)
 
 
 def packed_ids(clients: tuple[str, ...]) -> Packed:
     """A roster's list in its wire form, packed once per tuple object."""
-    last = _PACKED[0] if _PACKED else None
-    if last is None or last[0] is not clients:
-        last = (clients, packed(list(clients)))
-        _PACKED[:] = [last]
-    return last[1]
+    return _once_per_tuple(_PACKED, clients, lambda c: packed(list(c)))
