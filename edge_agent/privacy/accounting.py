@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from secagg.plan import RDP_ORDERS
+
 ACCOUNTANTS = ("rdp", "prv")
 
 
@@ -76,15 +78,10 @@ def gaussian_release(noise_multiplier: float) -> Event:
     return Event(noise_multiplier, 1.0, 1, kind="release")
 
 
-@functools.cache
-def _orders() -> tuple[float, ...]:
-    from opacus.accountants import RDPAccountant
-
-    return tuple(RDPAccountant.DEFAULT_ALPHAS)
-
-
 def orders() -> list[float]:
-    return list(_orders())
+    """The Renyi orders the ledger reads epsilon at: the secure sum's plan's
+    (:data:`secagg.plan.RDP_ORDERS`), so a device prices a secure round as its plan does."""
+    return list(RDP_ORDERS)
 
 
 @functools.lru_cache(maxsize=4096)
