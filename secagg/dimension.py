@@ -36,7 +36,7 @@ from secagg.plan import SecureSum, plan_distributed
 GRID = (8, 16, 32, 64, 128, 256, 512)
 #: The least ratio of the second moment's mean eigenvalue to the noise's spectral norm
 #: (module text; bench/projection_rule_bench.py derives it).
-RATIO = 2.0**-4.5
+RATIO = 2.0**-3.5
 
 
 def noise_ratio(k: int, *, rows: int, sigma: float) -> float:
