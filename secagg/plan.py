@@ -52,7 +52,8 @@ is ``(xi, rho)``-zCDP with ``xi = tau d``, the second ``rho'``-zCDP.
 **To (epsilon, delta).** The RDP conversion of Balle et al. (AISTATS 2020, Thm. 21), also
 Canonne, Kamath and Steinke's Prop. 12: an ``(alpha, r)``-RDP mechanism is
 ``(r + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1), delta)``-DP, for every
-``alpha``; with ``r = xi + rho alpha`` at each of :data:`RDP_ORDERS`, the least is taken.
+``alpha``; with ``r = xi + rho alpha`` at each of :data:`RDP_ORDERS`, the least is taken
+(or, for epsilons whose best order lies beyond them, the closed form below).
 It is what Opacus applies to the device's ledger (edge_agent/privacy/accounting.py) at the
 same orders, so a device prices one round at no more than the plan says it costs
 (``tests/test_privacy_distributed.py`` checks both against Opacus). Why not the closed form
@@ -71,14 +72,13 @@ import closed_form as cf
 from secagg.quantise import QuantiseSpec, max_devices
 from secagg.settings import NOISE_TAILS
 
-#: The Renyi orders every epsilon is read at: Opacus's defaults, then larger ones, where a
-#: small epsilon finds its best order (near ``2 ln(1/delta) / epsilon``: 770 at epsilon
-#: 0.03, delta 1e-5). Any order gives a valid bound, so more orders only tighten it; the
-#: device's ledger reads the same ones (edge_agent/privacy/accounting.py). Opacus's
-#: subsampled Gaussian turns to NaN above about 2,000, hence the stop at 1,024.
+#: The Renyi orders every epsilon is read at: Opacus's defaults, which the device's ledger
+#: reads (edge_agent/privacy/accounting.py). Why not more: a ledger read at new orders
+#: would price the spends it already holds anew, lower, and its spent epsilon never goes
+#: down (edge_agent/privacy/ledger.py). Below about epsilon 0.3 (delta 1e-5) the best order
+#: lies above 63 and :func:`zcdp_epsilon` takes the closed form instead.
 RDP_ORDERS: tuple[float, ...] = (
     *(1 + x / 10.0 for x in range(1, 100)), *map(float, range(12, 64)),
-    64.0, 80.0, 96.0, 128.0, 160.0, 192.0, 256.0, 320.0, 384.0, 512.0, 640.0, 768.0, 1024.0,
 )  # fmt: skip
 
 
@@ -140,15 +140,20 @@ def rdp_epsilon(rdp: Sequence[float], delta: float) -> float:
 
 def zcdp_epsilon(rho: float, delta: float, *, xi: float = 0.0) -> float:
     """``(xi, rho)``-zCDP as ``(epsilon, delta)``-DP: its divergence of order ``alpha`` is at
-    most ``xi + rho alpha`` (Bun and Steinke 2016, Def. 1.1), read by :func:`rdp_epsilon`."""
+    most ``xi + rho alpha`` (Bun and Steinke 2016, Def. 1.1), read by :func:`rdp_epsilon`,
+    or Bun and Steinke's closed form ``xi + rho + 2 sqrt(rho ln(1/delta))`` (their Prop. 1.3
+    and Lemma 3.5) where that is less: only where the best order lies beyond
+    :data:`RDP_ORDERS`, epsilons below about 0.3 at delta 1e-5. Both are valid bounds."""
     if rho < 0 or xi < 0:
         raise ValueError(f"rho and xi must be non-negative, got {rho}, {xi}")
-    return rdp_epsilon([xi + rho * a for a in RDP_ORDERS], delta)
+    closed = xi + rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+    return min(rdp_epsilon([xi + rho * a for a in RDP_ORDERS], delta), closed)
 
 
 def zcdp_for_epsilon(epsilon: float, delta: float) -> float:
-    """The largest ``rho`` (to a relative 1e-12) whose :func:`zcdp_epsilon` (``xi = 0``) is
-    at most ``epsilon``: bisection, the epsilon rising with ``rho``."""
+    """The largest ``rho`` (to a relative 1e-12, below it) whose :func:`zcdp_epsilon`
+    (``xi = 0``) is at most ``epsilon``: bisection, the epsilon rising with ``rho`` from 0
+    (the closed form's, at ``rho = 0``), so there is one."""
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be positive and finite, got {epsilon}")
     _check_delta(delta)

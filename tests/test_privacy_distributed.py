@@ -61,14 +61,24 @@ def test_the_rdp_conversion_by_hand() -> None:
 
 def test_the_conversion_matches_opacus_at_the_same_orders() -> None:
     """Opacus's own reading of the same divergences (the device ledger's) agrees."""
-    for rho in (1e-4, 0.03, 1.2):
+    for rho in (0.005, 0.03, 1.2):
         rdp = [rho * a for a in RDP_ORDERS]
         theirs, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=rdp, delta=1e-5)
         assert zcdp_epsilon(rho, 1e-5) == pytest.approx(float(theirs), rel=1e-12)
-    # The orders are Opacus's defaults and more: the ledger never reads fewer.
-    assert RDP_ORDERS[: len(RDPAccountant.DEFAULT_ALPHAS)] == pytest.approx(
-        RDPAccountant.DEFAULT_ALPHAS, abs=0
-    )
+    # The orders are Opacus's defaults, the ones the ledger has always read.
+    assert list(RDP_ORDERS) == list(map(float, RDPAccountant.DEFAULT_ALPHAS))
+
+
+def test_a_small_epsilon_whose_best_order_lies_beyond_them_takes_the_closed_form() -> None:
+    # rho 1e-5: the orders' best (63) reads 0.1035; the closed form 1e-5 + 2 sqrt(1e-5 *
+    # 11.513) = 0.02147, the tighter of the two valid bounds.
+    closed = 1e-5 + 2 * math.sqrt(1e-5 * math.log(1e5))
+    assert zcdp_epsilon(1e-5, 1e-5) == pytest.approx(closed, rel=1e-12)
+    assert rdp_epsilon([1e-5 * a for a in RDP_ORDERS], 1e-5) > 0.1
+    # So a target no order reaches still gets a plan (the orders alone give no rho > 0).
+    assert zcdp_for_epsilon(0.003, 1e-5) > 0
+    plan = plan_distributed(release=TOY, epsilon_target=0.003, delta=1e-5)
+    assert plan.epsilon <= 0.003 < TOY.epsilon(plan.sigma2 - 1, delta=1e-5)
 
 
 def test_sigma_for_epsilon_one_worked_by_hand() -> None:

@@ -348,8 +348,8 @@ def test_a_device_pays_for_the_sums_noise_as_its_input_leaves_and_joins_once_per
     # input leaves costs nothing. The link charges as it leaves.
     assert agent.epsilon_spent == 0.0 and first.secure.release is not None
     assert first.secure.release() and 0.5 < (spent := agent.epsilon_spent) <= 1.0
-    # (The accountant prices the sum's Gaussian at no more than the plan's looser zCDP
-    # conversion does: the round's epsilon, 1.)
+    # (The accountant prices the sum's Gaussian as the plan's RDP conversion does, at
+    # most the round's epsilon, 1.)
     assert agent.mode.ledger.spends[-1].round == 0
     exact = flatten(agent.closed.statistics(), gram=True)  # type: ignore[union-attr]
     np.testing.assert_array_equal(first.secure.vector, exact)  # nothing summed before

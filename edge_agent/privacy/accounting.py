@@ -79,8 +79,9 @@ def gaussian_release(noise_multiplier: float) -> Event:
 
 
 def orders() -> list[float]:
-    """The Renyi orders the ledger reads epsilon at: the secure sum's plan's
-    (:data:`secagg.plan.RDP_ORDERS`), so a device prices a secure round as its plan does."""
+    """The Renyi orders the ledger reads epsilon at, Opacus's defaults: the secure sum's
+    plan reads the same (:data:`secagg.plan.RDP_ORDERS`), so a device prices a secure
+    round as its plan does."""
     return list(RDP_ORDERS)
 
 
