@@ -1,5 +1,6 @@
 """What one secure-aggregation round costs (issue 43): 100 real agents over a real
-Mosquitto, and the arithmetic for 1,000 and 10,000 devices.
+Mosquitto, and the arithmetic for 1,000 and 10,000 devices; and a SecAgg+ round of 300
+real agents over Mosquitto beside the same round in memory (issue 52).
 
 **Measured.** ``DEVICES`` agents (the agent's own ``Agent`` and ``AgentService``, one
 process, one shared set of ONNX Runtime sessions) and the coordinator's own service, lda
@@ -30,6 +31,15 @@ with the fleet; SecAgg+ (a device pairs with ``k`` neighbours) keeps only the li
 growing: ``fleet.secagg_plus_bytes_per_{id,neighbour}`` are those two slopes, measured in
 memory, and ``fleet.secagg_plus_bytes_per_device_<n>_derived`` their sum at
 :data:`PLUS_NEIGHBOURS`. docs/scale.md spells the arithmetic out.
+
+**SecAgg+ over Mosquitto** (``fleet.secaggplus_mosquitto_300_*``): :data:`PLUS_DEVICES`
+real agents as above, each pairing with :data:`PLUS_DEGREE` neighbours, under
+bench.secagg_scale_bench's calibrated plan (``T`` nine tenths of the fleet, ``t`` of a
+neighbourhood, ``c`` the most the neighbourhood rule admits): ``_bytes_per_device`` (the
+mean, as above) and ``_max``, ``_seconds``, and ``_bytes_in_memory``, the same round run
+as that bench runs its 10,000 devices (signed, every message through its wire form),
+with ``_bytes_ratio`` the broker's over memory's: how far the in-memory bytes of the
+larger fleets stand from what a broker's round carries.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from tempfile import TemporaryDirectory
 
 import numpy as np
 
+from bench import secagg_scale_bench as scale
 from bench.export_bench import ensure_zoo
 from coordinator.config import CoordinatorConfig, ModelSettings, PrivacySettings, RoundSettings
 from coordinator.rounds import RoundManager
@@ -79,6 +90,11 @@ SIZES = (25, 50, 100)
 #: it for a tenth dropping).
 PLUS_AT, PLUS_K = 60, 20
 PLUS_NEIGHBOURS = {1000: 100, 10_000: 200}
+#: The SecAgg+ round over Mosquitto: agents, the neighbours each pairs with, and ``c``, the
+#: most colluders ``2t > k + 1 + c`` admits at ``t = ceil(0.9 (k + 1))`` = 55 (the rule of
+#: bench.secagg_scale_bench, whose in-memory round it is checked against). 300 agents is
+#: what this machine's 2 cores carry in one round well inside ROUND_S, all in one process.
+PLUS_DEVICES, PLUS_DEGREE, PLUS_COLLUDING = 300, 60, 48
 ROUND_S = 900.0  # the most the measured round may take before the bench gives up
 
 
@@ -96,8 +112,10 @@ def _npz(folder: Path, name: str, domain: str, start: int, count: int) -> Path:
     return path
 
 
-def _agents(root: Path, bundle: Path, port: int, keys_root: Path) -> list[Agent]:
-    names = [f"dev-{i:03d}" for i in range(DEVICES)]
+def _agents(
+    root: Path, bundle: Path, port: int, keys_root: Path, *, devices: int, table: SecureAggregation
+) -> list[Agent]:
+    names = [f"dev-{i:03d}" for i in range(devices)]
     keys = fleet_keys(keys_root, names)
     agents: list[Agent] = []
     for i, name in enumerate(names):
@@ -112,7 +130,7 @@ def _agents(root: Path, bundle: Path, port: int, keys_root: Path) -> list[Agent]
                               feature_cache=root / "cache", shared_feature_cache=True),
             method="lda", classes=CLASSES, mqtt=MqttSettings(port=port),
             closed_form=ClosedFormSettings(dim=K),
-            privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=_table(),
+            privacy=AgentPrivacy(aggregation="secure"), secure_aggregation=table,
             security=AgentSecurity(key=keys.agent_key(name), coordinator=keys.coordinator_pub,
                                    ca=keys.ca_cert, certificate=keys.agent_certificate(name)),
         )  # fmt: skip
@@ -121,27 +139,70 @@ def _agents(root: Path, bundle: Path, port: int, keys_root: Path) -> list[Agent]
     return agents
 
 
-def _coordinator(root: Path, bundle_id: str, port: int, keys_root: Path) -> CoordinatorConfig:
+def _coordinator(
+    root: Path, bundle_id: str, port: int, keys_root: Path, *, table: SecureAggregation
+) -> CoordinatorConfig:
     keys = fleet_keys(keys_root, [])
     return CoordinatorConfig(
         fleet=FLEET, state_dir=root / "coordinator",
         model=ModelSettings(method="lda", bundle=bundle_id, classes=CLASSES, dim=K),
-        rounds=RoundSettings(min_clients=THRESHOLD, wait_after_quorum_s=0.0,
+        rounds=RoundSettings(min_clients=table.fewest, wait_after_quorum_s=0.0,
                              timeout_s=ROUND_S, max_rounds=1),
         mqtt=MqttSettings(port=port),
         security=CoordinatorSecurity(key=keys.coordinator_key, devices=keys.devices),
-        privacy=PrivacySettings(aggregation="secure"), secure_aggregation=_table(),
+        privacy=PrivacySettings(aggregation="secure"), secure_aggregation=table,
     )  # fmt: skip
 
 
 def measure_round() -> dict[str, float]:
-    """One secure round of ``DEVICES`` real agents over Mosquitto."""
+    """One secure round of ``DEVICES`` real agents over Mosquitto, the complete graph."""
+    out = real_round(devices=DEVICES, table=_table())
+    return {
+        "fleet.secagg_devices": float(DEVICES),
+        "fleet.secagg_survivors": out["survivors"],
+        "fleet.secagg_recorded": out["recorded"],
+        "fleet.secagg_bytes_per_device": out["bytes_per_device"],
+        "fleet.secagg_seconds": out["seconds"],
+        "fleet.secagg_vector_length": out["length"],
+        "fleet.secagg_neighbours": float(DEVICES - 1),
+    }
+
+
+def measure_plus_round() -> dict[str, float]:
+    """One SecAgg+ round of ``PLUS_DEVICES`` real agents over Mosquitto, and the same
+    round in memory as bench.secagg_scale_bench measures its 10,000 devices (signed, every
+    message in its wire form): the ratio of their bytes checks that method on a broker."""
+    table = dataclasses.replace(
+        scale.table(PLUS_DEVICES, PLUS_DEGREE, PLUS_COLLUDING), stage_timeout_s=300.0
+    )
+    out = real_round(devices=PLUS_DEVICES, table=table)
+    memory = scale.measure(f"secaggplus_{PLUS_DEVICES}", PLUS_DEVICES, PLUS_DEGREE,
+                           PLUS_COLLUDING)[f"fleet.secaggplus_{PLUS_DEVICES}_bytes_per_device"]  # fmt: skip
+    name = f"fleet.secaggplus_mosquitto_{PLUS_DEVICES}"
+    return {
+        f"{name}_survivors": out["survivors"],
+        f"{name}_recorded": out["recorded"],
+        f"{name}_bytes_per_device": out["bytes_per_device"],
+        f"{name}_bytes_per_device_max": out["bytes_max"],
+        f"{name}_seconds": out["seconds"],
+        f"{name}_neighbours": float(PLUS_DEGREE),
+        f"{name}_threshold": float(table.threshold),
+        f"{name}_quorum": float(table.fewest),
+        f"{name}_colluding": float(PLUS_COLLUDING),
+        f"{name}_bytes_in_memory": memory,
+        f"{name}_bytes_ratio": out["bytes_per_device"] / memory,
+    }
+
+
+def real_round(*, devices: int, table: SecureAggregation) -> dict[str, float]:
+    """One secure round of ``devices`` real agents over Mosquitto under ``table``: each
+    device's stage bytes (as its link counts them) and the coordinator's seconds."""
     bundle = ensure_zoo()
     with TemporaryDirectory() as tmp, MosquittoBroker() as broker:
         root = Path(tmp)
         port = broker.address.port
-        agents = _agents(root, bundle, port, root / "keys")
-        config = _coordinator(root, load_bundle(bundle).id, port, root / "keys")
+        agents = _agents(root, bundle, port, root / "keys", devices=devices, table=table)
+        config = _coordinator(root, load_bundle(bundle).id, port, root / "keys", table=table)
         manager = RoundManager(config=config, store=Store(config.database))
         outcomes: list[SecureOutcome] = []
         ended = threading.Event()
@@ -190,13 +251,12 @@ def measure_round() -> dict[str, float]:
         release = manager.secure
         assert release is not None
         return {
-            "fleet.secagg_devices": float(DEVICES),
-            "fleet.secagg_survivors": float(outcome.survivors),
-            "fleet.secagg_recorded": float(len(traffic)),
-            "fleet.secagg_bytes_per_device": float(np.mean(traffic)),
-            "fleet.secagg_seconds": outcome.seconds,
-            "fleet.secagg_vector_length": float(release.settings.length),
-            "fleet.secagg_neighbours": float(DEVICES - 1),
+            "survivors": float(outcome.survivors),
+            "recorded": float(len(traffic)),
+            "bytes_per_device": float(np.mean(traffic)),
+            "bytes_max": float(np.max(traffic)),
+            "seconds": outcome.seconds,
+            "length": float(release.settings.length),
         }
 
 
@@ -308,7 +368,7 @@ def derive(measured: dict[str, float]) -> dict[str, float]:
 
 def run() -> dict[str, float]:
     measured = measure_round()
-    return measured | derive(measured)
+    return measured | derive(measured) | measure_plus_round()
 
 
 if __name__ == "__main__":
