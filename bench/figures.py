@@ -56,6 +56,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "secure-cost": secure.secure_cost,
     "secure-scale": secure.secure_scale,
     "secure-memory": secure.secure_memory,
+    "secure-broker": secure.secure_broker,
     "secure-rule": secure.secure_rule,
     "fair-table": accuracy.protocol_table("fair"),
     "paper-table": accuracy.protocol_table("paper"),

@@ -162,6 +162,33 @@ def secure_memory(r: Results) -> str:
     ])  # fmt: skip
 
 
+def secure_broker(r: Results) -> str:
+    """A SecAgg+ round of real agents over Mosquitto beside the same round in memory
+    (bench.secagg_cost_bench)."""
+    names = [k for k in r.values if k.startswith("fleet.secaggplus_mosquitto_")
+             and k.endswith("_bytes_per_device")]  # fmt: skip
+    if not names:
+        return "Not measured: run `make bench`."
+    key = names[0]
+    base = key.removesuffix("_bytes_per_device")
+    devices = int(base.rsplit("_", 1)[1])
+
+    def get(what: str) -> float:
+        return r.get(f"{base}_{what}") or 0.0
+
+    return "\n".join([
+        "| agents | graph | T / t / c | bytes per device over Mosquitto (mean, max) | in memory | ratio | coordinator's round |",
+        "|---:|---|---|---:|---:|---:|---:|",
+        f"| {devices:,} | SecAgg+, {int(get('neighbours'))} neighbours | {int(get('quorum'))} / "
+        f"{int(get('threshold'))} / {int(get('colluding'))} | {get('bytes_per_device') / 1000:,.1f} kB, "
+        f"{get('bytes_per_device_max') / 1000:,.1f} kB | {get('bytes_in_memory') / 1000:,.1f} kB | "
+        f"{get('bytes_ratio'):.3f} | {get('seconds'):,.1f} s (2 shared cores) |",
+        "",
+        f"{int(get('survivors'))} of {devices} survived; {int(get('recorded'))} recorded their "
+        f"traffic (`make bench`: {r.provenance(r.section_of[key])}).",
+    ])  # fmt: skip
+
+
 def secure_rule(r: Results) -> str:
     """lda at 1,000 and 10,000 devices under the public projection rule, beside the best k
     picked on the test set (bench.secagg_fleet_bench, bench.projection_rule_bench)."""
