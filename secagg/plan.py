@@ -127,14 +127,20 @@ def rdp_epsilon(rdp: Sequence[float], delta: float) -> float:
     """``(epsilon, delta)`` of a mechanism whose Renyi divergence at each of
     :data:`RDP_ORDERS` is at most ``rdp``: the least over the orders of
     ``r + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1)`` (Balle et al. 2020,
-    Thm. 21)."""
+    Thm. 21). An order whose divergence is NaN bounds nothing and is passed over, as
+    Opacus does; infinite when none bounds it. The device's ledger reads its history here
+    too (edge_agent/privacy/accounting.py)."""
     _check_delta(delta)
     if len(rdp) != len(RDP_ORDERS):
         raise ValueError(f"{len(rdp)} Renyi divergences for {len(RDP_ORDERS)} orders")
     log_delta = math.log(delta)
     return min(
-        r + math.log1p(-1.0 / a) - (log_delta + math.log(a)) / (a - 1.0)
-        for a, r in zip(RDP_ORDERS, rdp, strict=True)
+        (
+            float(r) + math.log1p(-1.0 / a) - (log_delta + math.log(a)) / (a - 1.0)
+            for a, r in zip(RDP_ORDERS, rdp, strict=True)
+            if not math.isnan(r)
+        ),
+        default=math.inf,
     )
 
 
@@ -146,6 +152,7 @@ def zcdp_epsilon(rho: float, delta: float, *, xi: float = 0.0) -> float:
     :data:`RDP_ORDERS`, epsilons below about 0.3 at delta 1e-5. Both are valid bounds."""
     if rho < 0 or xi < 0:
         raise ValueError(f"rho and xi must be non-negative, got {rho}, {xi}")
+    _check_delta(delta)
     closed = xi + rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
     return min(rdp_epsilon([xi + rho * a for a in RDP_ORDERS], delta), closed)
 

@@ -11,7 +11,8 @@ both of Opacus's accountants take — so one agent's whole life composes in one 
   ``alpha / 2 * (1 / sigma_sum^2 + 1 / sigma_count^2)``, i.e. a Gaussian with the
   effective multiplier ``(sigma_sum^-2 + sigma_count^-2)^-1/2``: ``Event(sigma_eff, 1, 1)``.
 
-RDP composes by adding per order; epsilon at delta is Opacus's conversion. PRV (Gopi et
+RDP composes by adding per order; epsilon at delta is Opacus's conversion, read by
+:func:`secagg.plan.rdp_epsilon` (the secure sum's plan's). PRV (Gopi et
 al.) is selectable and usually tighter.
 """
 
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from secagg.plan import RDP_ORDERS
+from secagg.plan import RDP_ORDERS, rdp_epsilon
 
 ACCOUNTANTS = ("rdp", "prv")
 
@@ -125,15 +125,9 @@ def epsilon(history: Sequence[Event], *, delta: float, accountant: str = "rdp") 
     if not events:
         return 0.0
     if accountant == "rdp":
-        from opacus.accountants.analysis.rdp import get_privacy_spent
-
-        alphas = orders()
-        with warnings.catch_warnings():
-            # "Optimal order is the largest alpha": the bound is still valid, only loose
-            # (very small epsilons); nothing for a device's log.
-            warnings.simplefilter("ignore", UserWarning)
-            eps, _ = get_privacy_spent(orders=alphas, rdp=rdp(events, alphas), delta=delta)
-        return float(eps)
+        # The secure sum's plan's own reading (Opacus's conversion, at the same orders), so
+        # a device charges a secure round what its plan says the round costs.
+        return rdp_epsilon(rdp(events).tolist(), delta)
     if accountant == "prv":
         from opacus.accountants import PRVAccountant
 
