@@ -17,6 +17,16 @@ def ensure_zoo() -> Path:
     return ensure_bundle(ZOO, "full")
 
 
+def ensure_basis() -> Path:
+    """The zoo's public basis (export/basis.py: rendered images only), written once (about
+    20 seconds) if missing: the file closed-form fleets name as ``closed_form.basis``."""
+    from closed_form.basis import BASIS_FILE
+    from export.basis import write_basis
+
+    path = ensure_zoo() / BASIS_FILE
+    return path if path.exists() else write_basis(ZOO)
+
+
 def run() -> dict[str, float]:
     results = bench.headline(bench.run(bench.targets_for_arch("resnet18", 224)), "export.resnet18_")
     zoo = bundle_mod.load(ensure_zoo())

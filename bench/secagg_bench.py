@@ -76,8 +76,9 @@ import numpy as np
 
 import closed_form as cf
 from bench.closed_form_bench import DELTA, DP_KS
-from bench.export_bench import ZOO, ensure_zoo
+from bench.export_bench import ZOO, ensure_basis
 from bench.one_backbone import pooled_features
+from closed_form.basis import load_basis
 from coordinator.strategies.closed_form import statistics_of
 from edge_agent.closed_form import ClosedFormDevice, prepare, projection
 from edge_agent.config import ClosedFormSettings
@@ -134,14 +135,16 @@ def _secret_generator() -> np.random.Generator:
     return np.random.default_rng(secrets.randbits(128))
 
 
-def _devices(data: FleetFeatures, k: int) -> Iterator[ClosedFormDevice]:
+def _devices(data: FleetFeatures, k: int, *, basis: str = "") -> Iterator[ClosedFormDevice]:
     """Each client as the agent builds it, one at a time (a fleet's memory is one
-    device's features and the running sum)."""
+    device's features and the running sum); ``basis``: the fleet's public basis file
+    ("" for the random projection)."""
+    settings = ClosedFormSettings(dim=k, basis=basis)
     for i in range(data.clients):
         yield ClosedFormDevice(
             method=METHOD, fleet=FLEET, features=data.features[data.train_index[i]],
             labels=data.train_labels[i], num_classes=CLASSES,
-            settings=ClosedFormSettings(dim=k), seed=i, state_dir=None,
+            settings=settings, seed=i, state_dir=None,
         )  # fmt: skip
 
 
@@ -231,11 +234,11 @@ def _push(parts: list[cf.Statistics], stats: cf.Statistics) -> None:
         parts[:] = [cf.merge(parts)]
 
 
-def _sums(data: FleetFeatures, k: int) -> _Sums:
+def _sums(data: FleetFeatures, k: int, basis: str) -> _Sums:
     sums = _Sums(k)
     for plan in sums.plans.values():
         check_ring(plan, spec=sums.spec, devices=data.clients)
-    for i, device in enumerate(_devices(data, k)):
+    for i, device in enumerate(_devices(data, k, basis=basis)):
         sums.add(i, device)
     return sums
 
@@ -308,7 +311,7 @@ def protocol_check(data: FleetFeatures) -> dict[str, float]:
 
 
 def run() -> dict[str, float]:
-    ensure_zoo()
+    basis = str(ensure_basis())
     data = pooled_features(ZOO, clients=DEVICES, train=TRAIN, test=TEST)
     out = protocol_check(data)
     print("  secagg: protocol check done", file=sys.stderr, flush=True)
@@ -317,8 +320,9 @@ def run() -> dict[str, float]:
     spec = _spec()
     errors = []
     for k in KS:
-        x_test = prepare(test_rows, projection(FLEET, test_rows.shape[1], k))
-        sums = _sums(data, k)
+        q = projection(FLEET, test_rows.shape[1], k, basis=load_basis(basis))
+        x_test = prepare(test_rows, q)
+        sums = _sums(data, k, basis)
         exact = cf.merge(sums.exact)
         out[f"privacy.secagg_1000_k{k}_exact_acc"] = _accuracy(exact, x_test, y_test)
         decoded = sums.secure(None)

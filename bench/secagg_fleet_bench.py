@@ -46,9 +46,10 @@ import numpy as np
 
 import closed_form as cf
 from bench.closed_form_bench import DELTA
-from bench.export_bench import ZOO, ensure_zoo
+from bench.export_bench import ZOO, ensure_basis
 from bench.one_backbone import pooled_features
 from bench.secagg_bench import CLASSES, SCALE, TEST, TRAIN, _accuracy, _devices, _spec, _unflat
+from closed_form.basis import load_basis
 from edge_agent.closed_form import prepare, projection
 from fleet.engine.secure_sum import SimulatedSecureSum
 from fleet.transports.spec import FLEET
@@ -84,9 +85,9 @@ def rule_k(devices: int, eps: float, features: int) -> int:
 
 
 def _scores(data: object, k: int, epsilons: tuple[float, ...], devices: int,
-            x_test: np.ndarray, y_test: np.ndarray) -> dict[str, float]:  # fmt: skip
-    """One pass of the fleet at ``k``: the exact head, and each epsilon's secure and
-    central heads."""
+            x_test: np.ndarray, y_test: np.ndarray, basis: str) -> dict[str, float]:  # fmt: skip
+    """One pass of the fleet at ``k`` in ``basis`` (a file, "" for the random
+    projection): the exact head, and each epsilon's secure and central heads."""
     # A 32-bit ring holds 1,000 devices' sums at clip 20 and scale 2^15, not 10,000 (the
     # plan's check_ring): the larger fleet sums in 64 bits, as a deployment must.
     spec = replace(_spec(), bits=32 if devices <= 1000 else 64)
@@ -95,7 +96,7 @@ def _scores(data: object, k: int, epsilons: tuple[float, ...], devices: int,
             for eps, plan in plans.items()}  # fmt: skip
     noise = np.random.default_rng(secrets.randbits(128))
     exact: list[cf.Statistics] = []
-    for device in _devices(data, k):  # type: ignore[arg-type]
+    for device in _devices(data, k, basis=basis):  # type: ignore[arg-type]
         stats = device.statistics()
         exact.append(stats)
         if len(exact) == 100:
@@ -124,8 +125,9 @@ def _scores(data: object, k: int, epsilons: tuple[float, ...], devices: int,
     return out
 
 
-def fleet(devices: int, ks: tuple[int, ...]) -> dict[str, float]:
-    """Every figure of a fleet of ``devices``: the rule's, and each of ``ks``."""
+def fleet(devices: int, ks: tuple[int, ...], basis: str) -> dict[str, float]:
+    """Every figure of a fleet of ``devices`` in the public ``basis``: the rule's, and
+    each of ``ks``; and the rule's in the random projection beside them."""
     data = pooled_features(ZOO, clients=devices, train=TRAIN, test=TEST)
     rows = data.features[np.concatenate(data.test_index)]
     y_test = np.concatenate(data.test_labels)
@@ -134,9 +136,10 @@ def fleet(devices: int, ks: tuple[int, ...]) -> dict[str, float]:
     out: dict[str, float] = {f"privacy.secagg_{devices}_rule_k_eps{e:g}": float(k)
                              for e, k in rules.items() if e}  # fmt: skip
     scores: dict[int, dict[str, float]] = {}
+    public = load_basis(basis)
     for k in sorted({*ks, *rules.values()}):
-        x_test = prepare(rows, projection(FLEET, features, k))
-        scores[k] = _scores(data, k, EPSILONS, devices, x_test, y_test)
+        x_test = prepare(rows, projection(FLEET, features, k, basis=public))
+        scores[k] = _scores(data, k, EPSILONS, devices, x_test, y_test, basis)
         for name, value in scores[k].items():
             tail = "" if name.endswith("sigma") else "_acc"
             out[f"privacy.secaggplus_{devices}_k{k}_{name}{tail}"] = value
@@ -150,6 +153,14 @@ def fleet(devices: int, ks: tuple[int, ...]) -> dict[str, float]:
         out[f"privacy.secagg_{devices}_exact_floor_{name}_acc{suffix}"] = scores[rules[eps]][
             f"exact_floor_{name}"
         ]
+    # The same fleet in the random projection at the rule's k: what the basis is worth.
+    k = rules[1.0]
+    x_test = prepare(rows, projection(FLEET, features, k))
+    random = _scores(data, k, (1.0,), devices, x_test, y_test, "")
+    for name in ("exact", "eps1", "central_eps1"):
+        out[f"privacy.secagg_{devices}_random_{name}_acc"] = random[name]
+    print(f"  secagg fleet: {devices} devices, random projection done", file=sys.stderr,
+          flush=True)  # fmt: skip
     if ks:
         for name in ("exact", *(f"eps{e:g}" for e in EPSILONS)):
             out[f"privacy.secagg_{devices}_best_k_{name}_acc"] = max(scores[k][name] for k in ks)
@@ -157,9 +168,9 @@ def fleet(devices: int, ks: tuple[int, ...]) -> dict[str, float]:
 
 
 def run() -> dict[str, float]:
-    ensure_zoo()
-    out = fleet(1000, ())
-    out |= fleet(10_000, BEST_KS)
+    basis = str(ensure_basis())
+    out = fleet(1000, (), basis)
+    out |= fleet(10_000, BEST_KS, basis)
     gap = out["privacy.secagg_10000_exact_acc"] - out["privacy.secagg_10000_eps1_acc"]
     out["privacy.secagg_10000_eps1_gap"] = 100.0 * gap
     return out

@@ -117,8 +117,23 @@ def orthonormalise(g: F64) -> F64:
     return v
 
 
+def projection(fleet: str, feature_dim: int, k: int, *, basis: F64 | None = None) -> F64 | None:
+    """The public (feature_dim, k) projection: the first ``k`` columns of the fleet's
+    public ``basis`` when it has one (closed_form/basis.py: the public covariance,
+    whitened), else :func:`random_projection`."""
+    if basis is None:
+        return random_projection(fleet, feature_dim, k)
+    if basis.shape != (feature_dim, feature_dim):
+        raise ValueError(f"a basis of shape {basis.shape} for {feature_dim} features")
+    if not 0 < k <= feature_dim:
+        raise ValueError(
+            f"closed_form.dim = {k} must be at most the bundle's {feature_dim} features"
+        )
+    return basis[:, :k]
+
+
 @functools.lru_cache(maxsize=4)
-def projection(fleet: str, feature_dim: int, k: int) -> F64 | None:
+def random_projection(fleet: str, feature_dim: int, k: int) -> F64 | None:
     """The public (feature_dim, k) projection with orthonormal columns; None when ``k`` is
     the feature size (no projection). Orthonormal columns never lengthen a vector, so a
     clipped row stays within norm 1, and keep the features' geometry."""
@@ -157,25 +172,31 @@ def _unit_rows(x: F64) -> F64:
     return out
 
 
-def basis_check(fleet: str, feature_dim: int, k: int) -> F64:
+def basis_check(fleet: str, feature_dim: int, k: int, *, basis: F64 | None = None) -> F64:
     """What a release made in this fleet's basis carries as ``extras["basis"]``:
-    ``[D, column sums of the projection]``, ``[k, 1, ..., 1]`` without a projection."""
-    q = projection(fleet, feature_dim, k)
+    ``[D, column sums of the projection]``, ``[k, 1, ..., 1]`` without a projection
+    (``basis``: the fleet's public basis, if it has one)."""
+    q = projection(fleet, feature_dim, k, basis=basis)
     sums = np.ones(k) if q is None else ordered_sum(q)
     return np.concatenate([[float(feature_dim)], sums])
 
 
-def basis_problem(fleet: str, basis: npt.ArrayLike, k: int) -> str | None:
+def basis_problem(
+    fleet: str, basis: npt.ArrayLike, k: int, *, public: F64 | None = None
+) -> str | None:
     """Why ``basis`` (a release's ``extras["basis"]``) is not this fleet's basis for ``k``
-    dimensions, or None when it is."""
+    dimensions, or None when it is (``public``: the fleet's public basis, if it has one;
+    its column sums run to thousands, so the tolerance is relative to their size)."""
     got = np.asarray(basis, dtype=np.float64)
     if got.shape != (k + 1,):
         return f"a basis check of shape {got.shape}, expected ({k + 1},)"
     d = got[0]
     if d != int(d) or not k <= d or d * k > MAX_ENTRIES:
         return f"a feature size of {d:g} for {k} dimensions"
-    want = basis_check(fleet, int(d), k)
+    if public is not None and public.shape[0] != d:
+        return f"a feature size of {d:g}; the fleet's public basis has {public.shape[0]}"
+    want = basis_check(fleet, int(d), k, basis=public)
     off = float(np.abs(got - want).max())
-    if off > BASIS_TOLERANCE:
+    if off > BASIS_TOLERANCE * max(1.0, float(np.abs(want).max())):
         return f"column sums {off:.3g} away from fleet {fleet}'s projection of {int(d)} features"
     return None

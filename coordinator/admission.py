@@ -20,6 +20,7 @@ from types import MappingProxyType
 import numpy as np
 
 from closed_form import triangle_size
+from closed_form.basis import load_basis
 from closed_form.projection import basis_problem
 from coordinator.aggregate import NORM_TOLERANCE
 from coordinator.statistics_checks import StatisticsBounds, statistics_problem
@@ -63,6 +64,9 @@ class Admission:
     release: StatisticsBounds = field(
         default_factory=lambda: StatisticsBounds(max_samples=100_000.0)
     )
+    #: Closed-form methods: the path of the fleet's public basis ("" for the random
+    #: projection), what a release's basis check is held to.
+    basis: str = ""
 
     @classmethod
     def for_fleet(
@@ -79,6 +83,7 @@ class Admission:
         norm: str = "batch",
         allow_list: tuple[str, ...] = (),
         release: StatisticsBounds | None = None,
+        basis: str = "",
     ) -> Admission:
         extras: Mapping[str, tuple[int, ...]] | None = MappingProxyType({})
         kind = wire_method(method).extras
@@ -109,6 +114,7 @@ class Admission:
             unit_means=not wire_method(method).closed_form,
             features=feature_dim if kind == "statistics" else 0,
             release=release or StatisticsBounds(max_samples=100_000.0),
+            basis=basis,
         )
 
     def check(self, update: PrototypeUpdate, *, topic_client: str | None = None) -> str | None:
@@ -154,7 +160,8 @@ class Admission:
         elif self.features and basis.size and basis[0] != self.features:
             problem = f"a feature size of {basis[0]:g}, model.feature_dim is {self.features}"
         else:
-            problem = basis_problem(self.fleet, basis, self.dim)
+            public = load_basis(self.basis) if self.basis else None
+            problem = basis_problem(self.fleet, basis, self.dim, public=public)
         if problem is not None:  # counted as wrong_basis; the why at DEBUG, as other refusals
             log.debug("%s: statistics in another basis (%s)", update.client, problem)
         return problem is not None

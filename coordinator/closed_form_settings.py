@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from closed_form import SENSITIVITY
+from closed_form.arrays import F64
+from closed_form.basis import check_basis, load_basis
 from coordinator.statistics_checks import StatisticsBounds
 
 #: L2 sensitivity of FedCOF's release (sums and counts, no second moment).
@@ -27,12 +29,17 @@ class ClosedFormSettings:
     (a device with more data must not join without it being raised). ``count_cap``: a
     device's weight in a class is capped at this multiple of the class's lower median
     count among the devices holding it, its sums and second moment scaled to match
-    (0: no cap); a fleet of similar devices is not changed by it."""
+    (0: no cap); a fleet of similar devices is not changed by it.
+
+    ``basis``: the path of the fleet's public basis (closed_form/basis.py), the same file
+    as the devices' ``closed_form.basis``; "" for the random projection. A release's basis
+    check is held to it (coordinator/admission.py)."""
 
     release: Literal["exact", "noisy"] = "exact"
     noise_multiplier: float = 5.0
     max_samples: float = 100_000.0
     count_cap: float = 1.0
+    basis: str = ""
 
     def __post_init__(self) -> None:
         if self.release not in ("exact", "noisy"):
@@ -43,6 +50,16 @@ class ClosedFormSettings:
             raise ValueError(f"max_samples must be in [1, 1e9], got {self.max_samples}")
         if not (self.count_cap == 0 or 1 <= self.count_cap <= 1e6):
             raise ValueError(f"count_cap must be 0 (no cap) or in [1, 1e6], got {self.count_cap}")
+
+    def public_basis(self, feature_dim: int) -> F64 | None:
+        """The public basis, checked against ``feature_dim`` (0: any size); None without
+        one. ValueError, naming the setting, for a file that is missing or no basis."""
+        if not self.basis:
+            return None
+        try:
+            return check_basis(load_basis(self.basis), feature_dim=feature_dim or None)
+        except ValueError as exc:
+            raise ValueError(f"closed_form.basis = {self.basis!r}: {exc}") from None
 
     def sigma(self, *, gram: bool) -> float:
         """The noise's standard deviation on each released coordinate (0: exact), as a

@@ -295,6 +295,10 @@ class CoordinatorConfig:
             problem = self.secure_problem()
             if problem is not None:
                 raise ValueError(problem)
+        if wire_method(self.model.method).closed_form:
+            # Read now: a basis file that is missing or of another size is said at start,
+            # not at the first release (every one of which it would refuse).
+            self.closed_form.public_basis(self.model.feature_dim)
         if wire_method(self.model.method).closed_form and self.robust != RobustOptions():
             # Said, not ignored: the defences cap, clip or take medians of prototypes,
             # and a closed-form head is solved from sums (admission bounds them instead).
@@ -363,6 +367,7 @@ class CoordinatorConfig:
             norm=model.norm,
             allow_list=self.rounds.allow_list,
             release=release,
+            basis=self.closed_form.basis,
         )
 
     @property

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import closed_form as cf
-from closed_form.projection import basis_check, prepare, projection
+from closed_form.projection import PROJECTION, basis_check, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.fit_split import FitSplit
 from edge_agent.methods import DeviceMethod
@@ -200,7 +200,8 @@ class StoredHead:
                 return None
             head = cf.LinearHead(weight=data["weight"], bias=data["bias"], present=data["present"])
             choice = str(data["choice"])
-        return cls(head, projection(fleet, feature_dim, k), choice)
+        q = projection(fleet, feature_dim, k, basis=settings.public_basis(feature_dim))
+        return cls(head, q, choice)
 
     def scores(self, features: np.ndarray) -> np.ndarray:
         """(N, C) scores on backbone features (absent classes -inf)."""
@@ -230,8 +231,12 @@ class ClosedFormDevice:
         self.settings = settings
         self.num_classes = num_classes
         self.dim = settings.size(features.shape[1])
-        self.q = projection(fleet, features.shape[1], self.dim)
-        self.basis = basis_check(fleet, features.shape[1], self.dim)  # (k + 1,)
+        public = settings.public_basis(features.shape[1])
+        self.q = projection(fleet, features.shape[1], self.dim, basis=public)
+        self.basis = basis_check(fleet, features.shape[1], self.dim, basis=public)  # (k + 1,)
+        #: How the release's basis is made, kept beside what the coordinator stores so that
+        #: statistics in another basis are sent again (edge_agent/delivery.py).
+        self.projection_name = PROJECTION if public is None else f"{PROJECTION}+public-basis"
         self.x = prepare(features, self.q)  # (N, k)
         self.labels = np.asarray(labels)
         self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)

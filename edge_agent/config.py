@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from closed_form.arrays import F64
+from closed_form.basis import check_basis, load_basis
 from edge_agent.methods import CORE, DEVICE_METHODS, device_method
 from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.train_config import TrainConfig
@@ -42,11 +44,15 @@ class ClosedFormSettings:
     """``dim``: the public projection size k (0: the bundle's feature size, no
     projection); a fleet setting, the coordinator's ``model.dim``. ``personal_lambda``:
     how strongly the personalised head stays near the fleet's. ``validation_share``: the
-    part of the device's data that chooses between the heads."""
+    part of the device's data that chooses between the heads. ``basis``: the path of the
+    fleet's public basis (closed_form/basis.py; the export tool writes it into the bundle
+    as ``basis.npy``), "" for the random projection; a fleet setting, the coordinator's
+    ``closed_form.basis``."""
 
     dim: int = 0
     personal_lambda: float = 1.0
     validation_share: float = 0.2
+    basis: str = ""
 
     def __post_init__(self) -> None:
         if self.dim < 0:
@@ -64,6 +70,17 @@ class ClosedFormSettings:
         """k for a bundle of ``feature_dim`` features: ``dim``, or the features themselves
         when they are no more (a projection could only lose information)."""
         return feature_dim if self.dim == 0 else min(self.dim, feature_dim)
+
+    def public_basis(self, feature_dim: int) -> F64 | None:
+        """The fleet's public basis for ``feature_dim`` features, None without one
+        (ValueError, with the path, for a file that is missing or not a basis of that
+        size)."""
+        if not self.basis:
+            return None
+        try:
+            return check_basis(load_basis(self.basis), feature_dim=feature_dim)
+        except ValueError as exc:
+            raise ValueError(f"closed_form.basis = {self.basis!r}: {exc}") from None
 
 
 @dataclass(frozen=True)

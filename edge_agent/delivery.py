@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from closed_form.projection import PROJECTION
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import AgentConfig
 from edge_agent.extras import update_extras
@@ -113,7 +112,7 @@ class SignedUpdates(Delivery):
         # Stored where: a coordinator of another run (its database lost or moved aside)
         # holds none of them, nor one that holds them in the basis of an earlier
         # projection. ``version`` alone keys the release (a noisy one is made once).
-        stored_as = f"{version}@{announcement.run}/{PROJECTION}"
+        stored_as = f"{version}@{announcement.run}/{closed.projection_name}"
         sent = agent.state.snapshot.extra.get("statistics_stored") == stored_as
         made = (
             (StatisticsRelease.nothing(closed.dim), mode.spent())

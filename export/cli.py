@@ -14,6 +14,7 @@ EPILOG = """\
 examples:
   edge-export zoo --out bundles/zoo                 # pretrain the built-in zoo (about 5 min)
   edge-export verify bundles/zoo                    # hashes, onnx.checker, parity: exit 1 on failure
+  edge-export basis bundles/zoo                     # public basis for closed-form fleets (about 1 min)
   edge-export bundle --out bundles/r18 \\
       --backbone name=r18,arch=resnet18,weights=resnet18.pth,mean=0.485/0.456/0.406,std=0.229/0.224/0.225
   edge-export bundle --out bundles/effnet --precision int8 \\
@@ -37,7 +38,7 @@ backbone specs (--backbone, comma-separated key=value):
 """
 
 #: The subcommands, each run by the handler of that name in export/commands.py::HANDLERS.
-COMMANDS = ("zoo", "bundle", "verify", "bench", "archs")
+COMMANDS = ("zoo", "bundle", "verify", "basis", "bench", "archs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         "verify", help="re-check a bundle's hashes, ONNX validity and parity; prints JSON"
     )
     verify.add_argument("bundle", type=Path, help="bundle directory")
+
+    basis = sub.add_parser(
+        "basis",
+        help="write the bundle's public whitening basis for closed-form fleets (basis.npy), "
+        "from images the tool renders itself",
+    )
+    basis.add_argument("bundle", type=Path, help="bundle directory")
+    basis.add_argument("--per-task", type=int, default=3000, metavar="N",
+                       help="rendered images of each source task (default 3000)")  # fmt: skip
 
     bench = sub.add_parser(
         "bench",

@@ -112,6 +112,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_basis(args: argparse.Namespace) -> int:
+    from export.basis import TASKS, write_basis
+
+    if args.per_task < 2:
+        raise UsageError(f"--per-task must be at least 2, got {args.per_task}")
+    try:
+        with tqdm(total=len(TASKS) * args.per_task, desc="basis: features", unit="image",
+                  file=sys.stderr) as bar:  # fmt: skip
+            out = write_basis(args.bundle, per_task=args.per_task, progress=bar)
+    except (BundleError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    print(f"public basis written to {out}", file=sys.stderr)
+    print(json.dumps({"basis": str(out)}))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     path = Path(args.target)
     if path.is_dir():
@@ -171,6 +187,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "zoo": cmd_zoo,
     "bundle": cmd_bundle,
     "verify": cmd_verify,
+    "basis": cmd_basis,
     "bench": cmd_bench,
     "archs": cmd_archs,
 }
