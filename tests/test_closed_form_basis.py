@@ -1,0 +1,222 @@
+"""The public whitening basis (closed_form/basis.py): by hand, as a projection and a basis
+check, on a device and at the coordinator's admission, and written by `edge-export basis`."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import closed_form as cf
+from closed_form.basis import BASIS_FILE, check_basis, load_basis, public_basis
+from closed_form.projection import basis_check, basis_problem, ordered_sum, prepare, projection
+from coordinator.admission import Admission
+from coordinator.closed_form_settings import ClosedFormSettings as FleetClosedForm
+from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
+from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
+from edge_agent.config import ClosedFormSettings
+from edge_agent.methods import device_method
+from export import bundle as bundle_mod
+from runtime.security import CoordinatorSecurity
+
+FLEET, D, K, C = "lab", 6, 4, 3
+BUNDLE = "b" * 64
+BIN = Path(sys.executable).parent
+
+
+def test_the_basis_whitens_the_public_covariance_by_hand():
+    # Unit rows +-e1 (four times) and +-e2 (twice), given at other lengths: mean 0, the
+    # covariance (sum x x^T / (n - 1)) is diag(4, 2) / 5, so the eigenvalues are 0.8 and
+    # 0.4. Columns: e1 * sqrt(0.8 / 0.8) and e2 * sqrt(0.8 / 0.4).
+    rows = np.array([[3, 0], [-3, 0], [0.5, 0], [-0.5, 0], [0, 2], [0, -7]], dtype=float)
+    want = np.array([[1.0, 0.0], [0.0, np.sqrt(2.0)]])
+    np.testing.assert_allclose(public_basis(rows), want, atol=1e-12)
+
+
+def test_a_dead_direction_is_floored_and_signs_follow_the_data():
+    # A third coordinate that never varies: its eigenvalue 0 is raised to floor * 0.8.
+    rows = [[1, 0, 0], [-1, 0, 0], [1, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0]]
+    basis = public_basis(rows)
+    np.testing.assert_allclose(np.abs(basis), np.diag([1, np.sqrt(2), 1000.0]), atol=1e-6)
+    # Each column's largest entry is positive, whichever sign the eigensolver returned.
+    assert (basis[np.abs(basis).argmax(axis=0), range(3)] > 0).all()
+    np.testing.assert_allclose(public_basis(rows, floor=0.25)[2, 2], 2.0)  # sqrt(0.8 / 0.2)
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ([[1.0, 2.0]], "at least two public rows"),
+        ([[1.0, np.nan], [0.0, 1.0]], "non-finite"),
+        ([[1.0, 0.0], [2.0, 0.0]], "do not vary"),
+    ],
+)
+def test_rows_that_make_no_basis_are_refused(rows, match):
+    with pytest.raises(ValueError, match=match):
+        public_basis(rows)
+
+
+def test_a_stored_basis_is_checked_as_it_is_loaded(tmp_path):
+    with pytest.raises(ValueError, match="no file at"):
+        load_basis(str(tmp_path / "none.npy"))
+    junk = tmp_path / "junk.npy"
+    junk.write_bytes(b"not a matrix")
+    with pytest.raises(ValueError, match=r"is not a \.npy matrix"):
+        load_basis(str(junk))
+    for name, bad, match in (("wide.npy", np.ones((3, 4)), "square"),
+                             ("nan.npy", np.full((2, 2), np.nan), "non-finite"),
+                             ("zero.npy", np.diag([1.0, 0.0]), "zero column")):  # fmt: skip
+        np.save(tmp_path / name, bad)
+        with pytest.raises(ValueError, match=match):
+            load_basis(str(tmp_path / name))
+    np.save(tmp_path / "ok.npy", np.eye(3))
+    loaded = load_basis(str(tmp_path / "ok.npy"))
+    assert not loaded.flags.writeable
+    with pytest.raises(ValueError, match="a basis for 3 features; the bundle has 4"):
+        check_basis(loaded, feature_dim=4)
+
+
+def _basis(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return public_basis(rng.normal(size=(200, D)) * np.arange(1, D + 1))
+
+
+def test_the_projection_is_the_bases_first_columns_and_its_check_holds_to_them():
+    basis = _basis()
+    q = projection(FLEET, D, K, basis=basis)
+    assert q is not None and np.array_equal(q, basis[:, :K])
+    full = projection(FLEET, D, D, basis=basis)  # k = D: the basis itself, not nothing
+    assert full is not None and np.array_equal(full, basis)
+    with pytest.raises(ValueError, match="at most the bundle's 6 features"):
+        projection(FLEET, D, D + 1, basis=basis)
+    with pytest.raises(ValueError, match="a basis of shape"):
+        projection(FLEET, D + 1, K, basis=basis)
+    check = basis_check(FLEET, D, K, basis=basis)
+    np.testing.assert_array_equal(check, [D, *ordered_sum(basis[:, :K])])
+    assert basis_problem(FLEET, check, K, public=basis) is None
+    # The random projection's check is not this basis's, either way round.
+    random = basis_check(FLEET, D, K)
+    assert "away from fleet lab's projection" in str(basis_problem(FLEET, random, K, public=basis))
+    assert basis_problem(FLEET, check, K) is not None
+    assert basis_problem(FLEET, check, K, public=_basis(1)) is not None
+    # Column sums run large: summed in another order they differ in the last bits only.
+    big = basis * 1e4
+    check = basis_check(FLEET, D, K, basis=big)
+    for off, fine in ((1e-13, True), (1e-6, False)):
+        moved = check.copy()
+        moved[1:] *= 1 + off
+        assert (basis_problem(FLEET, moved, K, public=big) is None) is fine
+
+
+def _device(x: np.ndarray, y: np.ndarray, basis: str) -> ClosedFormDevice:
+    return ClosedFormDevice(
+        method=device_method("lda"), fleet=FLEET, features=x, labels=y, num_classes=C,
+        settings=ClosedFormSettings(dim=K, basis=basis), seed=0, state_dir=None,
+    )  # fmt: skip
+
+
+def test_a_device_and_the_coordinator_that_name_one_basis_agree(tmp_path):
+    path = tmp_path / BASIS_FILE
+    np.save(path, _basis())
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(30, D)), rng.integers(0, C, 30)
+    device = _device(x, y, str(path))
+    # The device's statistics are of its rows through the basis's first K columns.
+    rows = prepare(x, load_basis(str(path))[:, :K])
+    gram = device.statistics().gram
+    assert gram is not None
+    assert float(np.abs(gram - rows.T @ rows).max()) < 1e-12
+    assert device.projection_name != _device(x, y, "").projection_name
+
+    def update(dev: ClosedFormDevice):
+        release = StatisticsRelease.of(dev.statistics(), basis=dev.basis)
+        return release.update(fleet=FLEET, round_=0, client="d0", bundle=BUNDLE, method="lda")
+
+    def admission(basis: str) -> Admission:
+        return Admission.for_fleet(fleet=FLEET, bundle=BUNDLE, method="lda", classes=C, dim=K,
+                                   max_count=1e6, max_value=1e6, feature_dim=D,
+                                   basis=basis)  # fmt: skip
+
+    assert not admission(str(path)).wrong_basis(update(device))
+    assert admission("").wrong_basis(update(device))  # a coordinator without it refuses
+    assert admission(str(path)).wrong_basis(update(_device(x, y, "")))  # and the reverse
+
+
+def test_a_basis_setting_that_names_no_basis_is_said_at_start(tmp_path):
+    def coordinator(basis: str, feature_dim: int = 0) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            fleet=FLEET, state_dir=tmp_path,
+            model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K,
+                                feature_dim=feature_dim),
+            rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
+            closed_form=FleetClosedForm(basis=basis),
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"closed_form\.basis = '.*missing\.npy'.*no file at"):
+        coordinator(str(tmp_path / "missing.npy"))
+    np.save(tmp_path / "b.npy", _basis())
+    assert coordinator(str(tmp_path / "b.npy"), D).admission_checks().basis.endswith("b.npy")
+    with pytest.raises(ValueError, match="a basis for 6 features; the bundle has 7"):
+        coordinator(str(tmp_path / "b.npy"), D + 1)
+    with pytest.raises(ValueError, match=r"closed_form\.basis = .*square"):
+        np.save(tmp_path / "wide.npy", np.ones((2, 3)))
+        ClosedFormSettings(dim=K, basis=str(tmp_path / "wide.npy")).public_basis(2)
+
+
+def test_edge_export_basis_writes_one_for_the_bundle(small_zoo, tmp_path):
+    bundle = tmp_path / "bundle"
+    subprocess.run(["cp", "-r", str(small_zoo), str(bundle)], check=True)
+    run = subprocess.run([str(BIN / "edge-export"), "basis", str(bundle), "--per-task", "40"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    basis = load_basis(str(bundle / BASIS_FILE))
+    d = bundle_mod.load(bundle).feature_dim
+    assert basis.shape == (d, d)
+    assert np.linalg.norm(basis[:, 0]) == pytest.approx(1.0)
+    # 120 rendered rows span at most 119 directions: the rest are floored, long columns.
+    assert np.linalg.norm(basis[:, -1]) > 100
+    missing = subprocess.run([str(BIN / "edge-export"), "basis", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "none" in missing.stderr
+    for bad in ("1", "x"):
+        bad_run = subprocess.run([str(BIN / "edge-export"), "basis", str(bundle), "--per-task", bad],
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert bad_run.returncode == 2 and "Traceback" not in bad_run.stderr
+
+
+def test_a_private_release_in_the_basis_keeps_what_the_random_projection_loses():
+    # Three classes apart only along the narrowest direction of a steep spectrum; the
+    # public rows share the features' geometry, not their labels. Under the same noise on
+    # the second moment the whitened basis keeps that direction above the noise; the
+    # features as they are (k = D: no random projection to lose it in) do not.
+    dim, n, sigma = 24, 20_000, 2.0
+    scale = np.geomspace(1.0, 1e-3, dim)
+
+    def draw(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        r = np.random.default_rng(seed)
+        y = r.integers(0, C, count)
+        x = r.normal(size=(count, dim)) * scale
+        x[:, -1] += (y - 1.0) * 3e-3
+        return x, y
+
+    public, _ = draw(5_000, 1)
+    x, y = draw(n, 2)
+    x_test, y_test = draw(5_000, 3)
+
+    def accuracy(q: np.ndarray | None) -> float:
+        rows, test = prepare(x, q), prepare(x_test, q)
+        stats = cf.device_statistics(rows, y, C)
+        assert stats.gram is not None
+        noise = np.random.default_rng(4).normal(0.0, sigma, (dim, dim))
+        gram = stats.gram + np.triu(noise) + np.triu(noise, 1).T
+        head = cf.lda_head(dataclasses.replace(stats, gram=gram), noise_std=sigma)
+        return float((head.predict(test) == y_test).mean())
+
+    whitened = accuracy(projection(FLEET, dim, dim, basis=public_basis(public)))
+    plain = accuracy(projection(FLEET, dim, dim))
+    assert whitened > plain + 0.2
