@@ -4,6 +4,8 @@ check, on a device and at the coordinator's admission, and written by `edge-expo
 from __future__ import annotations
 
 import dataclasses
+import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,16 @@ from closed_form.basis import BASIS_FILE, check_basis, load_basis, public_basis
 from closed_form.projection import basis_check, basis_problem, ordered_sum, prepare, projection
 from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings as FleetClosedForm
-from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
+from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings, database_in
+from coordinator.config import load as load_coordinator_config
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
 from edge_agent.config import ClosedFormSettings
+from edge_agent.config import load as load_agent_config
 from edge_agent.methods import device_method
 from export import bundle as bundle_mod
+from fleet.cli.commands import cmd_run
+from fleet.cli.main import build_parser
+from fleet.transports.layout import RunLayout
 from runtime.security import CoordinatorSecurity
 
 FLEET, D, K, C = "lab", 6, 4, 3
@@ -220,3 +227,34 @@ def test_a_private_release_in_the_basis_keeps_what_the_random_projection_loses()
     whitened = accuracy(projection(FLEET, dim, dim, basis=public_basis(public)))
     plain = accuracy(projection(FLEET, dim, dim))
     assert whitened > plain + 0.2
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_simulated_fleet_in_the_bundles_basis_runs_over_mosquitto(small_zoo, tmp_path, capsys):
+    # --stats-basis writes the bundle's basis once and names it on every agent and the
+    # coordinator, whose admission then takes every device's statistics.
+    bundle = tmp_path / "bundle"
+    subprocess.run(["cp", "-r", str(small_zoo), str(bundle)], check=True)
+    (bundle / BASIS_FILE).unlink(missing_ok=True)
+    out = tmp_path / "report"
+    argv = ["run", "--transport", "mqtt", "--method", "lda", "--stats-basis", "--clients", "3",
+            "--rounds", "1", "--train", "30", "--test", "20", "--stats-dim", "16",
+            "--workers", "1", "--bundle", str(bundle), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert cmd_run(build_parser().parse_args(argv)) == 0
+    capsys.readouterr()
+    assert (bundle / BASIS_FILE).exists()
+    report = json.loads((out / "report.json").read_text())
+    lda = report["methods"]["lda"]
+    assert lda["settings"]["stats_basis"] is True
+    run_ = lda["runs"]["0"]
+    assert len(run_["accuracy"]) == 3
+    layout = RunLayout(Path(run_["run_dir"]))
+    coordinator = load_coordinator_config(layout.coordinator_config)
+    assert coordinator.closed_form.basis == str(bundle / BASIS_FILE)
+    for client in run_["accuracy"]:
+        assert load_agent_config(layout.agent_config(client)).closed_form.basis == str(
+            bundle / BASIS_FILE
+        )
+    with sqlite3.connect(database_in(layout.coordinator)) as db:
+        assert db.execute("SELECT COUNT(DISTINCT client) FROM updates").fetchone()[0] == 3

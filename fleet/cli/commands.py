@@ -17,7 +17,7 @@ from fleet.cli.options import (
     sweep_options,
 )
 from fleet.cli.resume import run_or_resume, sweep_dir
-from fleet.data.bundles import ensure_bundle
+from fleet.data.bundles import ensure_basis, ensure_bundle
 from fleet.data.partition import Partition
 from fleet.report import summary as report_mod
 from fleet.report.central import CENTRAL, CENTRAL_TRAIN
@@ -80,6 +80,8 @@ def _sweep(
     options: SweepOptions, methods: list[str], seeds: list[int], first: Partition
 ) -> dict[str, Path]:
     bundle = ensure_bundle(options.bundle, options.zoo_size, backbone=options.backbone)
+    if options.stats_basis:
+        ensure_basis(bundle)
     sweep = sweep_dir(options.out, resume=options.resume)
     results: dict[str, dict[int, RunResult]] = {m: {} for m in methods}
     description = ""

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from closed_form.basis import BASIS_FILE
 from fleet.data.bundles import resolve_bundle
 from fleet.data.digits5 import CLASSES as DIGIT_CLASSES
 from fleet.data.partition import Partition, digits5, digits5_clients, from_directory, from_npz
@@ -82,6 +83,7 @@ class SweepOptions:
     train_param: Mapping[str, Any]  # --train-param, over the protocol's [train] settings
     downlink_budget: int
     stats_dim: int
+    stats_basis: bool  # --stats-basis: the bundle's public basis (basis.npy)
     bundle: Path
     backbone: str  # what a missing bundle is built as
     zoo_size: str
@@ -136,6 +138,7 @@ class SweepOptions:
             epochs=self.epochs,
             downlink_budget=self.downlink_budget,
             stats_dim=self.stats_dim,
+            stats_basis=str(self.bundle / BASIS_FILE) if self.stats_basis else "",
             progress=self.progress,
             feature_cache=self.out / "feature-cache",
             extra_train={**base, **self.train_param, **(extra_train or {})},
@@ -187,6 +190,7 @@ def sweep_options(
         train_param=dict(args.train_param),
         downlink_budget=args.downlink_budget,
         stats_dim=args.stats_dim,
+        stats_basis=args.stats_basis,
         bundle=bundle,
         backbone=backbone,
         zoo_size=args.zoo_size,

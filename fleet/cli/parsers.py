@@ -124,6 +124,11 @@ def add_common_options(
                          "features their statistics are taken in (the agents' [closed_form] "
                          "dim); 0 keeps every feature, whose second moment grows as the "
                          f"square (docs/fleet.md) (default {DEFAULT_STATS_DIM})")  # fmt: skip
+    fl.add_argument("--stats-basis", action="store_true",
+                    help="lda, ridge, fedcof: take their statistics in the bundle's public "
+                         "whitening basis (its basis.npy, written by edge-export basis if "
+                         "missing) instead of the random projection: what a private release "
+                         "needs (docs/privacy.md)")  # fmt: skip
     fl.add_argument("--bundle", type=Path,
                     help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
     fl.add_argument("--backbone", choices=list(BACKBONES),

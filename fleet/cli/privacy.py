@@ -36,7 +36,7 @@ from edge_agent.privacy.mechanisms import MechanismParams, release_dp
 from edge_agent.privacy.randomness import guarantee
 from fleet.cli import commands, options, parsers
 from fleet.cli.resume import run_or_resume, sweep_dir
-from fleet.data.bundles import ensure_bundle
+from fleet.data.bundles import ensure_basis, ensure_bundle
 from fleet.data.partition import SPLITS, Partition
 from fleet.report.privacy_audit import label_inference_error
 from fleet.report.privacy_report import FORMAL, markdown, plot_accuracy_vs_epsilon
@@ -292,6 +292,8 @@ def _spec(arm: Arm, opts: PrivacyOptions, *, seed: int, out: Path) -> RunSpec:
 def _sweep(opts: PrivacyOptions, first: Partition) -> int:
     sweep_opts = opts.sweep
     ensure_bundle(sweep_opts.bundle, sweep_opts.zoo_size, backbone=sweep_opts.backbone)
+    if sweep_opts.stats_basis:
+        ensure_basis(sweep_opts.bundle)
     sweep = sweep_dir(sweep_opts.out, resume=sweep_opts.resume)
     results: dict[str, Any] = {}
     attacks: dict[str, Any] = {}

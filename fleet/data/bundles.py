@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from closed_form.basis import BASIS_FILE
 from export import bundle as bundle_mod
 from export.errors import BundleError
 from runtime.cliutil import CommandFailed, UsageError
@@ -51,6 +52,20 @@ def bundle_kind(bundle: Any) -> str | None:
         return "zoo-fontdigits" if members == ["fontdigits"] else "zoo"
     pretrained = [m.provenance.get("pretrained") for m in bundle.members]
     return "effnet-lite0" if pretrained == ["efficientnet-lite0"] else None
+
+
+def ensure_basis(path: Path) -> Path:
+    """The bundle's public basis for closed-form fleets (``basis.npy``), written once
+    with ``edge-export basis`` if missing (about 20 seconds for the zoo)."""
+    basis = path / BASIS_FILE
+    if basis.exists():
+        return basis
+    print(f"writing the public basis of {path} (once) ...", file=sys.stderr, flush=True)
+    done = subprocess.run([str(BIN / "edge-export"), "basis", str(path)],
+                          stdout=subprocess.DEVNULL)  # fmt: skip
+    if done.returncode != 0:
+        raise CommandFailed(f"writing the public basis of {path} failed (exit {done.returncode})")
+    return basis
 
 
 def ensure_bundle(path: Path, size: str, *, backbone: str = "zoo") -> Path:

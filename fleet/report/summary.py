@@ -157,6 +157,7 @@ def arm_settings(
         "coordinator_workers": spec.coordinator_workers,
         "downlink_budget": spec.downlink_budget,
         "stats_dim": spec.stats_dim,
+        "stats_basis": bool(spec.stats_basis),
         "privacy": agent_privacy(spec, secure),
         "secure_aggregation": None if secure is None else asdict(secure),
     }

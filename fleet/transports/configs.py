@@ -101,10 +101,18 @@ def agent_tables(
         "runtime": {"intra_op_threads": 1, "inter_op_threads": 1},
         **privacy,
         **(
-            {"closed_form": {"dim": spec.stats_dim}} if wire_method(spec.method).closed_form else {}
+            {"closed_form": {"dim": spec.stats_dim, **basis_table(spec)}}
+            if wire_method(spec.method).closed_form
+            else {}
         ),
         **({"security": security} if security is not None else {}),
     }
+
+
+def basis_table(spec: RunSpec) -> dict[str, str]:
+    """The run's public basis for a ``[closed_form]`` table, on the agents and the
+    coordinator alike (nothing for the random projection)."""
+    return {"basis": spec.stats_basis} if spec.stats_basis else {}
 
 
 def privacy_tables(spec: RunSpec, index: int) -> dict[str, Any]:
@@ -178,7 +186,7 @@ def closed_form_table(spec: RunSpec, *, secure: bool) -> dict[str, Any]:
     bench/closed_form_attack_bench.py. Nothing for other methods."""
     if not wire_method(spec.method).closed_form:
         return {}
-    table: dict[str, Any] = {"count_cap": 0.0}
+    table: dict[str, Any] = {"count_cap": 0.0, **basis_table(spec)}
     if not secure and spec.privacy.get("mechanism", "none") != "none":
         default = PrivacySettings.release_noise_multiplier
         multiplier = spec.privacy.get("release_noise_multiplier", default)

@@ -54,6 +54,9 @@ class RunSpec:
     # Closed-form methods: the public projection size k of their statistics (the agents'
     # [closed_form] dim and the coordinator's model dim; 0 keeps the bundle's features).
     stats_dim: int = DEFAULT_STATS_DIM
+    # Closed-form methods: the public basis file their statistics are taken in (the
+    # agents' and the coordinator's [closed_form] basis; "" for the random projection).
+    stats_basis: str = ""
     # Closed-form methods: the devices' statistics reach the coordinator only inside the
     # fleet's secure sum (fleet/transports/secure.py has the public settings): over mqtt
     # the protocol itself, on the vector transport its sum simulated. A formal release in

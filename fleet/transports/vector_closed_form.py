@@ -49,7 +49,7 @@ def _device(spec: RunSpec, data: FleetFeatures, k: int, num_classes: int) -> Clo
     return ClosedFormDevice(
         method=device_method(spec.method), fleet=FLEET,
         features=data.features[data.train_index[k]], labels=data.train_labels[k],
-        num_classes=num_classes, settings=ClosedFormSettings(dim=spec.stats_dim),
+        num_classes=num_classes, settings=ClosedFormSettings(dim=spec.stats_dim, basis=spec.stats_basis),
         seed=agent_seed(spec, k), state_dir=None,
     )  # fmt: skip
 
