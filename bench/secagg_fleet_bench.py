@@ -76,12 +76,13 @@ def _plan(k: int, eps: float, devices: int) -> DistributedPlan:
     return plan_distributed(release=release, epsilon_target=eps, delta=DELTA)
 
 
-def rule_k(devices: int, eps: float, features: int) -> int:
-    """The public rule's ``k`` for this fleet (epsilon 0: no noise)."""
+def rule_k(devices: int, eps: float, features: int, *, basis: bool = True) -> int:
+    """The public rule's ``k`` for this fleet (epsilon 0: no noise), in the public basis
+    or (``basis`` False) the random projection."""
     quorum, colluding = PLANS[devices]
     return public_dim(devices=devices, dataset_size=TRAIN, classes=CLASSES, epsilon=eps,
                       delta=DELTA, scale=SCALE, quorum=quorum, colluding=colluding,
-                      below=features)  # fmt: skip
+                      below=features, basis=basis)  # fmt: skip
 
 
 def _scores(data: object, k: int, epsilons: tuple[float, ...], devices: int,
@@ -153,8 +154,8 @@ def fleet(devices: int, ks: tuple[int, ...], basis: str) -> dict[str, float]:
         out[f"privacy.secagg_{devices}_exact_floor_{name}_acc{suffix}"] = scores[rules[eps]][
             f"exact_floor_{name}"
         ]
-    # The same fleet in the random projection at the rule's k: what the basis is worth.
-    k = rules[1.0]
+    # The same fleet in the random projection at its rule's k: what the basis is worth.
+    k = rule_k(devices, 1.0, features, basis=False)
     x_test = prepare(rows, projection(FLEET, features, k))
     random = _scores(data, k, (1.0,), devices, x_test, y_test, "")
     for name in ("exact", "eps1", "central_eps1"):

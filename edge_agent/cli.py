@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("--features", "the backbone's feature size (k stays below it)"),
     ):
         p_plan.add_argument(flag, type=int, help=f"secure: {what}")  # fmt: skip
+    p_plan.add_argument("--basis", action="store_true",
+                        help="secure: the fleet takes its statistics in a public basis "
+                             "([closed_form] basis), whose rule has its own ratio")  # fmt: skip
     p_plan.add_argument("--epsilon", type=float, required=True, help="total budget")
     p_plan.add_argument("--delta", type=float, default=1e-5, help="default 1e-5")
     p_plan.add_argument("--rounds", type=int, help="dp: rounds the agent will answer")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from edge_agent.cli import main as agent_main
-from secagg.dimension import GRID, RATIO, noise_ratio, public_dim, sum_sigma
+from secagg.dimension import BASIS_RATIO, GRID, RATIO, noise_ratio, public_dim, sum_sigma
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results.json"
 FLEET: dict[str, Any] = {
@@ -69,6 +69,8 @@ def test_the_codes_ratio_is_the_one_its_derivation_measured() -> None:
     figures = section["results"]
     assert figures["privacy.public_rule_ratio"] == pytest.approx(RATIO)
     assert figures["privacy.public_rule_code_ratio"] == pytest.approx(RATIO)
+    assert figures["privacy.public_rule_basis_ratio"] == pytest.approx(BASIS_RATIO)
+    assert figures["privacy.public_rule_basis_code_ratio"] == pytest.approx(BASIS_RATIO)
 
 
 def test_an_operator_gets_the_rules_k_from_the_fleets_public_settings(

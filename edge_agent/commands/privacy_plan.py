@@ -9,7 +9,7 @@ import sys
 
 from edge_agent.privacy.accounting import plan, plan_features
 from runtime.cliutil import UsageError
-from secagg.dimension import RATIO, noise_ratio, public_dim, sum_sigma
+from secagg.dimension import BASIS_RATIO, RATIO, noise_ratio, public_dim, sum_sigma
 from secagg.fleet import SecureAggregation
 
 #: The quantiser's step a fleet's table takes unless it sets one.
@@ -67,7 +67,7 @@ def _secure(args: argparse.Namespace) -> int:
     facts = {n: getattr(args, n) for n in needed}
     try:
         k = public_dim(**facts, epsilon=args.epsilon, delta=args.delta, scale=SCALE,
-                       below=args.features or 1 << 30)  # fmt: skip
+                       below=args.features or 1 << 30, basis=args.basis)  # fmt: skip
         sigma = sum_sigma(k, devices=args.devices, classes=args.classes, epsilon=args.epsilon,
                           delta=args.delta, scale=SCALE, quorum=args.quorum,
                           colluding=args.colluding) if args.epsilon > 0 else 0.0  # fmt: skip
@@ -75,7 +75,8 @@ def _secure(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     ratio = noise_ratio(k, rows=args.devices * args.dataset_size, sigma=sigma)
     report = {"mechanism": "secure", "dim": k, "noise_ratio": round(ratio, 4),
-              "least_ratio": round(RATIO, 4), "sum_std": round(sigma, 4), **facts,
+              "least_ratio": round(BASIS_RATIO if args.basis else RATIO, 4),
+              "basis": args.basis, "sum_std": round(sigma, 4), **facts,
               "epsilon": args.epsilon, "delta": args.delta}  # fmt: skip
     json.dump(report, sys.stdout, indent=2)
     print()
