@@ -207,24 +207,35 @@ def secure_rule(r: Results) -> str:
 
         k = r.get(f"privacy.secagg_{devices}_rule_k_eps1")
         rows.append(
-            f"| {devices:,} x 20, public rule | {int(k or 0)} | {acc('secagg_{n}_exact_acc')} | "
+            f"| {devices:,} x 20, public basis, public rule | {int(k or 0)} | "
+            f"{acc('secagg_{n}_exact_acc')} | "
             f"{acc('secagg_{n}_exact_floor_eps1_acc')} | {acc('secagg_{n}_eps8_acc')} | "
             f"{acc('secagg_{n}_eps1_acc')} | {acc('central_{n}_eps1_acc')} |"
         )
+        if r.get(f"privacy.secagg_{devices}_random_eps1_acc") is not None:
+            rows.append(
+                f"| {devices:,} x 20, random projection, public rule | | "
+                f"{pct(r.get(f'privacy.secagg_{devices}_random_exact_acc'))} | | | "
+                f"{pct(r.get(f'privacy.secagg_{devices}_random_eps1_acc'))} | "
+                f"{pct(r.get(f'privacy.secagg_{devices}_random_central_eps1_acc'))} |"
+            )
     rows.append(
-        "| 10,000 x 20, best k of 128-512 on the test set | | "
+        "| 10,000 x 20, public basis, best k of 128-512 on the test set | | "
         + pct(r.get("privacy.secagg_10000_best_k_exact_acc")) + " | | "
         + " | ".join(pct(r.get(f"privacy.secagg_10000_best_k_{n}_acc"))
                      for n in ("eps8", "eps1")) + " | |"
     )  # fmt: skip
     gap = r.get("privacy.secagg_10000_eps1_gap")
-    rule = r.get("privacy.public_rule_ratio")
-    derived = "" if rule is None else (
-        f" The rule's ratio, derived on synthetic data: {num(rule)} (mean loss against each "
-        f"setting's best k {pct(r.get('privacy.public_rule_mean_regret'))} points, worst "
-        f"{pct(r.get('privacy.public_rule_max_regret'))}; "
-        f"{r.provenance(r.section_of['privacy.public_rule_ratio'])})."
-    )  # fmt: skip
+    derived = ""
+    for head, what in (("public_rule_basis_", "in a public basis"),
+                       ("public_rule_", "in the random projection")):  # fmt: skip
+        rule = r.get(f"privacy.{head}ratio")
+        derived += "" if rule is None else (
+            f" The rule's ratio {what}, derived on synthetic data: {num(rule)} (mean loss "
+            f"against each setting's best k {pct(r.get(f'privacy.{head}mean_regret'))} points, "
+            f"worst {pct(r.get(f'privacy.{head}max_regret'))}; "
+            f"{r.provenance(r.section_of[f'privacy.{head}ratio'])})."
+        )  # fmt: skip
     at_1000 = r.get("privacy.secagg_1000_eps1_acc_public_rule")
     return "\n".join([
         *rows, "",

@@ -43,7 +43,7 @@ GRID = (8, 16, 32, 64, 128, 256, 512)
 #: (module text; bench/projection_rule_bench.py derives it).
 RATIO = 2.0**-3.5
 #: The same for a fleet that takes its statistics in a public basis.
-BASIS_RATIO = 2.0**-3.5
+BASIS_RATIO = 2.0**-6.5
 
 
 def noise_ratio(k: int, *, rows: int, sigma: float) -> float:

@@ -43,6 +43,10 @@ def test_the_rule_takes_the_largest_k_whose_ratio_holds() -> None:
     assert public_dim(**{**plan, "epsilon": 0.0}, **FLEET) == 512
     assert public_dim(**{**plan, "epsilon": 0.0}, **{**FLEET, "below": 300}) == 256
     assert public_dim(**plan, **FLEET, ratio=1e9) == GRID[0]
+    # In a public basis the second moment is whitened and its own ratio is lower: k 256
+    # (0.0313) passes 2^-6.5 (0.0110), k 512 (0.01102) just misses it.
+    assert ratios[256] >= BASIS_RATIO > ratios[512]
+    assert public_dim(**plan, **FLEET, basis=True) == 256
 
 
 def test_more_devices_or_more_budget_never_shrink_the_projection() -> None:
