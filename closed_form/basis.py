@@ -86,15 +86,29 @@ def check_basis(basis: npt.ArrayLike, *, feature_dim: int | None = None) -> F64:
 
 @functools.lru_cache(maxsize=4)
 def load_basis(path: str) -> F64:
-    """The basis stored at ``path`` (a ``.npy`` file), checked; cached, as every device of
-    a simulated fleet reads the same one."""
+    """The basis stored at ``path`` (a ``.npy`` file), checked once and cached: every
+    device of a simulated fleet, and every update the coordinator admits, reads the same
+    read-only matrix."""
     try:
         raw = np.load(Path(path), allow_pickle=False)
     except FileNotFoundError:
-        raise ValueError(f"closed_form.basis: no file at {path}") from None
+        raise ValueError(f"no file at {path}") from None
     except (OSError, ValueError) as exc:
-        raise ValueError(f"closed_form.basis: {path} is not a .npy matrix ({exc})") from None
+        raise ValueError(f"{path} is not a .npy matrix ({exc})") from None
+    return check_basis(raw)
+
+
+def setting_basis(path: str, *, feature_dim: int = 0) -> F64 | None:
+    """The basis a ``[closed_form] basis`` setting names (None for ""), for a bundle of
+    ``feature_dim`` features (0: any); ValueError naming the setting for a file that is
+    missing, no basis, or of another size. The device's and the coordinator's settings
+    both read it here."""
+    if not path:
+        return None
     try:
-        return check_basis(raw)
+        basis = load_basis(path)
+        if feature_dim and basis.shape[0] != feature_dim:
+            raise ValueError(f"a basis for {basis.shape[0]} features; the bundle has {feature_dim}")
     except ValueError as exc:
-        raise ValueError(f"closed_form.basis: {path}: {exc}") from None
+        raise ValueError(f"closed_form.basis = {path!r}: {exc}") from None
+    return basis

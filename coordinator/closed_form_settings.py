@@ -10,7 +10,7 @@ from typing import Literal
 
 from closed_form import SENSITIVITY
 from closed_form.arrays import F64
-from closed_form.basis import check_basis, load_basis
+from closed_form.basis import setting_basis
 from coordinator.statistics_checks import StatisticsBounds
 
 #: L2 sensitivity of FedCOF's release (sums and counts, no second moment).
@@ -52,14 +52,8 @@ class ClosedFormSettings:
             raise ValueError(f"count_cap must be 0 (no cap) or in [1, 1e6], got {self.count_cap}")
 
     def public_basis(self, feature_dim: int) -> F64 | None:
-        """The public basis, checked against ``feature_dim`` (0: any size); None without
-        one. ValueError, naming the setting, for a file that is missing or no basis."""
-        if not self.basis:
-            return None
-        try:
-            return check_basis(load_basis(self.basis), feature_dim=feature_dim or None)
-        except ValueError as exc:
-            raise ValueError(f"closed_form.basis = {self.basis!r}: {exc}") from None
+        """The public basis for ``feature_dim`` features (0: any size); None without one."""
+        return setting_basis(self.basis, feature_dim=feature_dim)
 
     def sigma(self, *, gram: bool) -> float:
         """The noise's standard deviation on each released coordinate (0: exact), as a

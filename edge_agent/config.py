@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from closed_form.arrays import F64
-from closed_form.basis import check_basis, load_basis
+from closed_form.basis import setting_basis
 from edge_agent.methods import CORE, DEVICE_METHODS, device_method
 from edge_agent.privacy.settings import PrivacySettings
 from edge_agent.train_config import TrainConfig
@@ -72,15 +72,8 @@ class ClosedFormSettings:
         return feature_dim if self.dim == 0 else min(self.dim, feature_dim)
 
     def public_basis(self, feature_dim: int) -> F64 | None:
-        """The fleet's public basis for ``feature_dim`` features, None without one
-        (ValueError, with the path, for a file that is missing or not a basis of that
-        size)."""
-        if not self.basis:
-            return None
-        try:
-            return check_basis(load_basis(self.basis), feature_dim=feature_dim)
-        except ValueError as exc:
-            raise ValueError(f"closed_form.basis = {self.basis!r}: {exc}") from None
+        """The fleet's public basis for ``feature_dim`` features, None without one."""
+        return setting_basis(self.basis, feature_dim=feature_dim)
 
 
 @dataclass(frozen=True)
