@@ -3,7 +3,8 @@ statistics (issue 43): a one-shot LDA on digits-5 feature shift, 1,000 devices o
 training samples, accuracy on the pooled test set (every device's 20 test samples).
 
 Every variant sends the same statistics, built by the agent's own ``ClosedFormDevice``
-(unit-norm features, the fleet's public projection, rows made unit length again), and the
+(unit-norm features, the first k columns of the zoo's public basis, closed_form/basis.py,
+rows made unit length again; the protocol check below keeps the random projection), and the
 fleet's head is solved as the coordinator solves it (``cf.denoise``, then ``cf.lda_head``
 with OAS shrinkage, a secure sum's with the scatter floored at its public noise level,
 the plan's and the rounding's (``secagg.plan.decoded_noise_std``), as the coordinator's

@@ -17,9 +17,15 @@ The plan is the calibrated SecAgg+ plan of bench.secagg_scale_bench: ``T`` nine 
 the fleet, ``c`` the most colluders a neighbourhood of ``k`` (100 at 1,000 devices, 200 at
 10,000) admits, 80 and 160; epsilon 1 and 8 at delta 1e-5, one round.
 
+**The public basis.** Every device takes its statistics in the zoo's public basis
+(closed_form/basis.py, ``bench.export_bench.ensure_basis``: rendered images only), as a
+fleet naming ``[closed_form] basis`` does; the same fleet in the random projection is set
+beside it at that projection's rule ``k``: ``privacy.secagg_<n>_random_{exact,eps1,
+central_eps1}_acc``.
+
 **The public rule** (secagg/dimension.py) picks ``k`` from the fleet's size, the dataset
-bound, epsilon and the classes; the exact head takes the rule's ``k`` at epsilon 0 (the
-largest). Keys: ``privacy.secagg_<n>_eps{1,8}_acc`` and ``privacy.secagg_<n>_exact_acc``
+bound, epsilon and the classes (the basis's ratio); the exact head takes the rule's ``k``
+at epsilon 0 (the largest). Keys: ``privacy.secagg_<n>_eps{1,8}_acc`` and ``privacy.secagg_<n>_exact_acc``
 under the rule (at 1,000, ``privacy.secagg_1000_eps{1,8}_acc_public_rule``: the keys
 without the suffix are bench.secagg_bench's best-k figures), ``privacy.secagg_<n>_rule_k_eps{1,8}``,
 ``privacy.secagg_10000_eps1_gap`` (exact less eps 1, points), each ``k``'s as
