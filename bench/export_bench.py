@@ -7,6 +7,7 @@ from pathlib import Path
 
 from export import bench
 from export import bundle as bundle_mod
+from fleet.data import bundles
 from fleet.data.bundles import ensure_bundle
 
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -20,11 +21,7 @@ def ensure_zoo() -> Path:
 def ensure_basis() -> Path:
     """The zoo's public basis (export/basis.py: rendered images only), written once (about
     20 seconds) if missing: the file closed-form fleets name as ``closed_form.basis``."""
-    from closed_form.basis import BASIS_FILE
-    from export.basis import write_basis
-
-    path = ensure_zoo() / BASIS_FILE
-    return path if path.exists() else write_basis(ZOO)
+    return bundles.ensure_basis(ensure_zoo())
 
 
 def run() -> dict[str, float]:

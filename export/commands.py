@@ -113,6 +113,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_basis(args: argparse.Namespace) -> int:
+    # Lazy, as the zoo's renderer and the runtime are: only this command needs them.
     from export.basis import TASKS, write_basis
 
     if args.per_task < 2:

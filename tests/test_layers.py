@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "closed_form": set(),
     "runtime": {"protocol"},
     "secagg": {"protocol", "runtime", "closed_form"},
-    "export": {"protocol", "runtime"},
+    "export": {"protocol", "runtime", "closed_form"},
     "coordinator": {"protocol", "runtime", "closed_form", "secagg"},
     "edge_agent": {"protocol", "runtime", "closed_form", "secagg", "export"},
     "fleet": {"protocol", "runtime", "closed_form", "secagg", "export", "coordinator", "edge_agent"},
