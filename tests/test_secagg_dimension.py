@@ -86,5 +86,9 @@ def test_an_operator_gets_the_rules_k_from_the_fleets_public_settings(
     assert agent_main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["dim"] == 128 and report["noise_ratio"] >= RATIO
+    assert agent_main([*argv, "--basis"]) == 0  # a fleet in a public basis: its own ratio
+    basis = json.loads(capsys.readouterr().out)
+    assert basis["dim"] == 256 and basis["basis"] is True
+    assert basis["least_ratio"] == round(BASIS_RATIO, 4) and report["basis"] is False
     assert agent_main([*argv[:-4], "--features", "896"]) == 2  # no --colluding
     assert "needs --colluding" in capsys.readouterr().err
