@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import closed_form as cf
-from closed_form.projection import PROJECTION, basis_check, prepare, projection
+from closed_form.projection import PROJECTION, basis_check, basis_problem, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.fit_split import FitSplit
 from edge_agent.methods import DeviceMethod
@@ -190,18 +190,26 @@ class StoredHead:
         cls, path: Path, *, fleet: str, feature_dim: int, settings: ClosedFormSettings,
         num_classes: int,
     ) -> StoredHead | None:  # fmt: skip
-        """None when there is none yet, or one of another size."""
+        """None when there is none yet, one of another size, or one chosen in another basis
+        (the fleet's ``[closed_form] basis`` set or changed since: its weights would score
+        features projected otherwise)."""
         if not path.exists():
             return None
         k = settings.size(feature_dim)
+        public = settings.public_basis(feature_dim)
         with np.load(path, allow_pickle=False) as data:
             if data["weight"].shape != (num_classes, k):
                 log.warning("%s does not fit this fleet's head size; choosing anew", path)
                 return None
             head = cf.LinearHead(weight=data["weight"], bias=data["bias"], present=data["present"])
             choice = str(data["choice"])
-        q = projection(fleet, feature_dim, k, basis=settings.public_basis(feature_dim))
-        return cls(head, q, choice)
+            # Heads kept before the basis check was stored were all in the random projection.
+            made_in = np.asarray(data["basis"]) if "basis" in data.files else None
+        if (public is not None if made_in is None
+                else basis_problem(fleet, made_in, k, public=public) is not None):  # fmt: skip
+            log.warning("%s was chosen in another basis; choosing anew", path)
+            return None
+        return cls(head, projection(fleet, feature_dim, k, basis=public), choice)
 
     def scores(self, features: np.ndarray) -> np.ndarray:
         """(N, C) scores on backbone features (absent classes -inf)."""
@@ -319,5 +327,5 @@ class ClosedFormDevice:
             return
         buf = io.BytesIO()
         np.savez(buf, weight=self.head.weight, bias=self.head.bias, present=self.head.present,
-                 choice=np.array(self.choice))  # fmt: skip
+                 choice=np.array(self.choice), basis=self.basis)  # fmt: skip
         atomic_write(self.path, buf.getvalue())

@@ -46,12 +46,15 @@ def outputs_for(cfg: AgentConfig, state: StateDir, *, feature_dim: int) -> Outpu
     """The model the state folder keeps for a bundle of ``feature_dim`` features."""
     method = device_method(cfg.method)
     if not method.trains_head:
-        stored = StoredHead.load(cfg.state_dir / ClosedFormDevice.FILE, fleet=cfg.fleet,
-                                 feature_dim=feature_dim, settings=cfg.closed_form,
-                                 num_classes=len(cfg.classes))  # fmt: skip
+        try:
+            stored = StoredHead.load(cfg.state_dir / ClosedFormDevice.FILE, fleet=cfg.fleet,
+                                     feature_dim=feature_dim, settings=cfg.closed_form,
+                                     num_classes=len(cfg.classes))  # fmt: skip
+        except ValueError as exc:  # a [closed_form] basis naming no basis of this size
+            raise PredictorError(str(exc)) from None
         if stored is None:
             raise PredictorError(
-                f"the closed-form head in {cfg.state_dir} does not fit this bundle"
+                f"the closed-form head in {cfg.state_dir} does not fit this bundle or basis"
             )
         # A closed-form head: its scores are the logits.
         return lambda features: inference.Outputs(z=features, logits=stored.scores(features))

@@ -20,7 +20,8 @@ from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings as FleetClosedForm
 from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings, database_in
 from coordinator.config import load as load_coordinator_config
-from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease
+from coordinator.strategies.closed_form import announced
+from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease, StoredHead
 from edge_agent.config import ClosedFormSettings
 from edge_agent.config import load as load_agent_config
 from edge_agent.methods import device_method
@@ -28,7 +29,10 @@ from export import bundle as bundle_mod
 from fleet.cli.commands import cmd_run
 from fleet.cli.main import build_parser
 from fleet.transports.layout import RunLayout
+from protocol import RoundAnnouncement
+from protocol.methods import BIAS
 from runtime.security import CoordinatorSecurity
+from tests.agent_helpers import RUN, RUN_STARTED
 
 FLEET, D, K, C = "lab", 6, 4, 3
 BUNDLE = "b" * 64
@@ -258,3 +262,37 @@ def test_a_simulated_fleet_in_the_bundles_basis_runs_over_mosquitto(small_zoo, t
         )
     with sqlite3.connect(database_in(layout.coordinator)) as db:
         assert db.execute("SELECT COUNT(DISTINCT client) FROM updates").fetchone()[0] == 3
+
+
+def test_a_head_chosen_in_another_basis_is_not_predicted_with(tmp_path):
+    # The head a device keeps scores features projected as when it was chosen: once the
+    # fleet's basis is set (or changed, or dropped), `edge-agent predict` must not use it.
+    path = tmp_path / BASIS_FILE
+    np.save(path, _basis())
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(60, D)), np.arange(60) % C
+    own = cf.lda_head(cf.device_statistics(prepare(x, None)[:, :K], y, C))
+    announcement = RoundAnnouncement(
+        fleet=FLEET, round=1, run=RUN, run_started=RUN_STARTED, bundle=BUNDLE, method="lda",
+        classes=tuple("abc"), dim=K, deadline=0.0, params={"final": False},
+        global_classes=announced(own).global_classes,
+        global_prototypes=np.asarray(announced(own).global_prototypes, np.float32),
+        extras={BIAS: np.asarray(announced(own).extras[BIAS], np.float32)},
+    )  # fmt: skip
+
+    def stored(kept_in: str, read_in: str):
+        state = tmp_path / f"state-{bool(kept_in)}-{bool(read_in)}"
+        state.mkdir()
+        device = ClosedFormDevice(
+            method=device_method("lda"), fleet=FLEET, features=x, labels=y, num_classes=C,
+            settings=ClosedFormSettings(dim=K, basis=kept_in), seed=0, state_dir=state,
+        )  # fmt: skip
+        assert device.adopt(announcement)
+        return StoredHead.load(state / ClosedFormDevice.FILE, fleet=FLEET, feature_dim=D,
+                               settings=ClosedFormSettings(dim=K, basis=read_in),
+                               num_classes=C)  # fmt: skip
+
+    assert stored(str(path), str(path)) is not None
+    assert stored("", "") is not None
+    assert stored("", str(path)) is None  # chosen in the random projection
+    assert stored(str(path), "") is None  # chosen in the basis
