@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
+from closed_form.basis import load_basis_id
+from closed_form.projection import basis_check
 from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.downlink import DEFAULT_BUDGET
@@ -346,6 +350,19 @@ class CoordinatorConfig:
             f"round {round_} has {updates} update(s) after {extensions} deadline extensions, "
             f"below rounds.floor = {rounds.floor}: it closes once that many devices answer"
         )
+
+    def closed_form_basis_check(self) -> np.ndarray | None:
+        """The basis check of the fleet's public basis at ``model.dim`` (None without one):
+        what its devices' statistics are made in, bound into a secure round's settings."""
+        public = self.closed_form.public_basis(self.model.feature_dim)
+        if public is None:
+            return None
+        return basis_check(self.fleet, public.shape[0], self.model.dim, basis=public)
+
+    def closed_form_basis_id(self) -> str:
+        """``closed_form.basis_id`` of the fleet's public basis, "" without one."""
+        public = self.closed_form.public_basis(self.model.feature_dim)
+        return "" if public is None else load_basis_id(self.closed_form.basis)
 
     def admission_checks(self) -> Admission:
         model = self.model

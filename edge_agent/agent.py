@@ -249,9 +249,12 @@ class Agent:
         self._adopt_global(announcement)
         closed = self.closed
         if closed is not None:
-            # What the statistics are of: the data, and the method and size they are taken
-            # in (another [closed_form] dim or method over the same data is another release).
+            # What the statistics are of: the data, and the method, size and basis they are
+            # taken in (another [closed_form] dim, method or basis over the same data is
+            # another release: made, and under a privacy mechanism paid for, again).
             version = f"{self.data_version}:{self.cfg.method}:{closed.dim}"
+            if closed.basis_id:
+                version += f":basis-{closed.basis_id}"
             sent = self.delivery.statistics(self, announcement, closed=closed, version=version)
             if sent is None:
                 return self._exhausted(round_)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import closed_form as cf
+from closed_form.basis import load_basis_id
 from closed_form.projection import PROJECTION, basis_check, basis_problem, prepare, projection
 from edge_agent.config import ClosedFormSettings
 from edge_agent.fit_split import FitSplit
@@ -244,7 +245,9 @@ class ClosedFormDevice:
         self.basis = basis_check(fleet, features.shape[1], self.dim, basis=public)  # (k + 1,)
         #: How the release's basis is made, kept beside what the coordinator stores so that
         #: statistics in another basis are sent again (edge_agent/delivery.py).
-        self.projection_name = PROJECTION if public is None else f"{PROJECTION}+public-basis"
+        #: ``basis_id``: the public basis's content, "" for the random projection.
+        self.basis_id = "" if public is None else load_basis_id(settings.basis)
+        self.projection_name = PROJECTION + (f"+basis-{self.basis_id}" if self.basis_id else "")
         self.x = prepare(features, self.q)  # (N, k)
         self.labels = np.asarray(labels)
         self.split = FitSplit.stratified(self.labels, share=settings.validation_share, seed=seed)

@@ -80,6 +80,7 @@ class SecureSumInputs(Delivery):
         release = secure_release(
             agent.cfg.secure_aggregation, k=closed.dim, classes=agent.num_classes,
             gram=agent.record.wire.gram,
+            basis=closed.basis if agent.cfg.closed_form.basis else None,
         )  # fmt: skip
         if not agent.mode.admit_secure_sum(round_, release.plan):
             return None

@@ -43,6 +43,13 @@ def write_basis(path: Path, *, per_task: int = PER_TASK, seed: int = SEED,
                 progress: Any = None) -> Path:  # fmt: skip
     """Make the public basis of the bundle at ``path`` and store it there; its file."""
     bundle = bundle_mod.load(path)
+    if len(TASKS) * per_task <= bundle.feature_dim:
+        # Fewer rows than features leave directions the rows never reach; whitened, those
+        # would be the longest columns and swamp every projected row.
+        raise ValueError(
+            f"{len(TASKS)} x {per_task} rendered images cannot whiten {bundle.feature_dim} "
+            f"features: --per-task must be above {bundle.feature_dim // len(TASKS)}"
+        )
     basis = public_basis(public_rows(bundle, per_task=per_task, seed=seed, progress=progress))
     buffer = io.BytesIO()
     np.save(buffer, basis, allow_pickle=False)

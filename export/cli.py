@@ -14,7 +14,7 @@ EPILOG = """\
 examples:
   edge-export zoo --out bundles/zoo                 # pretrain the built-in zoo (about 5 min)
   edge-export verify bundles/zoo                    # hashes, onnx.checker, parity: exit 1 on failure
-  edge-export basis bundles/zoo                     # public basis for closed-form fleets (about 1 min)
+  edge-export basis bundles/zoo                     # public basis for closed-form fleets (about 20 s)
   edge-export bundle --out bundles/r18 \\
       --backbone name=r18,arch=resnet18,weights=resnet18.pth,mean=0.485/0.456/0.406,std=0.229/0.224/0.225
   edge-export bundle --out bundles/effnet --precision int8 \\

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -52,6 +52,7 @@ SHARED_FIELDS: dict[str, type] = {
 #: not set them hashes as it did before they existed.
 _OPTIONAL_FIELDS = {"quorum": 0}
 _TABLE_LABEL = b"protofleet/secagg/table/v1\n"
+_BASIS_LABEL = b"protofleet/secagg/basis/v1\n"
 #: The announcement's extra naming the round a closed-form secure fleet's running sum began
 #: (coordinator/rounds/secure_record.py): a device's input of an earlier round is not in it.
 SINCE_EXTRA = "secure_sum_since"
@@ -190,11 +191,21 @@ class SecureRelease:
 
 
 def secure_release(
-    table: SecureAggregation, *, k: int, classes: int, gram: bool, devices: int | None = None
+    table: SecureAggregation,
+    *,
+    k: int,
+    classes: int,
+    gram: bool,
+    devices: int | None = None,
+    basis: np.ndarray | None = None,
 ) -> SecureRelease:
     """The settings and plan of ``table`` for this statistics shape. ``devices``: the
-    fleet's size, to check the ring holds its sum (None: not checked here). Raises
-    ValueError when the table is incomplete or the ring too narrow."""
+    fleet's size, to check the ring holds its sum (None: not checked here). ``basis``: the
+    basis check (``[D, column sums]``, closed_form/projection.py) of a fleet with a public
+    basis, None for the random projection: bound into the settings' digest, so a device in
+    another basis is refused at its advertisement, as the plain path's admission refuses
+    its statistics (a secure sum hides them). Raises ValueError when the table is
+    incomplete or the ring too narrow."""
     problem = table.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -213,6 +224,10 @@ def secure_release(
         table, spec=spec, length=statistics_length(k, classes=classes, gram=gram),
         sigma2=None if plan is None else plan.sigma2,
     )  # fmt: skip
+    if basis is not None:
+        check = np.asarray(basis, dtype="<f8").tobytes()
+        bound = hashlib.sha256(_BASIS_LABEL + settings.table + check).digest()
+        settings = replace(settings, table=bound)
     return SecureRelease(settings=settings, plan=plan, k=k, classes=classes, gram=gram)
 
 

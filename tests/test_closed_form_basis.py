@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sqlite3
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +18,11 @@ from closed_form.basis import BASIS_FILE, check_basis, load_basis, public_basis
 from closed_form.projection import basis_check, basis_problem, ordered_sum, prepare, projection
 from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings as FleetClosedForm
-from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings, database_in
+from coordinator.config import CoordinatorConfig, ModelSettings, RoundSettings
 from coordinator.config import load as load_coordinator_config
+from coordinator.metrics import Metrics
+from coordinator.rounds import RoundManager
+from coordinator.storage.store import StateError, Store
 from coordinator.strategies.closed_form import announced
 from edge_agent.closed_form import ClosedFormDevice, StatisticsRelease, StoredHead
 from edge_agent.config import ClosedFormSettings
@@ -32,6 +35,7 @@ from fleet.transports.layout import RunLayout
 from protocol import RoundAnnouncement
 from protocol.methods import BIAS
 from runtime.security import CoordinatorSecurity
+from secagg.fleet import SecureAggregation, secure_release
 from tests.agent_helpers import RUN, RUN_STARTED
 
 FLEET, D, K, C = "lab", 6, 4, 3
@@ -181,15 +185,20 @@ def test_a_basis_setting_that_names_no_basis_is_said_at_start(tmp_path):
 def test_edge_export_basis_writes_one_for_the_bundle(small_zoo, tmp_path):
     bundle = tmp_path / "bundle"
     subprocess.run(["cp", "-r", str(small_zoo), str(bundle)], check=True)
-    run = subprocess.run([str(BIN / "edge-export"), "basis", str(bundle), "--per-task", "40"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    d = bundle_mod.load(bundle).feature_dim
+    few = subprocess.run([str(BIN / "edge-export"), "basis", str(bundle), "--per-task",
+                          str(d // 3)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert few.returncode == 2 and f"--per-task must be above {d // 3}" in few.stderr
+    assert not (bundle / BASIS_FILE).exists()
+    run = subprocess.run([str(BIN / "edge-export"), "basis", str(bundle), "--per-task",
+                          str(d // 3 + 1)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
     basis = load_basis(str(bundle / BASIS_FILE))
-    d = bundle_mod.load(bundle).feature_dim
     assert basis.shape == (d, d)
     assert np.linalg.norm(basis[:, 0]) == pytest.approx(1.0)
-    # 120 rendered rows span at most 119 directions: the rest are floored, long columns.
-    assert np.linalg.norm(basis[:, -1]) > 100
+    # Whitening: the columns grow as the public eigenvalues fall.
+    norms = np.linalg.norm(basis, axis=0)
+    assert norms[-1] > norms[d // 2] > norms[0]
     missing = subprocess.run([str(BIN / "edge-export"), "basis", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
@@ -235,16 +244,18 @@ def test_a_private_release_in_the_basis_keeps_what_the_random_projection_loses()
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_a_simulated_fleet_in_the_bundles_basis_runs_over_mosquitto(small_zoo, tmp_path, capsys):
+def test_a_secure_fleet_in_the_bundles_basis_runs_over_mosquitto(small_zoo, tmp_path, capsys):
     # --stats-basis writes the bundle's basis once and names it on every agent and the
-    # coordinator, whose admission then takes every device's statistics.
+    # coordinator; the basis is bound into the secure round's settings, so the round
+    # finishes only if every party holds the same one.
     bundle = tmp_path / "bundle"
     subprocess.run(["cp", "-r", str(small_zoo), str(bundle)], check=True)
     (bundle / BASIS_FILE).unlink(missing_ok=True)
     out = tmp_path / "report"
-    argv = ["run", "--transport", "mqtt", "--method", "lda", "--stats-basis", "--clients", "3",
-            "--rounds", "1", "--train", "30", "--test", "20", "--stats-dim", "16",
-            "--workers", "1", "--bundle", str(bundle), "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = ["run", "--transport", "mqtt", "--method", "lda", "--stats-basis",
+            "--secure-aggregation", "--epsilon", "1", "--clients", "3", "--rounds", "1",
+            "--train", "30", "--test", "20", "--stats-dim", "16", "--workers", "1",
+            "--bundle", str(bundle), "--out", str(out), "--no-progress"]  # fmt: skip
     assert cmd_run(build_parser().parse_args(argv)) == 0
     capsys.readouterr()
     assert (bundle / BASIS_FILE).exists()
@@ -257,11 +268,9 @@ def test_a_simulated_fleet_in_the_bundles_basis_runs_over_mosquitto(small_zoo, t
     coordinator = load_coordinator_config(layout.coordinator_config)
     assert coordinator.closed_form.basis == str(bundle / BASIS_FILE)
     for client in run_["accuracy"]:
-        assert load_agent_config(layout.agent_config(client)).closed_form.basis == str(
-            bundle / BASIS_FILE
-        )
-    with sqlite3.connect(database_in(layout.coordinator)) as db:
-        assert db.execute("SELECT COUNT(DISTINCT client) FROM updates").fetchone()[0] == 3
+        agent = load_agent_config(layout.agent_config(client))
+        assert agent.closed_form.basis == str(bundle / BASIS_FILE)
+    assert "head solved from the secure sum of 3 device(s)" in layout.coordinator_log.read_text()
 
 
 def test_a_head_chosen_in_another_basis_is_not_predicted_with(tmp_path):
@@ -296,3 +305,67 @@ def test_a_head_chosen_in_another_basis_is_not_predicted_with(tmp_path):
     assert stored("", "") is not None
     assert stored("", str(path)) is None  # chosen in the random projection
     assert stored(str(path), "") is None  # chosen in the basis
+
+
+def test_a_secure_round_binds_the_basis_into_its_settings(tmp_path):
+    # A secure sum hides each device's basis check, so the basis is bound into the digest
+    # every advertisement carries: a device in another basis is refused there.
+    path, other = tmp_path / "a.npy", tmp_path / "b.npy"
+    np.save(path, _basis())
+    np.save(other, _basis(1))
+    table = SecureAggregation(threshold=2, epsilon=0.0, dataset_size=20)
+
+    def digest(basis: np.ndarray | None) -> bytes:
+        return secure_release(table, k=K, classes=C, gram=True, basis=basis).settings.table
+
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(20, D)), np.arange(20) % C
+    device = _device(x, y, str(path))
+    coordinator = CoordinatorConfig(
+        fleet=FLEET, state_dir=tmp_path,
+        model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K),
+        rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
+        closed_form=FleetClosedForm(basis=str(path)),
+    )  # fmt: skip
+    check = coordinator.closed_form_basis_check()
+    assert check is not None and np.array_equal(check, device.basis)
+    assert digest(device.basis) == digest(check)
+    assert digest(None) == table.digest()  # the random projection's digest as before
+    assert len({digest(None), digest(check), digest(_device(x, y, str(other)).basis)}) == 3
+    plain = dataclasses.replace(coordinator, closed_form=FleetClosedForm())
+    assert plain.closed_form_basis_check() is None
+
+
+def test_a_basis_written_again_is_a_new_release_and_a_new_run(tmp_path):
+    # edge-export basis is not the same to the bit twice: a file written again is read
+    # again, names another release on the device, and another state at the coordinator.
+    path = tmp_path / BASIS_FILE
+    np.save(path, _basis())
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(20, D)), np.arange(20) % C
+    first = _device(x, y, str(path))
+    state = tmp_path / "coordinator"
+
+    def manager() -> RoundManager:
+        cfg = CoordinatorConfig(
+            fleet=FLEET, state_dir=state,
+            model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K),
+            rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
+            closed_form=FleetClosedForm(basis=str(path)),
+        )  # fmt: skip
+        state.mkdir(exist_ok=True)
+        return RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(),
+                            clock=lambda: 0.0)  # fmt: skip
+
+    manager()
+    manager()  # the same basis: the same state resumes
+    np.save(path, _basis(2))
+    os.utime(path, ns=(1, 1))  # another modification time, whatever the clock's grain
+    again = _device(x, y, str(path))
+    assert first.q is not None  # the file as first read
+    assert not np.array_equal(load_basis(str(path))[:, :K], first.q)  # read again
+    assert again.basis_id != first.basis_id and first.basis_id
+    assert again.projection_name != first.projection_name
+    assert not np.array_equal(again.basis, first.basis)
+    with pytest.raises(StateError, match="changed: basis"):
+        manager()

@@ -67,6 +67,7 @@ class RoundManager(RoundCycle):
                 secure_release(
                     config.secure_aggregation, k=model.dim, classes=len(model.classes),
                     gram=wire.gram, devices=len(self.keys.devices) or None,
+                    basis=config.closed_form_basis_check(),
                 )
                 if wire.closed_form
                 # FedProto: each round's global prototypes from that round's summed rows.

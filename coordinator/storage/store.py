@@ -129,7 +129,7 @@ class Store:
                 raise StateError(
                     f"{self.path} holds state for {old}; the configuration now says {identity} "
                     f"(changed: {', '.join(changed)}). Use a new state_dir for a new fleet, "
-                    "method or bundle."
+                    "method, bundle or basis."
                 )
 
     def run(self, *, now: float | None = None) -> tuple[str, float]:
