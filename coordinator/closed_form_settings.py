@@ -10,7 +10,8 @@ from typing import Literal
 
 from closed_form import SENSITIVITY
 from closed_form.arrays import F64
-from closed_form.basis import setting_basis
+from closed_form.basis import load_basis_id, setting_basis
+from closed_form.projection import basis_check
 from coordinator.statistics_checks import StatisticsBounds
 
 #: L2 sensitivity of FedCOF's release (sums and counts, no second moment).
@@ -54,6 +55,18 @@ class ClosedFormSettings:
     def public_basis(self, feature_dim: int) -> F64 | None:
         """The public basis for ``feature_dim`` features (0: any size); None without one."""
         return setting_basis(self.basis, feature_dim=feature_dim)
+
+    def basis_check(self, *, fleet: str, feature_dim: int, dim: int) -> F64 | None:
+        """The basis check of the public basis at ``dim`` (None without one): what the
+        devices' statistics are made in, bound into a secure round's settings."""
+        public = self.public_basis(feature_dim)
+        return None if public is None else basis_check(fleet, public.shape[0], dim, basis=public)
+
+    def identity(self, feature_dim: int) -> dict[str, str]:
+        """What the public basis adds to the coordinator state's identity (its content's
+        ``basis_id``): nothing without one, so older state keeps its identity."""
+        public = self.public_basis(feature_dim)
+        return {} if public is None else {"basis": load_basis_id(self.basis)}
 
     def sigma(self, *, gram: bool) -> float:
         """The noise's standard deviation on each released coordinate (0: exact), as a

@@ -12,10 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
-from closed_form.basis import load_basis_id
-from closed_form.projection import basis_check
 from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings
 from coordinator.downlink import DEFAULT_BUDGET
@@ -351,18 +347,13 @@ class CoordinatorConfig:
             f"below rounds.floor = {rounds.floor}: it closes once that many devices answer"
         )
 
-    def closed_form_basis_check(self) -> np.ndarray | None:
-        """The basis check of the fleet's public basis at ``model.dim`` (None without one):
-        what its devices' statistics are made in, bound into a secure round's settings."""
-        public = self.closed_form.public_basis(self.model.feature_dim)
-        if public is None:
-            return None
-        return basis_check(self.fleet, public.shape[0], self.model.dim, basis=public)
-
-    def closed_form_basis_id(self) -> str:
-        """``closed_form.basis_id`` of the fleet's public basis, "" without one."""
-        public = self.closed_form.public_basis(self.model.feature_dim)
-        return "" if public is None else load_basis_id(self.closed_form.basis)
+    def identity(self) -> dict[str, str]:
+        """What this fleet's state belongs to (``Store.bind_identity``): the fleet, method
+        and bundle, and a closed-form fleet's public basis where it has one."""
+        model = self.model
+        return {"fleet": self.fleet, "method": model.method, "bundle": model.bundle} | (
+            self.closed_form.identity(model.feature_dim)
+        )
 
     def admission_checks(self) -> Admission:
         model = self.model

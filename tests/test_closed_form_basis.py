@@ -327,13 +327,13 @@ def test_a_secure_round_binds_the_basis_into_its_settings(tmp_path):
         rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
         closed_form=FleetClosedForm(basis=str(path)),
     )  # fmt: skip
-    check = coordinator.closed_form_basis_check()
+    check = coordinator.closed_form.basis_check(fleet=FLEET, feature_dim=0, dim=K)
     assert check is not None and np.array_equal(check, device.basis)
     assert digest(device.basis) == digest(check)
     assert digest(None) == table.digest()  # the random projection's digest as before
     assert len({digest(None), digest(check), digest(_device(x, y, str(other)).basis)}) == 3
     plain = dataclasses.replace(coordinator, closed_form=FleetClosedForm())
-    assert plain.closed_form_basis_check() is None
+    assert plain.closed_form.basis_check(fleet=FLEET, feature_dim=0, dim=K) is None
 
 
 def test_a_basis_written_again_is_a_new_release_and_a_new_run(tmp_path):

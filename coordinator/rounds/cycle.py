@@ -82,13 +82,7 @@ class RoundCycle(ABC):
         self.announcer = Announcer(
             config=config, keys=self.keys, run_id=self.run_id, run_started=self.run_started
         )
-        # A closed-form fleet's public basis too: statistics in another one cannot join
-        # the sum this state holds (added only when set: older state keeps its identity).
-        public = config.closed_form_basis_check()
-        store.bind_identity(
-            {"fleet": config.fleet, "method": config.model.method, "bundle": config.model.bundle}
-            | ({} if public is None else {"basis": config.closed_form_basis_id()})
-        )
+        store.bind_identity(config.identity())
         latest = store.latest_round()
         resumed = latest is not None
         now = clock()

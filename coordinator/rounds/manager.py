@@ -67,7 +67,9 @@ class RoundManager(RoundCycle):
                 secure_release(
                     config.secure_aggregation, k=model.dim, classes=len(model.classes),
                     gram=wire.gram, devices=len(self.keys.devices) or None,
-                    basis=config.closed_form_basis_check(),
+                    basis=config.closed_form.basis_check(
+                        fleet=config.fleet, feature_dim=model.feature_dim, dim=model.dim
+                    ),
                 )
                 if wire.closed_form
                 # FedProto: each round's global prototypes from that round's summed rows.

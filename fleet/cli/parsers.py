@@ -127,8 +127,8 @@ def add_common_options(
     fl.add_argument("--stats-basis", action="store_true",
                     help="lda, ridge, fedcof: take their statistics in the bundle's public "
                          "whitening basis (its basis.npy, written by edge-export basis if "
-                         "missing) instead of the random projection: what a private release "
-                         "needs (docs/privacy.md)")  # fmt: skip
+                         "missing) instead of the random projection: lda's private release "
+                         "kept far more in it (docs/privacy.md)")  # fmt: skip
     fl.add_argument("--bundle", type=Path,
                     help="backbone bundle; --backbone is built there if missing (default runs/BACKBONE)")  # fmt: skip
     fl.add_argument("--backbone", choices=list(BACKBONES),
