@@ -147,8 +147,9 @@ def test_a_device_and_the_coordinator_that_name_one_basis_agree(tmp_path):
     assert float(np.abs(gram - rows.T @ rows).max()) < 1e-12
     assert device.projection_name != _device(x, y, "").projection_name
 
-    def update(dev: ClosedFormDevice):
-        release = StatisticsRelease.of(dev.statistics(), basis=dev.basis)
+    def update(dev: ClosedFormDevice, *, noisy: bool = False):
+        release = (dev.noisy_release(5.0, np.random.default_rng(1)) if noisy
+                   else StatisticsRelease.of(dev.statistics(), basis=dev.basis))  # fmt: skip
         return release.update(fleet=FLEET, round_=0, client="d0", bundle=BUNDLE, method="lda")
 
     def admission(basis: str) -> Admission:
@@ -157,6 +158,7 @@ def test_a_device_and_the_coordinator_that_name_one_basis_agree(tmp_path):
                                    basis=basis)  # fmt: skip
 
     assert not admission(str(path)).wrong_basis(update(device))
+    assert not admission(str(path)).wrong_basis(update(device, noisy=True))  # dp-features
     assert admission("").wrong_basis(update(device))  # a coordinator without it refuses
     assert admission(str(path)).wrong_basis(update(_device(x, y, "")))  # and the reverse
 
