@@ -163,15 +163,19 @@ def test_a_device_and_the_coordinator_that_name_one_basis_agree(tmp_path):
     assert admission(str(path)).wrong_basis(update(_device(x, y, "")))  # and the reverse
 
 
+def _coordinator(state_dir: Path, basis: str, feature_dim: int = 0) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        fleet=FLEET, state_dir=state_dir,
+        model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K,
+                            feature_dim=feature_dim),
+        rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
+        closed_form=FleetClosedForm(basis=basis),
+    )  # fmt: skip
+
+
 def test_a_basis_setting_that_names_no_basis_is_said_at_start(tmp_path):
     def coordinator(basis: str, feature_dim: int = 0) -> CoordinatorConfig:
-        return CoordinatorConfig(
-            fleet=FLEET, state_dir=tmp_path,
-            model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K,
-                                feature_dim=feature_dim),
-            rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
-            closed_form=FleetClosedForm(basis=basis),
-        )  # fmt: skip
+        return _coordinator(tmp_path, basis, feature_dim)
 
     with pytest.raises(ValueError, match=r"closed_form\.basis = '.*missing\.npy'.*no file at"):
         coordinator(str(tmp_path / "missing.npy"))
@@ -323,12 +327,7 @@ def test_a_secure_round_binds_the_basis_into_its_settings(tmp_path):
     rng = np.random.default_rng(6)
     x, y = rng.normal(size=(20, D)), np.arange(20) % C
     device = _device(x, y, str(path))
-    coordinator = CoordinatorConfig(
-        fleet=FLEET, state_dir=tmp_path,
-        model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K),
-        rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
-        closed_form=FleetClosedForm(basis=str(path)),
-    )  # fmt: skip
+    coordinator = _coordinator(tmp_path, str(path))
     check = coordinator.closed_form.basis_check(fleet=FLEET, feature_dim=0, dim=K)
     assert check is not None and np.array_equal(check, device.basis)
     assert digest(device.basis) == digest(check)
@@ -349,12 +348,7 @@ def test_a_basis_written_again_is_a_new_release_and_a_new_run(tmp_path):
     state = tmp_path / "coordinator"
 
     def manager() -> RoundManager:
-        cfg = CoordinatorConfig(
-            fleet=FLEET, state_dir=state,
-            model=ModelSettings(method="lda", bundle=BUNDLE, classes=tuple("abc"), dim=K),
-            rounds=RoundSettings(min_clients=2), security=CoordinatorSecurity(insecure=True),
-            closed_form=FleetClosedForm(basis=str(path)),
-        )  # fmt: skip
+        cfg = _coordinator(state, str(path))
         state.mkdir(exist_ok=True)
         return RoundManager(config=cfg, store=Store(cfg.database), metrics=Metrics(),
                             clock=lambda: 0.0)  # fmt: skip
