@@ -70,14 +70,13 @@ def public_basis(rows: npt.ArrayLike, *, floor: float = RELATIVE_FLOOR) -> F64:
     return out
 
 
-def check_basis(basis: npt.ArrayLike, *, feature_dim: int | None = None) -> F64:
+def check_basis(basis: npt.ArrayLike) -> F64:
     """``basis`` as a read-only (D, D) float64 matrix, refused (ValueError) when it is not
-    square, has a non-finite entry or a zero column, or does not fit ``feature_dim``."""
+    square, or has a non-finite entry or a zero column (its size against a bundle's:
+    :func:`setting_basis`)."""
     b = np.array(basis, dtype=np.float64)
     if b.ndim != 2 or b.shape[0] != b.shape[1] or b.shape[0] < 1:
         raise ValueError(f"a basis must be a square (D, D) matrix, got shape {b.shape}")
-    if feature_dim is not None and b.shape[0] != feature_dim:
-        raise ValueError(f"a basis for {b.shape[0]} features; the bundle has {feature_dim}")
     if not np.isfinite(b).all():
         raise ValueError("the basis has non-finite entries")
     if not (np.abs(b).max(axis=0) > 0).all():

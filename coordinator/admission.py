@@ -20,7 +20,7 @@ from types import MappingProxyType
 import numpy as np
 
 from closed_form import triangle_size
-from closed_form.basis import load_basis
+from closed_form.arrays import F64
 from closed_form.projection import basis_problem
 from coordinator.aggregate import NORM_TOLERANCE
 from coordinator.statistics_checks import StatisticsBounds, statistics_problem
@@ -64,9 +64,10 @@ class Admission:
     release: StatisticsBounds = field(
         default_factory=lambda: StatisticsBounds(max_samples=100_000.0)
     )
-    #: Closed-form methods: the path of the fleet's public basis ("" for the random
-    #: projection), what a release's basis check is held to.
-    basis: str = ""
+    #: Closed-form methods: the fleet's public basis (None for the random projection),
+    #: what a release's basis check is held to; read once, with the state's identity, so a
+    #: file written again mid-run cannot move the check away from the sum it guards.
+    basis: F64 | None = field(default=None, compare=False)
 
     @classmethod
     def for_fleet(
@@ -83,7 +84,7 @@ class Admission:
         norm: str = "batch",
         allow_list: tuple[str, ...] = (),
         release: StatisticsBounds | None = None,
-        basis: str = "",
+        basis: F64 | None = None,
     ) -> Admission:
         extras: Mapping[str, tuple[int, ...]] | None = MappingProxyType({})
         kind = wire_method(method).extras
@@ -160,8 +161,7 @@ class Admission:
         elif self.features and basis.size and basis[0] != self.features:
             problem = f"a feature size of {basis[0]:g}, model.feature_dim is {self.features}"
         else:
-            public = load_basis(self.basis) if self.basis else None
-            problem = basis_problem(self.fleet, basis, self.dim, public=public)
+            problem = basis_problem(self.fleet, basis, self.dim, public=self.basis)
         if problem is not None:  # counted as wrong_basis; the why at DEBUG, as other refusals
             log.debug("%s: statistics in another basis (%s)", update.client, problem)
         return problem is not None

@@ -375,7 +375,7 @@ class CoordinatorConfig:
             norm=model.norm,
             allow_list=self.rounds.allow_list,
             release=release,
-            basis=self.closed_form.basis,
+            basis=self.closed_form.public_basis(model.feature_dim),
         )
 
     @property

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import closed_form as cf
-from closed_form.basis import BASIS_FILE, check_basis, load_basis, public_basis
+from closed_form.basis import BASIS_FILE, load_basis, public_basis, setting_basis
 from closed_form.projection import basis_check, basis_problem, ordered_sum, prepare, projection
 from coordinator.admission import Admission
 from coordinator.closed_form_settings import ClosedFormSettings as FleetClosedForm
@@ -92,7 +92,8 @@ def test_a_stored_basis_is_checked_as_it_is_loaded(tmp_path):
     loaded = load_basis(str(tmp_path / "ok.npy"))
     assert not loaded.flags.writeable
     with pytest.raises(ValueError, match="a basis for 3 features; the bundle has 4"):
-        check_basis(loaded, feature_dim=4)
+        setting_basis(str(tmp_path / "ok.npy"), feature_dim=4)
+    assert setting_basis("") is None and setting_basis(str(tmp_path / "ok.npy")) is loaded
 
 
 def _basis(seed: int = 0) -> np.ndarray:
@@ -155,7 +156,7 @@ def test_a_device_and_the_coordinator_that_name_one_basis_agree(tmp_path):
     def admission(basis: str) -> Admission:
         return Admission.for_fleet(fleet=FLEET, bundle=BUNDLE, method="lda", classes=C, dim=K,
                                    max_count=1e6, max_value=1e6, feature_dim=D,
-                                   basis=basis)  # fmt: skip
+                                   basis=load_basis(basis) if basis else None)  # fmt: skip
 
     assert not admission(str(path)).wrong_basis(update(device))
     assert not admission(str(path)).wrong_basis(update(device, noisy=True))  # dp-features
@@ -180,7 +181,8 @@ def test_a_basis_setting_that_names_no_basis_is_said_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"closed_form\.basis = '.*missing\.npy'.*no file at"):
         coordinator(str(tmp_path / "missing.npy"))
     np.save(tmp_path / "b.npy", _basis())
-    assert coordinator(str(tmp_path / "b.npy"), D).admission_checks().basis.endswith("b.npy")
+    held = coordinator(str(tmp_path / "b.npy"), D).admission_checks().basis
+    assert held is not None and np.array_equal(held, load_basis(str(tmp_path / "b.npy")))
     with pytest.raises(ValueError, match="a basis for 6 features; the bundle has 7"):
         coordinator(str(tmp_path / "b.npy"), D + 1)
     with pytest.raises(ValueError, match=r"closed_form\.basis = .*square"):
